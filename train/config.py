@@ -1,0 +1,217 @@
+"""The one config object, its presets, and the command line derived from it.
+
+Precedence, lowest first: field defaults < --preset < --config FILE < command-line flags.
+Every mistake (unknown key, wrong type, bad value) raises ConfigError with one line that
+names the cause and the fix; __main__ prints it and exits 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A user mistake in flags, a config file or a preset: one line, cause and fix."""
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = _f("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; empty: runs/<timestamp>")
+    preset: str = _f("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
+    seed: int = _f(0, "seed for the model, the built-in data, sampling and augmentation")
+    max_steps: int = _f(600, "total optimizer steps of the run, counted across resumes")
+    stop_at: int = _f(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
+    deterministic: bool = _f(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
+    threads: int = _f(0, "CPU threads per process; 0: the cores available divided by the local workers")
+    # --- launch (read by python -m train before any worker starts) ---
+    spawn: int = _f(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
+    device: str = _f("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
+    timeout_s: int = _f(600, "collective timeout in seconds; a stuck rank fails the job after this long")
+    # --- data ---
+    dataset: str = _f("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, DATA_DIR/val)",
+                      choices=("shapes", "cifar10", "imagefolder"))
+    data_dir: str = _f("data", "dataset root for cifar10 and imagefolder")
+    download: bool = _f(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
+    image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
+    train_samples: int = _f(12000, "shapes: number of training images")
+    val_samples: int = _f(2000, "shapes: number of validation images")
+    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else min(4, cores)")
+    # --- model ---
+    model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
+    width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
+    sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
+    channels_last: bool = _f(False, "use the channels_last memory format for model and inputs")
+    compile: bool = _f(False, "wrap the model with torch.compile")
+    # --- optimisation ---
+    batch_size: int = _f(64, "images per worker per micro-batch")
+    grad_accum: int = _f(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
+    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
+    lr: float = _f(3e-3, "peak learning rate")
+    weight_decay: float = _f(0.05, "weight decay")
+    momentum: float = _f(0.9, "sgd momentum")
+    warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
+    min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
+    precision: str = _f("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
+                        choices=("auto", "fp32", "bf16", "fp16"))
+    # --- checkpoints and logging ---
+    save_every: int = _f(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
+    keep_checkpoints: int = _f(3, "keep the newest K checkpoints")
+    eval_every: int = _f(200, "evaluate every N steps (and at the end); 0: only at the end")
+    log_every: int = _f(50, "log loss and throughput every N steps")
+    tensorboard: bool = _f(True, "write TensorBoard event files into the run directory")
+
+    def validate(self) -> None:
+        positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
+                    "save_every", "keep_checkpoints", "log_every", "timeout_s", "width")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
+        non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay", "momentum")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.num_workers < -1:
+            raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.num_workers}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if self.image_size < 8:
+            raise ConfigError(f"--image-size must be at least 8, got {self.image_size}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
+                                  f"got {getattr(self, f.name)!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Presets change defaults only; the config file and flags still override them.
+PRESETS: dict[str, dict] = {
+    "default": {},
+    # Seconds on a CPU: a tiny model on a small built-in set. The integration tests run this.
+    "debug": dict(max_steps=40, train_samples=512, val_samples=256, image_size=16, width=8, batch_size=16,
+                  warmup_steps=5, save_every=20, eval_every=20, log_every=10, lr=1e-2),
+}
+
+# Keys that define what the weights are; a checkpoint made with other values cannot be resumed.
+MODEL_KEYS = ("model", "width", "image_size", "dataset")
+
+_TYPES = {f.name: f.type for f in fields(Config)}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _field_type(name: str) -> type:
+    hints = typing.get_type_hints(Config)
+    return hints[name]
+
+
+def _coerce(name: str, value, source: str):
+    """Check a value from a config file against the field's type (ints are accepted for floats)."""
+    kind = _field_type(name)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, [f.name for f in fields(Config)], n=1)
+    hint = f": did you mean {close[0]}?" if close else ": see python -m train --help"
+    return ConfigError(f"{source}: unknown key {key!r}{hint}")
+
+
+def load_config_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} not found: pass an existing .json or .toml file to --config")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            if sys.version_info < (3, 11):
+                import tomli as toml_reader  # noqa: PLC0415 - only on Python 3.10
+            else:
+                import tomllib as toml_reader  # noqa: PLC0415
+            data = toml_reader.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {path}: use a .json or .toml file")
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config file {path} is malformed ({str(e).splitlines()[0]}): fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of keys, not {type(data).__name__}")
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in _TYPES:
+            raise _unknown_key(key, f"config file {path}")
+        out[name] = _coerce(name, value, f"config file {path}")
+    return out
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a user's mistake is one line and a ConfigError instead of usage + exit."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see python -m train --help)")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
+                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser.add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
+    for f in fields(Config):
+        kind = _field_type(f.name)
+        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        flag = f"--{_flag(f.name)}"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            parser.add_argument(flag, type=kind, help=help_text, metavar=f.name.upper(),
+                                choices=[c for c in choices if c] if choices else None)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Build the resolved Config from defaults, preset, config file and flags; raise ConfigError."""
+    args = vars(get_args_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    file_values = load_config_file(config_path) if config_path else {}
+    preset = args.get("preset", file_values.get("preset", ""))
+    if preset not in PRESETS and preset != "":
+        raise ConfigError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    values = {**PRESETS.get(preset, {}), **file_values, **args}
+    cfg = Config(**values)
+    cfg.validate()
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config saved in a checkpoint or config.json, ignoring keys of other versions."""
+    known = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,230 @@
+"""Datasets, sharding and loaders.
+
+- shapes: built-in, generated from the seed in memory (no download): 10 classes of procedurally drawn
+  shapes and textures with random position, size, colours and noise. It needs a real model to learn.
+- cifar10: torchvision's CIFAR10 under --data-dir (downloaded only with --download, by local rank 0).
+- imagefolder: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*.
+
+Training batches come from ShardSampler: every epoch one permutation drawn from (seed, epoch), shared
+by all ranks, rank r taking every world_size-th index. Each index travels with its own augmentation
+seed, so a run resumed mid-epoch, or with another number of loader workers, sees the same images.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from train.config import Config, ConfigError
+from train.distributed import barrier, identity
+
+NUM_SHAPE_CLASSES = 10
+SHAPE_CLASSES = ("disk", "square", "ring", "plus", "triangle", "diamond",
+                 "h-stripes", "v-stripes", "checker", "x-cross")
+
+
+def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n images (uint8, n x 3 x size x size) of 10 classes, a pure function of (n, size, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    u = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+    labels = torch.randint(0, NUM_SHAPE_CLASSES, (n,), generator=g)
+    coords = (torch.arange(size, dtype=torch.float32) + 0.5) / size  # pixel centres in [0, 1]
+    y, x = coords.view(1, size, 1), coords.view(1, 1, size)
+    r = (0.14 + 0.16 * u(n)).view(n, 1, 1)  # shape radius
+    cx = (0.5 + (u(n) - 0.5) * 0.5).view(n, 1, 1)
+    cy = (0.5 + (u(n) - 0.5) * 0.5).view(n, 1, 1)
+    dx, dy = x - cx, y - cy
+    dist = torch.sqrt(dx**2 + dy**2)
+    period = (0.12 + 0.12 * u(n)).view(n, 1, 1)
+    phase = u(n).view(n, 1, 1) * 2 * math.pi
+    wave = lambda t: torch.sin(2 * math.pi * t / period + phase) > 0  # noqa: E731
+    masks = torch.stack([
+        dist < r,                                                           # disk
+        (dx.abs() < r * 0.85) & (dy.abs() < r * 0.85),                      # square
+        (dist < r) & (dist > r * 0.55),                                     # ring
+        ((dx.abs() < r * 0.3) & (dy.abs() < r)) | ((dy.abs() < r * 0.3) & (dx.abs() < r)),  # plus
+        (dy < r * 0.8) & (dy > -r) & (dx.abs() < (dy + r) * 0.55),          # triangle
+        dx.abs() + dy.abs() < r * 1.1,                                      # diamond
+        wave(y).expand(n, size, size),                                      # horizontal stripes
+        wave(x).expand(n, size, size),                                      # vertical stripes
+        wave(x) ^ wave(y),                                                  # checkerboard
+        (((dx - dy).abs() < r * 0.25) | ((dx + dy).abs() < r * 0.25)) & (dist < r * 1.2),  # x-cross
+    ], dim=1)
+    mask = masks[torch.arange(n), labels].unsqueeze(1).float()  # n x 1 x H x W
+    fg, bg = u(n, 3, 1, 1), u(n, 3, 1, 1)
+    # Keep foreground and background apart in brightness so every image is legible.
+    fg = torch.where((fg - bg).abs().mean(1, keepdim=True) < 0.25, 1 - bg, fg)
+    images = mask * fg + (1 - mask) * bg + 0.12 * torch.randn(n, 3, size, size, generator=g)
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+
+class ShapesDataset(Dataset):
+    def __init__(self, n: int, size: int, seed: int):
+        self.images, self.labels = make_shapes(n, size, seed)
+        self.classes = list(SHAPE_CLASSES)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.images[index], self.labels[index]
+
+
+class SeededSample(Dataset):
+    """Wraps a dataset whose transforms draw random numbers: each item is (index, seed) and the
+    transform's randomness comes from that seed alone, not from which worker happens to load it."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        index, seed = item
+        torch.manual_seed(seed)
+        return self.dataset[index]
+
+
+class ShardSampler(Sampler):
+    """Like DistributedSampler (shared per-epoch permutation, rank r takes every world-th index),
+    plus: a start position inside the epoch for resuming, and a per-sample augmentation seed.
+    The epoch is cut to a multiple of world_size so every rank yields the same number of indices."""
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool):
+        if length < world_size:
+            raise ConfigError(f"dataset has {length} samples but there are {world_size} workers: use more data")
+        self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
+        self.with_seeds = with_seeds
+        self.epoch = 0
+        self.start = 0  # indices of this rank to skip in the current epoch (resume)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return self.length // self.world_size - self.start
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.length, generator=g)
+        usable = self.length - self.length % self.world_size
+        mine = order[self.rank:usable:self.world_size][self.start:].tolist()
+        if not self.with_seeds:
+            return iter(mine)
+        # One seed per (run seed, epoch, sample): the same wherever and whenever the sample is loaded.
+        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
+        return iter([(i, (base + i) % (2**63 - 1)) for i in mine])
+
+
+class TensorLoader:
+    """Batches straight from in-memory tensors: no worker processes, no per-sample collate."""
+
+    def __init__(self, dataset: ShapesDataset, sampler: ShardSampler, batch_size: int):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self):
+        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        for b in range(len(self)):
+            idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
+            yield self.dataset.images[idx], self.dataset.labels[idx]
+
+
+def _imagefolder_split(root: Path, split: str):
+    from torchvision import datasets  # noqa: PLC0415
+
+    path = root / split
+    if not path.is_dir():
+        raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
+                          f"{root}/val/<class>/")
+    try:
+        return datasets.ImageFolder(str(path))
+    except (FileNotFoundError, RuntimeError) as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
+
+
+def _transforms(cfg: Config, train: bool):
+    from torchvision.transforms import v2  # noqa: PLC0415
+
+    steps = [v2.ToImage(), v2.Resize(cfg.image_size, antialias=True), v2.CenterCrop(cfg.image_size)]
+    if train:
+        steps += [v2.RandomCrop(cfg.image_size, padding=cfg.image_size // 8), v2.RandomHorizontalFlip()]
+    steps += [v2.ToDtype(torch.uint8, scale=True)]
+    return v2.Compose(steps)
+
+
+def build_datasets(cfg: Config):
+    """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device)."""
+    if cfg.dataset == "shapes":
+        train = ShapesDataset(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
+        val = ShapesDataset(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
+        return train, val, NUM_SHAPE_CLASSES
+    root = Path(cfg.data_dir)
+    if cfg.dataset == "cifar10":
+        from torchvision import datasets  # noqa: PLC0415
+
+        present = (root / "cifar-10-batches-py").is_dir()
+        if not present and not cfg.download:
+            raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
+        if identity().local_rank == 0 and cfg.download:
+            datasets.CIFAR10(str(root), train=True, download=True)  # once per node
+        barrier()
+        train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
+        val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))
+        return train, val, 10
+    train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
+    if train.classes != val.classes:
+        raise ConfigError(f"{root}: train and val hold different classes ({len(train.classes)} vs "
+                          f"{len(val.classes)}): give both the same class folders")
+    train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
+    return train, val, len(train.classes)
+
+
+def default_num_workers(cfg: Config) -> int:
+    if cfg.num_workers >= 0:
+        return cfg.num_workers
+    if cfg.dataset == "shapes":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores // max(1, identity().local_world_size) - 1))
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    # A preemption signal sent to the whole process group must not kill loader workers before
+    # the trainer has saved its checkpoint; the trainer shuts them down itself.
+    import signal  # noqa: PLC0415
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool):
+    if isinstance(dataset, ShapesDataset):
+        sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False)
+        return TensorLoader(dataset, sampler, cfg.batch_size), sampler
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True)
+    workers = default_num_workers(cfg)
+    loader = DataLoader(SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                        worker_init_fn=_ignore_stop_signals if workers > 0 else None,
+                        prefetch_factor=4 if workers > 0 else None)
+    return loader, sampler
+
+
+def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool):
+    """Each rank takes indices rank, rank+W, ... with no padding: every sample counted exactly once."""
+    indices = list(range(rank, len(dataset), world_size))
+    if isinstance(dataset, ShapesDataset):
+        idx = torch.tensor(indices, dtype=torch.long)
+        return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
+    workers = default_num_workers(cfg)
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
+                      num_workers=workers, pin_memory=pin_memory,
+                      worker_init_fn=_ignore_stop_signals if workers > 0 else None)

@@ -1,0 +1,214 @@
+"""Entry points: `python -m train` (one process, or --spawn N) and `python -m train.launch --gpus N`.
+
+Everything a user can get wrong is checked here, before any worker or process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from train.config import MODEL_KEYS, Config, ConfigError, parse_config
+
+EXIT_BAD_INPUT = 2
+EXIT_STOPPED = 75  # a signal stopped the run after it saved a checkpoint; run again to resume
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _writable_or_creatable(path: Path) -> bool:
+    while not path.exists():
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def preflight(cfg: Config) -> None:
+    """Checks that need no process group; raise ConfigError with one line."""
+    import torch  # noqa: PLC0415 - keeps `--help` and config errors fast
+
+    from train.models import check_model_spec  # noqa: PLC0415
+
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError("--device cuda but no CUDA GPU is visible: use --device cpu, or check the driver "
+                          "and CUDA_VISIBLE_DEVICES")
+    on_cpu = cfg.device == "cpu" or not cuda
+    if on_cpu and cfg.precision in ("fp16", "bf16"):
+        raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
+    if on_cpu and cfg.sync_bn:
+        raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
+    if cfg.spawn and ("RANK" in os.environ or "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ):
+        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if cfg.dataset == "cifar10" and not cfg.download and not (Path(cfg.data_dir) / "cifar-10-batches-py").is_dir():
+        raise ConfigError(f"CIFAR-10 not found under {cfg.data_dir}: pass --download or point --data-dir at it")
+    if cfg.dataset == "imagefolder":
+        for split in ("train", "val"):
+            if not (Path(cfg.data_dir) / split).is_dir():
+                raise ConfigError(f"{Path(cfg.data_dir) / split} is missing: an imagefolder dataset needs "
+                                  f"{cfg.data_dir}/train/<class>/ and {cfg.data_dir}/val/<class>/")
+    check_model_spec(cfg)
+    if cfg.run_dir:
+        run_dir = Path(cfg.run_dir)
+        if not _writable_or_creatable(run_dir):
+            raise ConfigError(f"run directory {run_dir} is not writable: pass a writable --run-dir")
+        saved = run_dir / "config.json"
+        if saved.is_file():
+            try:
+                previous = json.loads(saved.read_text())
+            except ValueError:
+                previous = {}
+            for key in MODEL_KEYS:
+                if key in previous and previous[key] != getattr(cfg, key):
+                    raise ConfigError(f"{run_dir} holds a run with {key}={previous[key]!r}, this one has "
+                                      f"{key}={getattr(cfg, key)!r}: use a new --run-dir or the same {key}")
+
+
+def run_worker(cfg: Config) -> int:
+    """Train as the rank the environment says this process is."""
+    from train import loop  # noqa: PLC0415
+    from train.distributed import is_main  # noqa: PLC0415
+
+    try:
+        return loop.main(cfg)
+    except ConfigError as e:
+        if is_main():
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _spawned(local_rank: int, cfg: Config, nprocs: int) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
+    try:
+        code = run_worker(cfg)
+    except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
+        traceback.print_exc()
+        code = 1
+    sys.exit(code)
+
+
+def spawn(cfg: Config) -> int:
+    """Start cfg.spawn local workers and wait for all of them; signals are passed on to them."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    from train.distributed import free_port  # noqa: PLC0415
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not cfg.run_dir:
+        cfg.run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
+    context = mp.start_processes(_spawned, args=(cfg, cfg.spawn), nprocs=cfg.spawn, join=False,
+                                 start_method="spawn")
+
+    def forward(signum, _frame):
+        for process in context.processes:
+            if process.is_alive() and signum != signal.SIGINT:  # Ctrl-C already reaches the whole group
+                os.kill(process.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(sig, forward)
+    for process in context.processes:
+        process.join()
+    # A crash outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does.
+    codes = [code if code >= 0 else 128 - code for code in (p.exitcode for p in context.processes)]
+    crashed = [code for code in codes if code not in (0, EXIT_STOPPED)]
+    return crashed[0] if crashed else max(codes)
+
+
+def main(argv: list[str]) -> int:
+    """python -m train"""
+    try:
+        cfg = parse_config(argv)
+        preflight(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    return spawn(cfg) if cfg.spawn else run_worker(cfg)
+
+
+def visible_gpus() -> int:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def workers_for(gpus: str, visible: int) -> tuple[int, bool]:
+    """(local workers, force CPU) for GPUS=... ('' means all visible GPUs, or one CPU worker)."""
+    if gpus.strip() == "":
+        return max(1, visible), visible == 0
+    if not gpus.strip().isdigit():
+        raise ConfigError(f"GPUS={gpus!r} is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ...")
+    n = int(gpus)
+    if n == 0:
+        return 1, True
+    if visible and n > visible:
+        raise ConfigError(f"GPUS={n} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES")
+    return n, visible == 0
+
+
+def launch_main(argv: list[str]) -> int:
+    """python -m train.launch --gpus N -- TRAINER ARGS: the `make train` path."""
+    parser = argparse.ArgumentParser(prog="python -m train.launch")
+    parser.add_argument("--gpus", default="", help="workers: GPU count, 0 for CPU; empty: all GPUs or 1 CPU")
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    args = [a for a in ns.trainer_args if a != "--"] if ns.trainer_args[:1] == ["--"] else ns.trainer_args
+    try:
+        nprocs, cpu_only = workers_for(ns.gpus, visible_gpus())
+        if cpu_only and "--device" not in args:
+            args += ["--device", "cpu"]
+        cfg = parse_config(args)
+        if cfg.spawn:
+            raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
+        preflight(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    if not cfg.run_dir:
+        args += ["--run-dir", time.strftime("runs/%Y%m%d-%H%M%S")]
+    where = "CPU (gloo)" if cpu_only else "GPU (nccl)"
+    if nprocs == 1:
+        print(f"trainbox: 1 worker on {where}", file=sys.stderr, flush=True)
+        return main(args)
+    print(f"trainbox: {nprocs} workers on {where} via torchrun", file=sys.stderr, flush=True)
+    return run_torchrun(nprocs, ns.max_restarts, args, Path(parse_config(args).run_dir))
+
+
+def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_dir: Path) -> int:
+    """torchrun --standalone in this process; a run its workers stopped on a signal exits EXIT_STOPPED."""
+    from torch.distributed import run as torchrun  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+
+    options = torchrun.get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",
+        # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+        "-m", "train", *trainer_args])
+    try:
+        torchrun.run(options)
+        return 0
+    except (SignalException, ChildFailedError) as e:
+        try:
+            state = json.loads((run_dir / "status.json").read_text()).get("state")
+        except (OSError, ValueError):
+            state = None
+        if state == "stopped":
+            print(f"trainbox: stopped after saving a checkpoint in {run_dir}; run the same command to resume",
+                  file=sys.stderr)
+            return EXIT_STOPPED
+        print(f"trainbox: torchrun failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(launch_main(sys.argv[1:]))

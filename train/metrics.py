@@ -1,0 +1,156 @@
+"""What a run reports: console progress, TensorBoard scalars, metrics.jsonl, GPU telemetry, the manifest.
+
+Only global rank 0 writes; other ranks get a MetricsWriter that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("train")
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON object per line, flushed at once) plus TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path | None, tensorboard: bool, resume_step: int = 0):
+        self.active = run_dir is not None
+        self._jsonl = None
+        self._tb = None
+        if not self.active:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
+            # purge_step drops events logged after the checkpoint we resumed from (a stop after it).
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
+
+    def write(self, step: int, kind: str, values: dict) -> None:
+        if not self.active:
+            return
+        self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+
+
+class GpuTelemetry:
+    """Utilisation, memory and power of this process's GPU through NVML; absent without a driver."""
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml  # noqa: PLC0415
+
+            pynvml.nvmlInit()
+            # NVML numbers GPUs physically; map through CUDA_VISIBLE_DEVICES when it lists indices.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [v for v in visible.split(",") if v.strip()]
+            index = device.index or 0
+            if ids and all(i.strip().isdigit() for i in ids):
+                index = int(ids[index])
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - no driver, no NVML, or a container without it: stay silent
+            self.handle = None
+
+    def read(self) -> list[float]:
+        """[utilisation %, memory used MiB, power W], or [] without NVML."""
+        if self.handle is None:
+            return []
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**20
+            power = self._nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000
+            return [float(util), float(mem), float(power)]
+        except Exception:  # noqa: BLE001
+            return []
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def gpu_facts() -> dict:
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        return {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": names}
+    except Exception:  # noqa: BLE001
+        return {"driver": None, "gpus": []}
+
+
+def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resumed_from: int | None) -> dict:
+    commit = os.environ.get("TRAINBOX_GIT_COMMIT") or _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    nccl = None
+    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            nccl = None
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "git_commit": commit,
+        "git_dirty": bool(status) if status is not None else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "nccl": nccl,
+        **gpu_facts(),
+        "device": str(device),
+        "launcher": ident.launcher,
+        "world_size": ident.world_size,
+        "local_world_size": ident.local_world_size,
+        "hostnames": hostnames,
+        "seed": cfg.seed,
+        "deterministic": cfg.deterministic,
+        "threads": torch.get_num_threads(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "image": os.environ.get("TRAINBOX_IMAGE"),
+        "image_digest": os.environ.get("TRAINBOX_IMAGE_DIGEST"),
+        "resumed_from_step": resumed_from,
+    }
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    """manifest.json describes the latest start; earlier starts of the same run are kept under 'previous'."""
+    path = run_dir / "manifest.json"
+    previous = []
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            previous = old.pop("previous", []) + [old]
+        except (ValueError, OSError):
+            previous = []
+    path.write_text(json.dumps({**manifest, "previous": previous}, indent=2) + "\n")

@@ -1,0 +1,75 @@
+"""Models: a small built-in CNN, torchvision classifiers by name, or a user's `package.module:factory`."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from train.config import Config, ConfigError
+
+
+class SmallCNN(nn.Module):
+    """Three conv stages (width, 2x, 4x channels) with BatchNorm, then global pooling and a linear head."""
+
+    def __init__(self, num_classes: int, width: int = 32):
+        super().__init__()
+
+        def stage(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
+                nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
+                nn.MaxPool2d(2))
+
+        self.features = nn.Sequential(stage(3, width), stage(width, 2 * width), stage(2 * width, 4 * width))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _user_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--model {spec}: cannot import {module_name} ({e}): check the module path and "
+                          f"that it is on PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ConfigError(f"--model {spec}: {module_name} has no attribute {attr!r}: name a function in it")
+    if not callable(factory):
+        raise ConfigError(f"--model {spec}: {attr} is a {type(factory).__name__}, not callable: "
+                          f"name a function that takes num_classes and returns an nn.Module")
+    return factory
+
+
+def build_model(cfg: Config, num_classes: int) -> nn.Module:
+    if cfg.model == "cnn":
+        return SmallCNN(num_classes, cfg.width)
+    if ":" in cfg.model:
+        model = _user_factory(cfg.model)(num_classes=num_classes)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not an nn.Module")
+        return model
+    import torchvision  # noqa: PLC0415
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if cfg.model not in names:
+        raise ConfigError(f"--model {cfg.model!r} is not cnn, a torchvision classification model "
+                          f"(e.g. resnet18, resnet50, mobilenet_v3_small) or package.module:factory")
+    return torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
+
+
+def check_model_spec(cfg: Config) -> None:
+    """Fail early (before workers start) on a --model that cannot be built."""
+    if cfg.model == "cnn":
+        return
+    if ":" in cfg.model:
+        _user_factory(cfg.model)
+        return
+    import torchvision  # noqa: PLC0415
+
+    if cfg.model not in torchvision.models.list_models(module=torchvision.models):
+        build_model(cfg, 10)
