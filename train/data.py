@@ -86,8 +86,12 @@ class SeededSample(Dataset):
 
     def __getitem__(self, item):
         index, seed = item
-        torch.manual_seed(seed)
-        return self.dataset[index]
+        if torch.utils.data.get_worker_info() is not None:
+            torch.manual_seed(seed)
+            return self.dataset[index]
+        with torch.random.fork_rng(devices=[]):  # loading in the trainer itself: leave its RNG alone
+            torch.manual_seed(seed)
+            return self.dataset[index]
 
 
 class ShardSampler(Sampler):
@@ -141,13 +145,27 @@ def _imagefolder_split(root: Path, split: str):
     from torchvision import datasets  # noqa: PLC0415
 
     path = root / split
-    if not path.is_dir():
-        raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
-                          f"{root}/val/<class>/")
     try:
         return datasets.ImageFolder(str(path))
     except (FileNotFoundError, RuntimeError) as e:
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
+
+
+def check_imagefolder(root: Path) -> None:
+    """The folder layout, checked before any worker starts: both splits, the same non-empty class list."""
+    classes = {}
+    for split in ("train", "val"):
+        path = root / split
+        if not path.is_dir():
+            raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
+                              f"{root}/val/<class>/")
+        classes[split] = sorted(d.name for d in path.iterdir() if d.is_dir())
+        if not classes[split]:
+            raise ConfigError(f"{path} has no class folders: put images in {path}/<class>/")
+    if classes["train"] != classes["val"]:
+        only = sorted(set(classes["train"]) ^ set(classes["val"]))
+        raise ConfigError(f"{root}: train and val hold different classes (only in one: {', '.join(only[:5])}): "
+                          f"give both the same class folders")
 
 
 def _transforms(cfg: Config, train: bool):
@@ -179,10 +197,8 @@ def build_datasets(cfg: Config):
         train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
         val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))
         return train, val, 10
+    check_imagefolder(root)
     train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
-    if train.classes != val.classes:
-        raise ConfigError(f"{root}: train and val hold different classes ({len(train.classes)} vs "
-                          f"{len(val.classes)}): give both the same class folders")
     train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
     return train, val, len(train.classes)
 
@@ -214,7 +230,8 @@ def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_mem
     loader = DataLoader(SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
                         worker_init_fn=_ignore_stop_signals if workers > 0 else None,
-                        prefetch_factor=4 if workers > 0 else None)
+                        prefetch_factor=4 if workers > 0 else None,
+                        generator=torch.Generator().manual_seed(cfg.seed))  # iter() must not draw global RNG
     return loader, sampler
 
 

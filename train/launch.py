@@ -35,6 +35,7 @@ def preflight(cfg: Config) -> None:
     """Checks that need no process group; raise ConfigError with one line."""
     import torch  # noqa: PLC0415 - keeps `--help` and config errors fast
 
+    from train.data import check_imagefolder  # noqa: PLC0415
     from train.models import check_model_spec  # noqa: PLC0415
 
     cuda = torch.cuda.is_available()
@@ -51,10 +52,7 @@ def preflight(cfg: Config) -> None:
     if cfg.dataset == "cifar10" and not cfg.download and not (Path(cfg.data_dir) / "cifar-10-batches-py").is_dir():
         raise ConfigError(f"CIFAR-10 not found under {cfg.data_dir}: pass --download or point --data-dir at it")
     if cfg.dataset == "imagefolder":
-        for split in ("train", "val"):
-            if not (Path(cfg.data_dir) / split).is_dir():
-                raise ConfigError(f"{Path(cfg.data_dir) / split} is missing: an imagefolder dataset needs "
-                                  f"{cfg.data_dir}/train/<class>/ and {cfg.data_dir}/val/<class>/")
+        check_imagefolder(Path(cfg.data_dir))
     check_model_spec(cfg)
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger("train")
 
@@ -130,6 +131,7 @@ def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resum
         **gpu_facts(),
         "device": str(device),
         "launcher": ident.launcher,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
         "world_size": ident.world_size,
         "local_world_size": ident.local_world_size,
         "hostnames": hostnames,

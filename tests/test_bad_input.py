@@ -1,0 +1,120 @@
+"""Every user mistake: one line naming the cause and the fix, exit 2, and existing run data untouched."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from tests.conftest import DEBUG, PY, env_for_tests, python_cmd, run
+from train import launch
+from train.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("existing") / "run"
+    run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
+    return run_dir
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _files(tmp_path):
+    (tmp_path / "bad.json").write_text('{"max_steps": 10,')
+    (tmp_path / "bad.toml").write_text("max_steps = = 3")
+    (tmp_path / "typo.json").write_text(json.dumps({"lerning_rate": 0.1}))
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    (tmp_path / "empty" / "val").mkdir(parents=True)
+    for split in ("train", "val"):
+        (tmp_path / "noimages" / split / "a").mkdir(parents=True)
+        (tmp_path / "noimages" / split / "a" / "notes.txt").write_text("not an image")
+    for split, classes in (("train", ("a", "b")), ("val", ("a", "c"))):
+        for c in classes:
+            (tmp_path / "mismatch" / split / c).mkdir(parents=True)
+            from PIL import Image
+
+            Image.new("RGB", (8, 8)).save(tmp_path / "mismatch" / split / c / "0.png")
+
+
+CASES = [
+    # (id, argv with {tmp} for the test folder, expected text)
+    ("unknown-flag", ["--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
+    ("wrong-type", ["--batch-size", "big"], "invalid int value: 'big'"),
+    ("zero-batch", ["--batch-size", "0"], "--batch-size must be > 0"),
+    ("negative-steps", ["--max-steps", "-5"], "--max-steps must be > 0"),
+    ("negative-threads", ["--threads", "-1"], "--threads must be >= 0"),
+    ("zero-save-every", ["--save-every", "0"], "--save-every must be > 0"),
+    ("bad-choice", ["--optimizer", "lion"], "invalid choice: 'lion'"),
+    ("unknown-preset", ["--preset", "fast"], "invalid choice: 'fast'"),
+    ("malformed-json", ["--config", "{tmp}/bad.json"], "is malformed"),
+    ("malformed-toml", ["--config", "{tmp}/bad.toml"], "is malformed"),
+    ("unknown-config-key", ["--config", "{tmp}/typo.json"], "unknown key 'lerning_rate'"),
+    ("missing-config", ["--config", "{tmp}/nope.json"], "not found"),
+    ("missing-module", ["--model", "nosuchpkg.models:net"], "cannot import nosuchpkg.models"),
+    ("missing-factory", ["--model", "tests.models:nothing_here"], "has no attribute 'nothing_here'"),
+    ("not-callable", ["--model", "tests.models:NOT_CALLABLE"], "is a int, not callable"),
+    ("unknown-model", ["--model", "resnet9000"], "is not cnn, a torchvision classification model"),
+    ("fp16-on-cpu", ["--device", "cpu", "--precision", "fp16"], "--precision fp16 needs a CUDA GPU"),
+    ("bf16-on-cpu", ["--device", "cpu", "--precision", "bf16"], "--precision bf16 needs a CUDA GPU"),
+    ("syncbn-on-cpu", ["--device", "cpu", "--sync-bn"], "--sync-bn needs CUDA GPUs"),
+    ("missing-imagefolder", ["--dataset", "imagefolder", "--data-dir", "{tmp}/none"], "is missing"),
+    ("empty-imagefolder", ["--dataset", "imagefolder", "--data-dir", "{tmp}/empty"], "has no class folders"),
+    ("no-images-in-class", ["--dataset", "imagefolder", "--data-dir", "{tmp}/noimages", "--run-dir", "{tmp}/r"],
+     "put images in"),
+    ("mismatched-classes", ["--dataset", "imagefolder", "--data-dir", "{tmp}/mismatch"],
+     "train and val hold different classes (only in one: b, c)"),
+    ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
+    ("run-dir-not-writable", ["--run-dir", "{tmp}/a_file/run"], "is not writable"),
+    ("resume-other-model", ["--width", "16"], "holds a run with width=8, this one has width=16"),
+]
+if not torch.cuda.is_available():
+    CASES.append(("cuda-without-gpu", ["--device", "cuda"], "--device cuda but no CUDA GPU is visible"))
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
+    _files(tmp_path)
+    before = snapshot(finished_run)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    has_run_dir = "--run-dir" in argv
+    code = launch.main([*DEBUG, *([] if has_run_dir else ["--run-dir", str(finished_run)]), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert expected in err[0]
+    assert snapshot(finished_run) == before
+
+
+def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):
+    proc = run(python_cmd("--batch-size", "-1", "--run-dir", finished_run), expect=2)
+    assert proc.stderr.strip() == "error: --batch-size must be > 0, got -1: pass a positive value"
+    assert proc.stdout == ""
+
+
+def test_spawn_inside_torchrun_is_refused(finished_run):
+    env = env_for_tests(RANK="0", WORLD_SIZE="1")
+    proc = run([PY, "-m", "train", "--spawn", "2", "--run-dir", str(finished_run)], expect=2, env=env)
+    assert "would start workers twice" in proc.stderr
+
+
+@pytest.mark.parametrize("gpus, visible, expected", [
+    ("", 0, (1, True)), ("", 4, (4, False)), ("0", 4, (1, True)), ("2", 0, (2, True)), ("3", 4, (3, False)),
+])
+def test_gpus_knob(gpus, visible, expected):
+    assert launch.workers_for(gpus, visible) == expected
+
+
+@pytest.mark.parametrize("gpus, visible, message", [
+    ("8", 2, "GPUS=8 but 2 GPU(s) visible: set GPUS<=2 or CUDA_VISIBLE_DEVICES"),
+    ("four", 2, "GPUS='four' is not a number"),
+    ("-1", 2, "is not a number"),
+])
+def test_gpus_knob_errors(gpus, visible, message):
+    with pytest.raises(ConfigError) as e:
+        launch.workers_for(gpus, visible)
+    assert message in str(e.value)

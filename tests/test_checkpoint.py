@@ -1,0 +1,74 @@
+"""Checkpoint files: atomic, verified, pruned, and loaded as data only."""
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from train import checkpoint as ckpt
+
+
+def _state(step):
+    return {"model": {"w": torch.full((4,), float(step))}, "step": step}
+
+
+def test_save_prunes_to_the_newest_k_and_loads_back(tmp_path):
+    for step in (10, 20, 30, 40):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert names == ["step_00000030.pt", "step_00000040.pt"]
+    assert sorted(p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir()) == [
+        "step_00000030.pt", "step_00000030.pt.sha256", "step_00000040.pt", "step_00000040.pt.sha256"]
+    latest = ckpt.newest_valid(tmp_path)
+    assert ckpt.load_checkpoint(latest, torch.device("cpu"))["step"] == 40
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-sidecar"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
+    ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=3)
+    newest = ckpt.save_checkpoint(tmp_path, 2, _state(2), keep=3)
+    data = newest.read_bytes()
+    if damage == "truncate":
+        newest.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        newest.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    else:
+        newest.with_name(newest.name + ".sha256").unlink()
+    assert ckpt.verify(newest) is not None
+    assert ckpt.newest_valid(tmp_path).name == "step_00000001.pt"
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path):
+    class Boom(Exception):
+        pass
+
+    target = tmp_path / "x.bin"
+    target.write_bytes(b"old")
+    real_fsync = os.fsync
+
+    def failing_fsync(fd):
+        raise Boom
+
+    os.fsync = failing_fsync
+    try:
+        with pytest.raises(Boom):
+            ckpt.atomic_write(target, b"new contents")
+    finally:
+        os.fsync = real_fsync
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/trainbox-pwned",))
+
+
+def test_a_pickle_with_code_is_refused_not_executed(tmp_path):
+    path = tmp_path / "checkpoints" / "step_00000005.pt"
+    path.parent.mkdir()
+    torch.save({"model": _Evil()}, path, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_checkpoint(path, torch.device("cpu"))
+    assert not os.path.exists("/tmp/trainbox-pwned")

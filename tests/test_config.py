@@ -1,0 +1,96 @@
+"""The config object: defaults, presets, files, flags, and one-line errors."""
+
+import dataclasses
+import json
+
+import pytest
+
+from train.config import PRESETS, Config, ConfigError, config_from_dict, get_args_parser, parse_config
+
+
+def test_every_field_has_a_default_and_help():
+    for f in dataclasses.fields(Config):
+        assert f.default is not dataclasses.MISSING, f.name
+        assert f.metadata["help"].strip(), f.name
+    Config().validate()
+
+
+def test_flags_are_derived_from_the_fields():
+    help_text = get_args_parser().format_help()
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in help_text
+
+
+def test_precedence_defaults_preset_file_flags(tmp_path):
+    assert parse_config([]).max_steps == Config().max_steps
+    assert parse_config(["--preset", "debug"]).max_steps == PRESETS["debug"]["max_steps"]
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({"preset": "debug", "max_steps": 77, "lr": 1}))
+    cfg = parse_config(["--config", str(file)])
+    assert (cfg.max_steps, cfg.lr, cfg.width) == (77, 1.0, PRESETS["debug"]["width"])
+    assert isinstance(cfg.lr, float)
+    assert parse_config(["--config", str(file), "--max-steps", "5"]).max_steps == 5
+
+
+def test_toml_config_file(tmp_path):
+    file = tmp_path / "c.toml"
+    file.write_text('batch-size = 8\ndeterministic = true\nmodel = "resnet18"\n')
+    cfg = parse_config(["--config", str(file)])
+    assert (cfg.batch_size, cfg.deterministic, cfg.model) == (8, True, "resnet18")
+
+
+def test_boolean_flags_both_ways():
+    assert parse_config(["--deterministic"]).deterministic is True
+    assert parse_config(["--no-tensorboard"]).tensorboard is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size must be > 0"),
+    (["--max-steps", "-3"], "--max-steps must be > 0"),
+    (["--batch-size", "ten"], "invalid int value"),
+    (["--lr", "fast"], "invalid float value"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--batch"], "unrecognized arguments"),  # no silent prefix matching
+    (["--precision", "fp8"], "invalid choice"),
+    (["--preset", "huge"], "invalid choice"),
+    (["--min-lr-ratio", "2"], "--min-lr-ratio must be within [0, 1]"),
+    (["--num-workers", "-2"], "--num-workers must be -1"),
+])
+def test_bad_flags_raise_one_line(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(argv)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_config_key_suggests_the_right_one(tmp_path):
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({"batch_sise": 4}))
+    with pytest.raises(ConfigError, match="unknown key 'batch_sise': did you mean batch_size"):
+        parse_config(["--config", str(file)])
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"max_steps": "ten"}', "max_steps must be int"),
+    ('{"deterministic": 1}', "deterministic must be true or false"),
+    ('{"max_steps": 10,', "is malformed"),
+    ('[1, 2]', "must hold a table"),
+])
+def test_bad_config_file_values(tmp_path, content, message):
+    file = tmp_path / "c.json"
+    file.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--config", str(file)])
+
+
+def test_missing_or_unsupported_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        parse_config(["--config", str(tmp_path / "nope.json")])
+    (tmp_path / "c.yaml").write_text("a: 1")
+    with pytest.raises(ConfigError, match="use a .json or .toml file"):
+        parse_config(["--config", str(tmp_path / "c.yaml")])
+
+
+def test_config_round_trips_through_a_dict():
+    cfg = parse_config(["--preset", "debug", "--seed", "3"])
+    assert config_from_dict({**cfg.to_dict(), "key_from_a_newer_version": 1}) == cfg

@@ -1,0 +1,55 @@
+"""The Makefile as users type it: help, train (1 and 2 workers, ARGS), the default run, errors."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, env_for_tests, metrics, run, status
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
+
+
+def make(*args, expect=0, timeout=600):
+    return run(["make", "--no-print-directory", *args], expect=expect, timeout=timeout, cwd=REPO)
+
+
+def test_help_lists_every_target_with_a_description():
+    out = make("help").stdout
+    targets = re.findall(r"^([a-z][a-zA-Z_-]*):", (REPO / "Makefile").read_text(), flags=re.M)
+    for target in targets:
+        assert re.search(rf"make {target}\s+\S", out), f"make help does not describe {target}"
+    assert {"train", "test", "setup", "help"} <= set(targets)
+
+
+def test_make_train_passes_args_unchanged(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = make("train", f"ARGS=--preset debug --max-steps 20 --seed 3 --run-dir {run_dir}")
+    assert "1 worker on CPU (gloo)" in proc.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["max_steps"], config["seed"], config["preset"]) == (20, 3, "debug")
+    assert status(run_dir)["state"] == "done"
+
+
+def test_make_train_gpus_2_runs_two_workers_via_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = make("train", "GPUS=2", f"ARGS=--preset debug --max-steps 20 --run-dir {run_dir}")
+    assert "2 workers on CPU (gloo) via torchrun" in proc.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["launcher"], manifest["world_size"]) == ("torchrun", 2)
+
+
+def test_make_train_bad_gpus_is_one_line():
+    proc = make("train", "GPUS=two", expect=2)
+    assert "error: GPUS='two' is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ..." in proc.stderr
+
+
+def test_default_make_train_learns(tmp_path):
+    """The quickstart: no flags but a run directory. Chance is 10%; the README states the figure."""
+    run_dir = tmp_path / "run"
+    make("train", f"ARGS=--run-dir {run_dir}", timeout=900)
+    final = metrics(run_dir, "eval")[-1]
+    assert final["samples"] == 2000
+    assert final["accuracy"] > 0.9, final

@@ -1,0 +1,92 @@
+"""What a run leaves in its directory: config, manifest, status, metrics.jsonl, TensorBoard, model.pt."""
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import DEBUG, metrics, python_cmd, run, status, torchrun_cmd
+from train.config import parse_config
+from train.models import build_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("outputs") / "run"
+    proc = run(torchrun_cmd(2, *DEBUG, "--run-dir", run_dir, "--seed", 5))
+    return run_dir, proc
+
+
+def test_layout(torchrun_run):
+    run_dir, _ = torchrun_run
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.json", "manifest.json", "status.json", "metrics.jsonl", "train.log", "model.pt",
+            "checkpoints", "tensorboard"} <= names
+
+
+def test_saved_config_is_the_resolved_one(torchrun_run):
+    run_dir, _ = torchrun_run
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved == parse_config([*DEBUG, "--run-dir", str(run_dir), "--seed", "5"]).to_dict()
+
+
+def test_manifest_records_what_made_the_run(torchrun_run):
+    run_dir, _ = torchrun_run
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["launcher"] == "torchrun"
+    assert manifest["world_size"] == 2 and len(manifest["hostnames"]) == 2
+    assert manifest["seed"] == 5
+    assert manifest["torch"] == torch.__version__
+    assert len(manifest["git_commit"]) == 40 and isinstance(manifest["git_dirty"], bool)
+    for key in ("cuda", "cudnn", "nccl", "driver", "gpus", "image", "image_digest", "python", "slurm_job_id"):
+        assert key in manifest
+
+
+def test_metrics_jsonl_has_train_and_eval_lines(torchrun_run):
+    run_dir, _ = torchrun_run
+    train = metrics(run_dir, "train")
+    assert [m["step"] for m in train] == [10, 20, 30, 40]
+    for m in train:
+        assert m["loss"] > 0 and m["samples_per_s"] > 0 and 0 <= m["data_wait_frac"] < 1 and m["lr"] > 0
+    evals = metrics(run_dir, "eval")
+    assert [m["step"] for m in evals] == [20, 40]
+    assert all(m["samples"] == 256 for m in evals)  # the whole validation set, each sample once
+    assert status(run_dir)["val_accuracy"] == evals[-1]["accuracy"]
+
+
+def test_tensorboard_files_hold_the_logged_scalars(torchrun_run):
+    run_dir, _ = torchrun_run
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/data_wait_frac", "eval/accuracy"} <= tags
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    logged = [(m["step"], m["loss"]) for m in metrics(run_dir, "train")]
+    assert [s for s, _ in loss] == [s for s, _ in logged]
+    assert [v for _, v in loss] == pytest.approx([v for _, v in logged], rel=1e-6)
+
+
+def test_model_pt_is_the_unwrapped_state_dict(torchrun_run):
+    run_dir, _ = torchrun_run
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in state)
+    model = build_model(parse_config(DEBUG), 10)
+    model.load_state_dict(state)  # loads into a plain model, strictly
+
+
+def test_only_rank_zero_prints_progress(torchrun_run):
+    _, proc = torchrun_run
+    assert proc.stderr.count("done: ") == 1
+    assert "[rank 1]" not in proc.stderr
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
+    before = (run_dir / "model.pt").read_bytes()
+    again = run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
+    assert "resumed from" in again.stderr and "step 10 of 10" in again.stderr
+    assert (run_dir / "model.pt").read_bytes() == before
