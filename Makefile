@@ -29,6 +29,8 @@ $(STAMP): requirements.lock
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: trainbox needs Python >= 3.10, found " + sys.version.split()[0] + ": set PYTHON=python3.X")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r requirements.lock
+	@# Put this checkout on the environment's path, so `python -m train` works from any folder.
+	@$(PY) -c 'import os, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth"), "w").write(os.getcwd() + "\n")'
 	@touch $@
 
 train: $(STAMP) ## train (default: built-in data, GPU if present, else CPU); GPUS=N, ARGS="..."

@@ -1,8 +1,12 @@
 """Same seed, same result: across launchers, across a stop and resume, and across sharding."""
 
+import json
+import subprocess
+
 import pytest
 
-from tests.conftest import DEBUG, assert_bit_identical, metrics, python_cmd, run, status, torchrun_cmd
+from tests.conftest import (DEBUG, assert_bit_identical, env_for_tests, metrics, python_cmd, run, status,
+                            torchrun_cmd)
 
 pytestmark = pytest.mark.slow
 
@@ -49,3 +53,25 @@ def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
     assert a[-1]["loss"] < a[0]["loss"] - 0.1  # and it did learn
+
+
+def test_srun_style_tasks_match_the_other_launchers(reference_2ranks, tmp_path):
+    # Two plain `python -m train` processes with the variables srun gives each task of a 2-task step
+    # (no torchrun): they must find each other through the first node of the step and agree bit for bit.
+    from train.distributed import free_port
+
+    port = free_port()
+    run_dir = tmp_path / "srun"
+    procs = []
+    for rank in range(2):
+        env = env_for_tests(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                            SLURM_STEP_ID="0", SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
+                            SLURM_STEP_TASKS_PER_NODE="2", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(python_cmd(*DEBUG, "--run-dir", run_dir), env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["launcher"], manifest["world_size"], manifest["slurm_job_id"]) == ("slurm", 2, "4242")
+    assert_bit_identical(run_dir, reference_2ranks)

@@ -47,7 +47,7 @@ class Config:
     image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
     train_samples: int = _f(12000, "shapes: number of training images")
     val_samples: int = _f(2000, "shapes: number of validation images")
-    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else min(4, cores)")
+    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else 1-4 by cores per worker")
     # --- model ---
     model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
     width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
@@ -192,7 +192,7 @@ def get_args_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(flag, type=kind, help=help_text, metavar=f.name.upper(),
+            parser.add_argument(flag, type=kind, help=help_text, metavar=None if choices else f.name.upper(),
                                 choices=[c for c in choices if c] if choices else None)
     return parser
 
