@@ -68,7 +68,7 @@ class _Evil:
 def test_a_pickle_with_code_is_refused_not_executed(tmp_path):
     path = tmp_path / "checkpoints" / "step_00000005.pt"
     path.parent.mkdir()
-    torch.save({"model": _Evil()}, path, pickle_protocol=pickle.DEFAULT_PROTOCOL)
+    torch.save({"model": _Evil()}, path)
     with pytest.raises(pickle.UnpicklingError):
         ckpt.load_checkpoint(path, torch.device("cpu"))
     assert not os.path.exists("/tmp/trainbox-pwned")

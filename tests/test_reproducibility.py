@@ -14,6 +14,8 @@ pytestmark = pytest.mark.slow
 def test_torchrun_and_spawn_give_bit_identical_models(reference_2ranks, tmp_path):
     run_dir = tmp_path / "torchrun"
     run(torchrun_cmd(2, *DEBUG, "--run-dir", run_dir))
+    launchers = [json.loads((d / "manifest.json").read_text())["launcher"] for d in (run_dir, reference_2ranks)]
+    assert launchers == ["torchrun", "spawn"]
     assert_bit_identical(run_dir, reference_2ranks)
 
 
@@ -53,6 +55,16 @@ def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
     assert a[-1]["loss"] < a[0]["loss"] - 0.1  # and it did learn
+
+
+def test_gradient_accumulation_matches_the_large_batch(tmp_path):
+    # 2 workers x 2 micro-batches of 8 (the first under DDP's no_sync) == 1 worker x 32.
+    common = [*DEBUG, "--model", "tests.models:tiny_groupnorm_cnn", "--log-every", 1, "--max-steps", 20]
+    accum, one = tmp_path / "accum", tmp_path / "one"
+    run(python_cmd(*common, "--spawn", 2, "--batch-size", 8, "--grad-accum", 2, "--run-dir", accum))
+    run(python_cmd(*common, "--batch-size", 32, "--run-dir", one))
+    for x, y in zip(metrics(accum, "train"), metrics(one, "train"), strict=True):
+        assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
 
 
 def test_srun_style_tasks_match_the_other_launchers(reference_2ranks, tmp_path):

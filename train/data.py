@@ -194,8 +194,12 @@ def build_datasets(cfg: Config):
         if identity().local_rank == 0 and cfg.download:
             datasets.CIFAR10(str(root), train=True, download=True)  # once per node
         barrier()
-        train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
-        val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))
+        try:
+            train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
+            val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))
+        except RuntimeError as e:  # torchvision's checksum test failed
+            raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
+                              f"{root / 'cifar-10-batches-py'} and pass --download") from None
         return train, val, 10
     check_imagefolder(root)
     train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
