@@ -155,7 +155,8 @@ def workers_for(gpus: str, visible: int) -> tuple[int, bool]:
 def launch_main(argv: list[str]) -> int:
     """python -m train.launch --gpus N -- TRAINER ARGS: the `make train` path."""
     parser = argparse.ArgumentParser(prog="python -m train.launch")
-    parser.add_argument("--gpus", default="", help="workers: GPU count, 0 for CPU; empty: all GPUs or 1 CPU")
+    parser.add_argument("--gpus", default=os.environ.get("GPUS", ""),
+                        help="workers: GPU count, 0 for CPU; empty: all GPUs or 1 CPU (default: $GPUS)")
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
