@@ -1,29 +1,55 @@
-# trainbox: `make help` lists the targets. Knobs: GPUS, ARGS, PYTHON, VENV.
+# trainbox: `make help` lists the targets. Shell stays thin: every decision lives in train/ (Python).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# Knobs (set on the command line: make train GPUS=2 ARGS="--preset debug"):
-#   PYTHON       interpreter that creates the environment (>= 3.10)
-#   VENV         the project environment, built from requirements.lock
+# Knobs (on the command line: make train GPUS=2 ARGS="--preset debug"):
 #   GPUS         workers: empty = every visible GPU (or 1 on CPU), 0 = CPU, N = N workers
 #   ARGS         passed to the trainer unchanged (python -m train --help lists every flag)
+#   RUNTIME      docker | local; default: docker when an engine answers, else local
+#   PYTHON       interpreter that creates the local environment (>= 3.10)
+#   VENV         the local environment, built from requirements.lock
+#   DOCKER       a docker client with BuildKit (Debian's docker.io: /usr/bin/docker)
+#   COMPOSE      "docker compose" (v2) or docker-compose (v1.29); default: whichever is installed
+#   IMAGE        the image tag to build and run
+#   BASE_IMAGE   the CUDA base image (see docker/Dockerfile for pinning it by digest)
+#   EXTRA_CA     a CA bundle for builds behind a TLS-intercepting proxy (BuildKit secret, never stored)
+#   BUILD_FLAGS  extra `docker build` flags, e.g. --no-cache or --progress=plain
+#   HOST_UID/HOST_GID  the container user (default: yours; 1000 when you are root)
+#   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
+#   ENV_FILE     the compose settings file that `make env` writes and compose reads
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
-PYTHON ?= python3
-VENV ?= .venv
 GPUS ?=
 ARGS ?=
+PYTHON ?= python3
+VENV ?= .venv
+DOCKER ?= docker
+COMPOSE ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
+IMAGE ?= trainbox:local
+BASE_IMAGE ?= nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+EXTRA_CA ?=
+BUILD_FLAGS ?=
+HOST_UID ?= $(shell u=$$(id -u); [ "$$u" = 0 ] && echo 1000 || echo $$u)
+HOST_GID ?= $(shell g=$$(id -g); [ "$$(id -u)" = 0 ] && echo 1000 || echo $$g)
+DATA_DIR ?=
+RUNS_DIR ?=
+ENV_FILE ?= .env
 PYTEST_ARGS ?=
+RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
 
 PY := $(VENV)/bin/python
+COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed
+# Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these two come from make's knobs.
+export GPUS
+export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train test tensorboard lock clean
+.PHONY: help setup train train-local train-docker test build image shell tensorboard env doctor lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
-	@echo "  knobs: GPUS=N (0: CPU)  ARGS=\"--flag value ...\"  PYTEST_ARGS=...  (python -m train --help lists every flag)"
+	@echo "  knobs: GPUS=N (0: CPU)  ARGS=\"...\"  RUNTIME=docker|local  BASE_IMAGE=...  (see the top of the Makefile)"
 
-setup: $(STAMP) ## create or update the environment from requirements.lock (hash-checked)
+setup: $(STAMP) ## create or update the local environment from requirements.lock (hash-checked)
 
 $(STAMP): requirements.lock
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: trainbox needs Python >= 3.10, found " + sys.version.split()[0] + ": set PYTHON=python3.X")'
@@ -33,18 +59,58 @@ $(STAMP): requirements.lock
 	@$(PY) -c 'import os, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth"), "w").write(os.getcwd() + "\n")'
 	@touch $@
 
-train: $(STAMP) ## train (default: built-in data, GPU if present, else CPU); GPUS=N, ARGS="..."
+train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, else locally; GPUS=N, ARGS="..."
+
+train-local: $(STAMP) ## train in the local environment (what RUNTIME=local selects)
+	@echo "trainbox: local environment ($(VENV)); RUNTIME=docker for the container" >&2
 	$(PY) -m train.launch --gpus "$(GPUS)" -- $(ARGS)
 
-test: $(STAMP) ## run the test suite (CPU; GPU tests run only where a GPU is visible)
+train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNTIME=docker selects)
+	@echo "trainbox: container $(IMAGE) via $(COMPOSE); RUNTIME=local for the local environment" >&2
+	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
+
+test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-tensorboard: $(STAMP) ## serve TensorBoard for runs/ on port 6006
-	$(VENV)/bin/tensorboard --logdir runs --bind_all --port 6006
+build: ## build the image (BuildKit); BASE_IMAGE=... to build on another base
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \
+	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
+	  --build-arg IMAGE_TAG=$(IMAGE) --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	  --build-arg LOCK_SHA256=$$(sha256sum requirements.lock | cut -d' ' -f1) \
+	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
+
+image: ## build the image only if it is missing
+	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) --no-print-directory build
+
+shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
+	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
+
+tensorboard: ## TensorBoard over the runs folder on port 6006 (container or local, as RUNTIME)
+ifeq ($(RUNTIME),docker)
+	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) up tensorboard
+else
+	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --bind_all --port 6006
+endif
+
+env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
+	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
+	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
+
+$(ENV_FILE):
+	@$(MAKE) --no-print-directory env
+
+doctor: ## a report for bug reports: driver vs CUDA, GPUs, shm, port, NAS folders, all-reduce bandwidth
+ifeq ($(RUNTIME),docker)
+	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
+else
+	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor
+endif
 
 lock: ## re-resolve requirements.lock from pyproject.toml (needs uv on PATH)
 	uv pip compile --universal --generate-hashes --python-version 3.10 pyproject.toml -o requirements.lock
 
-clean: ## remove the environment and caches (runs/ is kept)
+clean: ## remove the local environment and caches (runs/ and the image are kept)
 	rm -rf $(VENV) .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+, := ,

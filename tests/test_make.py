@@ -26,8 +26,8 @@ def test_help_lists_every_target_with_a_description():
 
 def test_make_train_passes_args_unchanged(tmp_path):
     run_dir = tmp_path / "run"
-    proc = make("train", f"ARGS=--preset debug --max-steps 20 --seed 3 --run-dir {run_dir}")
-    assert "1 worker on CPU (gloo)" in proc.stderr
+    proc = make("train", "RUNTIME=local", f"ARGS=--preset debug --max-steps 20 --seed 3 --run-dir {run_dir}")
+    assert "trainbox: local environment" in proc.stderr and "1 worker on CPU (gloo)" in proc.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["max_steps"], config["seed"], config["preset"]) == (20, 3, "debug")
     assert status(run_dir)["state"] == "done"
@@ -35,21 +35,21 @@ def test_make_train_passes_args_unchanged(tmp_path):
 
 def test_make_train_gpus_2_runs_two_workers_via_torchrun(tmp_path):
     run_dir = tmp_path / "run"
-    proc = make("train", "GPUS=2", f"ARGS=--preset debug --max-steps 20 --run-dir {run_dir}")
+    proc = make("train", "RUNTIME=local", "GPUS=2", f"ARGS=--preset debug --max-steps 20 --run-dir {run_dir}")
     assert "2 workers on CPU (gloo) via torchrun" in proc.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert (manifest["launcher"], manifest["world_size"]) == ("torchrun", 2)
 
 
 def test_make_train_bad_gpus_is_one_line():
-    proc = make("train", "GPUS=two", expect=2)
+    proc = make("train", "RUNTIME=local", "GPUS=two", expect=2)
     assert "error: GPUS='two' is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ..." in proc.stderr
 
 
 def test_default_make_train_learns(tmp_path):
     """The quickstart: no flags but a run directory. Chance is 10%; the README states the figure."""
     run_dir = tmp_path / "run"
-    make("train", f"ARGS=--run-dir {run_dir}", timeout=900)
+    make("train", "RUNTIME=local", f"ARGS=--run-dir {run_dir}", timeout=900)
     final = metrics(run_dir, "eval")[-1]
     assert final["samples"] == 2000
     assert final["accuracy"] > 0.9, final

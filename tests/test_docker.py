@@ -1,0 +1,186 @@
+"""The image and compose services on a real Docker engine.
+
+Without a reachable engine these tests skip, unless TRAINBOX_REQUIRE_DOCKER=1 (CI) makes that a
+failure. With no registry, the image is built on a stand-in base (Debian bookworm from debootstrap,
+imported once and kept in the engine) instead of the CUDA base; everything above the base is the
+real docker/Dockerfile.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run
+
+pytestmark = pytest.mark.slow
+
+STANDIN = "trainbox-standin-base:bookworm"
+IMAGE = "trainbox:test"
+USER = 1234  # a non-root "host user" that owns the NAS folders
+COMPOSE = shutil.which("docker-compose") and ["docker-compose"]
+
+
+def _buildkit_docker() -> str | None:
+    """A docker client that can build with BuildKit: `docker` with buildx, else Debian's /usr/bin/docker."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "buildx", "version"], capture_output=True).returncode == 0:
+        return docker
+    return "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else None
+
+
+DOCKER = _buildkit_docker()
+
+
+def _engine_ok() -> bool:
+    return DOCKER is not None and subprocess.run([DOCKER, "info"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def docker():
+    if not _engine_ok():
+        if os.environ.get("TRAINBOX_REQUIRE_DOCKER") == "1":
+            pytest.fail("TRAINBOX_REQUIRE_DOCKER=1 but no Docker engine answers `docker info`")
+        pytest.skip("no Docker engine reachable")
+    global COMPOSE
+    if not COMPOSE and subprocess.run([DOCKER, "compose", "version"], capture_output=True).returncode == 0:
+        COMPOSE = [DOCKER, "compose"]
+    return DOCKER
+
+
+@pytest.fixture(scope="session")
+def standin_base(docker):
+    if subprocess.run([docker, "image", "inspect", STANDIN], capture_output=True).returncode == 0:
+        return STANDIN
+    if shutil.which("debootstrap") is None or os.getuid() != 0:
+        pytest.fail("building the stand-in base needs root and debootstrap (apt-get install debootstrap)")
+    rootfs = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainbox" / "standin-rootfs"
+    if not (rootfs / "usr" / "bin" / "python3").exists():
+        shutil.rmtree(rootfs, ignore_errors=True)
+        rootfs.parent.mkdir(parents=True, exist_ok=True)
+        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
+             str(rootfs), "http://deb.debian.org/debian"], timeout=900)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run([docker, "import", "-", STANDIN], stdin=tar.stdout, check=True, capture_output=True)
+    tar.wait()
+    return STANDIN
+
+
+@pytest.fixture(scope="session")
+def image(docker, standin_base, tmp_path_factory):
+    """`make build` on the stand-in base, with an extra CA bundle carrying a marker that must not leak."""
+    marker = f"trainbox-secret-marker-{uuid.uuid4().hex}"
+    ca = tmp_path_factory.mktemp("ca") / "extra-ca.pem"
+    system = Path("/etc/ssl/certs/ca-certificates.crt")
+    ca.write_text((system.read_text() if system.exists() else "") + f"\n# {marker}\n")
+    # --no-cache: the dependency step must really run with the secret mounted (pip's cache mount stays).
+    build = run(["make", "--no-print-directory", "build", f"DOCKER={docker}", f"IMAGE={IMAGE}",
+                 f"BASE_IMAGE={standin_base}", f"HOST_UID={USER}", f"HOST_GID={USER}", f"EXTRA_CA={ca}",
+                 "BUILD_FLAGS=--no-cache --progress=plain"], cwd=REPO, timeout=1800)
+    return {"tag": IMAGE, "marker": marker, "log": build.stdout + build.stderr}
+
+
+@pytest.fixture
+def nas(tmp_path):
+    """A NAS stand-in: a host folder with datasets and runs, owned by the host user, and a .env for it."""
+    root = tmp_path / "nas"
+    for sub in ("datasets", "runs"):
+        (root / sub).mkdir(parents=True)
+    for path in (root, root / "datasets", root / "runs"):
+        os.chown(path, USER, USER)
+    env_file = tmp_path / "compose.env"
+    env_file.write_text(f"HOST_UID={USER}\nHOST_GID={USER}\nDATA_DIR={root / 'datasets'}\n"
+                        f"RUNS_DIR={root / 'runs'}\nTRAINBOX_IMAGE={IMAGE}\n")
+    return root, env_file
+
+
+def compose(env_file, *args, expect=0, gpus="", timeout=600):
+    env = {**os.environ, "GPUS": gpus, "TRAINBOX_IMAGE": IMAGE}
+    return run([*COMPOSE, "--env-file", str(env_file), *args], expect=expect, timeout=timeout, cwd=REPO, env=env)
+
+
+def test_image_runs_as_the_build_user_not_root(docker, image):
+    out = run([docker, "run", "--rm", "--entrypoint", "id", image["tag"]]).stdout
+    assert f"uid={USER}" in out and f"gid={USER}" in out
+
+
+def test_image_labels_and_environment(docker, image):
+    info = json.loads(run([docker, "image", "inspect", image["tag"]]).stdout)[0]
+    labels = info["Config"]["Labels"]
+    import hashlib
+
+    assert labels["org.trainbox.lock.sha256"] == hashlib.sha256((REPO / "requirements.lock").read_bytes()).hexdigest()
+    assert len(labels["org.opencontainers.image.revision"]) == 40
+    env = dict(item.split("=", 1) for item in info["Config"]["Env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert env["TRAINBOX_IMAGE"] == image["tag"]
+
+
+def test_the_ca_secret_is_in_no_layer(docker, image):
+    save = subprocess.Popen([docker, "save", image["tag"]], stdout=subprocess.PIPE)
+    found = subprocess.run(["grep", "-a", "-c", "-F", image["marker"]], stdin=save.stdout, capture_output=True,
+                           text=True)
+    save.wait()
+    assert save.returncode == 0
+    assert found.stdout.strip() == "0", "the extra CA bundle was stored in a layer"
+    assert "pip: using the extra CA bundle (secret extra_ca)" in image["log"]  # it was used, though
+
+
+@pytest.mark.parametrize("files, gpu", [(["docker-compose.yml"], False),
+                                        (["docker-compose.yml", "docker/compose.gpu.yml"], True)],
+                         ids=["cpu", "gpu"])
+def test_compose_config_is_valid(docker, nas, files, gpu):
+    _, env_file = nas
+    args = [a for f in files for a in ("-f", f)]
+    config = compose(env_file, *args, "config").stdout
+    assert f"user: {USER}:{USER}" in config or f"user: '{USER}:{USER}'" in config
+    assert ("driver: nvidia" in config) == gpu
+    assert ":/opt/trainbox/data:ro" in config
+
+
+def test_compose_run_trainer_on_cpu_trains_resumes_and_files_belong_to_the_user(docker, image, nas):
+    root, env_file = nas
+    first = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1",
+                    "--stop-at", "25", gpus="2", expect=75)
+    assert "2 workers on CPU (gloo) via torchrun" in first.stderr
+    run_dir = root / "runs" / "c1"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    second = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1", gpus="2")
+    assert "resumed from runs/c1/checkpoints/step_00000025.pt" in second.stderr
+    for path in [run_dir, run_dir / "model.pt", *run_dir.joinpath("checkpoints").iterdir()]:
+        assert (path.stat().st_uid, path.stat().st_gid) == (USER, USER), path
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["image"]) == (2, IMAGE)
+
+
+def test_compose_run_with_no_arguments_trains_the_default_run(docker, image, nas):
+    root, env_file = nas
+    proc = compose(env_file, "run", "--rm", "trainer", timeout=900)
+    (run_dir,) = (root / "runs").iterdir()  # runs/<timestamp> on the NAS
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "done" and status["step"] == 600
+    assert status["val_accuracy"] > 0.9 and status["val_samples"] == 2000
+    assert "1 worker on CPU (gloo)" in proc.stderr
+
+
+def test_make_train_and_doctor_in_the_container(docker, image, nas, tmp_path):
+    root, env_file = nas
+    common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}"]
+    proc = run(["make", "--no-print-directory", "train", *common, "GPUS=0",
+                "ARGS=--preset debug --max-steps 10 --run-dir runs/m1"], cwd=REPO, timeout=600)
+    assert f"trainbox: container {IMAGE}" in proc.stderr
+    manifest = json.loads((root / "runs" / "m1" / "manifest.json").read_text())
+    assert manifest["image"] == IMAGE and manifest["image_digest"].startswith("sha256:")
+    doctor = run(["make", "--no-print-directory", "doctor", "RUNTIME=docker", *common], cwd=REPO, timeout=600)
+    assert f"runs is writable as uid {USER}" in doctor.stdout
+    assert "all-reduce     2 workers (gloo)" in doctor.stdout and "all checks passed" in doctor.stdout
+
+
+def test_make_train_falls_back_to_the_local_environment_without_an_engine(tmp_path):
+    proc = run(["make", "--no-print-directory", "train", "DOCKER=/nonexistent/docker",
+                f"ARGS=--preset debug --max-steps 5 --run-dir {tmp_path / 'run'}"], cwd=REPO, timeout=600)
+    assert "trainbox: local environment" in proc.stderr

@@ -1,0 +1,202 @@
+"""`make doctor`: one report to paste into a bug report. Each failed check names its fix.
+
+  python -m train.doctor [--workers N] [--data-dir D] [--runs-dir R]
+
+Checks: torch and its CUDA build vs the driver, GPUs visible and their mapping, /dev/shm, a free
+rendezvous port, the data and runs folders (readable / writable as this user), and a short
+all-reduce across N local workers with its bandwidth. Exit code 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Oldest Linux driver each CUDA major version needs (NVIDIA's CUDA Toolkit release notes, minor
+# version compatibility): CUDA 13.x needs >= 580, CUDA 12.x >= 525, CUDA 11.x >= 450.
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}
+
+results: list[tuple[str, str, str]] = []  # (status, check, detail)
+
+
+def report(status: str, check: str, detail: str) -> None:
+    results.append((status, check, detail))
+    print(f"[{status:4}] {check:<14} {detail}", flush=True)
+
+
+def driver_version() -> str | None:
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - no driver or no NVML
+        return None
+
+
+def check_software() -> None:
+    report("ok", "system", f"{platform.node()} {platform.system()} {platform.machine()}, "
+           f"python {platform.python_version()}, uid {os.getuid()} gid {os.getgid()}")
+    report("ok", "torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'}, "
+           f"cuDNN {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'})")
+    image = os.environ.get("TRAINBOX_IMAGE")
+    if image:
+        report("ok", "image", f"{image} {os.environ.get('TRAINBOX_IMAGE_DIGEST', '')}".strip())
+
+
+def check_gpus() -> int:
+    driver = driver_version()
+    cuda_build = torch.version.cuda
+    if driver is None:
+        visible = "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        report("info", "gpu", f"no NVIDIA driver reachable: CPU only (gloo) ({visible})")
+        return 0
+    need = MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
+    major = int(driver.split(".")[0])
+    if need and major < need:
+        report("FAIL", "driver", f"{driver} is too old for this torch's CUDA {cuda_build} (needs >= {need}): "
+               f"upgrade the driver, or build with an older CUDA flavour of torch")
+    else:
+        report("ok", "driver", f"{driver} (CUDA {cuda_build} needs >= {need})")
+    if not torch.cuda.is_available():
+        report("FAIL", "gpu", "a driver is present but CUDA is not usable here: in a container, run with the "
+               "NVIDIA Container Toolkit (compose: docker/compose.gpu.yml)")
+        return 0
+    count = torch.cuda.device_count()
+    mapping = ", ".join(f"cuda:{i}={torch.cuda.get_device_name(i)}" for i in range(count))
+    report("ok", "gpus", f"{count} visible: {mapping} (CUDA_VISIBLE_DEVICES="
+           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}, NVIDIA_VISIBLE_DEVICES="
+           f"{os.environ.get('NVIDIA_VISIBLE_DEVICES', '<unset>')})")
+    return count
+
+
+def check_shm() -> None:
+    if not os.path.isdir("/dev/shm"):
+        report("info", "shm", "/dev/shm not present")
+        return
+    size = shutil.disk_usage("/dev/shm").total
+    detail = f"/dev/shm is {size / 2**30:.2f} GiB"
+    if size < 1 * 2**30:
+        report("FAIL", "shm", f"{detail}: DataLoader workers need more: docker run --shm-size=8g "
+               f"(compose: SHM_SIZE), or --num-workers 0")
+    else:
+        report("ok", "shm", detail)
+
+
+def check_port() -> int:
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            report("FAIL", "port", f"rendezvous port {port} is in use: set MASTER_PORT to a free port")
+            return 0
+    report("ok", "port", f"rendezvous port {port} is free")
+    return port
+
+
+def check_folder(name: str, path: str, write: bool) -> None:
+    if not os.path.isdir(path):
+        report("FAIL", name, f"{path} does not exist: mount the NAS there or set it in .env (make env)")
+        return
+    if write:
+        probe = os.path.join(path, f".doctor-{os.getpid()}")
+        try:
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.unlink(probe)
+        except OSError as e:
+            report("FAIL", name, f"{path} is not writable as uid {os.getuid()} ({e.strerror}): chown it to "
+                   f"that user, or set HOST_UID/HOST_GID (make env)")
+            return
+    elif not os.access(path, os.R_OK | os.X_OK):
+        report("FAIL", name, f"{path} is not readable as uid {os.getuid()}: fix its permissions")
+        return
+    report("ok", name, f"{path} is {'writable' if write else 'readable'} as uid {os.getuid()}")
+
+
+def _allreduce_worker(rank: int, world: int, port: int, use_cuda: bool, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    tensor = torch.ones(16 * 2**20 // 4, device=device)  # 16 MiB of float32
+    for _ in range(2):
+        dist.all_reduce(tensor)
+    if use_cuda:
+        torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 5
+    for _ in range(repeats):
+        dist.all_reduce(tensor)
+    if use_cuda:
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / repeats
+    ok = bool(torch.allclose(tensor[:1].cpu(), torch.tensor([float(world) ** (repeats + 2)])))
+    if rank == 0:
+        # Bus bandwidth as nccl-tests reports it: a ring all-reduce moves 2(n-1)/n of the data.
+        queue.put((elapsed, tensor.numel() * 4 * 2 * (world - 1) / world / elapsed / 1e9, ok))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_allreduce(workers: int, gpus: int) -> None:
+    use_cuda = gpus > 0
+    if use_cuda and workers > gpus:
+        report("FAIL", "all-reduce", f"{workers} workers but {gpus} GPU(s) visible: set GPUS<={gpus}")
+        return
+    if workers < 2:
+        report("info", "all-reduce", "1 worker: nothing to reduce (GPUS=N or --workers N to test N)")
+        return
+    from train.distributed import free_port  # noqa: PLC0415
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        context = mp.start_processes(_allreduce_worker, args=(workers, free_port(), use_cuda, queue),
+                                     nprocs=workers, start_method="spawn", join=False)
+        elapsed, busbw, ok = queue.get()
+        while not context.join(timeout=120):
+            pass
+    except Exception as e:  # noqa: BLE001 - report, do not crash the report
+        report("FAIL", "all-reduce", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}: "
+               f"see the troubleshooting section of the README (NCCL_P2P_DISABLE, NCCL_SOCKET_IFNAME)")
+        return
+    backend = "nccl" if use_cuda else "gloo"
+    status = "ok" if ok else "FAIL"
+    report(status, "all-reduce", f"{workers} workers ({backend}), 16 MiB: {elapsed * 1e3:.1f} ms, "
+           f"bus bandwidth {busbw:.2f} GB/s{'' if ok else ', WRONG RESULT'}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default=os.environ.get("GPUS", ""),
+                        help="workers for the all-reduce (default: $GPUS, else all GPUs, else 2)")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--runs-dir", default="runs")
+    args = parser.parse_args(argv)
+    print("trainbox doctor")
+    check_software()
+    gpus = check_gpus()
+    check_shm()
+    check_port()
+    check_folder("data", args.data_dir, write=False)
+    check_folder("runs", args.runs_dir, write=True)
+    workers = int(args.workers) if str(args.workers).strip().isdigit() and int(args.workers) > 0 else (gpus or 2)
+    check_allreduce(workers, gpus)
+    failed = [check for status, check, _ in results if status == "FAIL"]
+    print(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "all checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
