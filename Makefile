@@ -11,7 +11,10 @@ SHELL := /bin/bash
 #   DOCKER       a docker client with BuildKit (Debian's docker.io: /usr/bin/docker)
 #   COMPOSE      "docker compose" (v2) or docker-compose (v1.29); default: whichever is installed
 #   IMAGE        the image tag to build and run
-#   BASE_IMAGE   the CUDA base image (see docker/Dockerfile for pinning it by digest)
+#   TORCH_FLAVOUR  the CUDA build of torch: cu130 (PyPI; driver >= 580; the default), or cu128 / cu126
+#                from the PyTorch index for clusters on 535/550/570 drivers (needs `make lock` first)
+#   BASE_IMAGE   the CUDA base image; defaults to the one matching TORCH_FLAVOUR (pin it by digest:
+#                see docker/Dockerfile)
 #   EXTRA_CA     a CA bundle for builds behind a TLS-intercepting proxy (BuildKit secret, never stored)
 #   BUILD_FLAGS  extra `docker build` flags, e.g. --no-cache or --progress=plain
 #   HOST_UID/HOST_GID  the container user (default: yours; 1000 when you are root)
@@ -25,7 +28,8 @@ VENV ?= .venv
 DOCKER ?= docker
 COMPOSE ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
 IMAGE ?= trainbox:local
-BASE_IMAGE ?= nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+TORCH_FLAVOUR ?= cu130
+BASE_IMAGE ?= $(BASE_$(TORCH_FLAVOUR))
 EXTRA_CA ?=
 BUILD_FLAGS ?=
 HOST_UID ?= $(shell u=$$(id -u); [ "$$u" = 0 ] && echo 1000 || echo $$u)
@@ -37,8 +41,15 @@ PYTEST_ARGS ?=
 RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
 
 PY := $(VENV)/bin/python
+# Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
+BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+BASE_cu126 := nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+LOCK := $(if $(filter cu130,$(TORCH_FLAVOUR)),requirements.lock,docker/locks/$(TORCH_FLAVOUR).lock)
+# cu130 resolves for every platform and Python >= 3.10; the others for the image (Linux x86-64, Python 3.12).
+LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version 3.10,--index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --python-version 3.12 --python-platform x86_64-manylinux_2_28)
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
-STAMP := $(VENV)/.installed
+STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these two come from make's knobs.
 export GPUS
 export TRAINBOX_IMAGE := $(IMAGE)
@@ -51,10 +62,10 @@ help: ## list the targets
 
 setup: $(STAMP) ## create or update the local environment from requirements.lock (hash-checked)
 
-$(STAMP): requirements.lock
+$(STAMP): $(LOCK)
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: trainbox needs Python >= 3.10, found " + sys.version.split()[0] + ": set PYTHON=python3.X")'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r requirements.lock
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
 	@# Put this checkout on the environment's path, so `python -m train` works from any folder.
 	@$(PY) -c 'import os, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth"), "w").write(os.getcwd() + "\n")'
 	@touch $@
@@ -72,11 +83,11 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-build: ## build the image (BuildKit); BASE_IMAGE=... to build on another base
+build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \
 	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
 	  --build-arg IMAGE_TAG=$(IMAGE) --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
-	  --build-arg LOCK_SHA256=$$(sha256sum requirements.lock | cut -d' ' -f1) \
+	  --build-arg LOCK_FILE=$(LOCK) --build-arg LOCK_SHA256=$$(sha256sum $(LOCK) | cut -d' ' -f1) \
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
 image: ## build the image only if it is missing
@@ -106,8 +117,13 @@ else
 	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor
 endif
 
-lock: ## re-resolve requirements.lock from pyproject.toml (needs uv on PATH)
-	uv pip compile --universal --generate-hashes --python-version 3.10 pyproject.toml -o requirements.lock
+lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu128/cu126 need download.pytorch.org)
+	@mkdir -p $(dir $(LOCK))
+	uv pip compile --generate-hashes $(LOCK_FLAGS) pyproject.toml -o $(LOCK)
+
+docker/locks/%.lock:
+	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable, then commit it" >&2
+	@exit 2
 
 clean: ## remove the local environment and caches (runs/ and the image are kept)
 	rm -rf $(VENV) .pytest_cache

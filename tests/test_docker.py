@@ -103,6 +103,21 @@ def compose(env_file, *args, expect=0, gpus="", timeout=600):
     return run([*COMPOSE, "--env-file", str(env_file), *args], expect=expect, timeout=timeout, cwd=REPO, env=env)
 
 
+def test_compose_nfs_variant_replaces_the_host_folders(docker, tmp_path):
+    # No NFS in this kernel: the variant is validated by compose, not mounted.
+    env_file = tmp_path / "nfs.env"
+    env_file.write_text(f"HOST_UID={USER}\nHOST_GID={USER}\nNFS_SERVER=nas.example.org\n"
+                        "NFS_DATA_EXPORT=/export/datasets\nNFS_RUNS_EXPORT=/export/runs\n")
+    config = compose(env_file, "-f", "docker-compose.yml", "-f", "docker/compose.nfs.yml", "config").stdout
+    assert "nas-data:/opt/trainbox/data:ro" in config and "nas-runs:/opt/trainbox/runs" in config
+    assert "type: nfs" in config and "addr=nas.example.org,ro" in config and "device: :/export/runs" in config
+    assert str(REPO / "runs") not in config  # the host folder is gone
+    missing = tmp_path / "missing.env"
+    missing.write_text(f"HOST_UID={USER}\n")
+    err = compose(missing, "-f", "docker-compose.yml", "-f", "docker/compose.nfs.yml", "config", expect=None)
+    assert err.returncode != 0 and "set NFS_SERVER in .env" in err.stderr
+
+
 def test_image_runs_as_the_build_user_not_root(docker, image):
     out = run([docker, "run", "--rm", "--entrypoint", "id", image["tag"]]).stdout
     assert f"uid={USER}" in out and f"gid={USER}" in out

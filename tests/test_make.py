@@ -53,3 +53,17 @@ def test_default_make_train_learns(tmp_path):
     final = metrics(run_dir, "eval")[-1]
     assert final["samples"] == 2000
     assert final["accuracy"] > 0.9, final
+
+
+def test_torch_flavour_selects_lock_and_base_together():
+    default = make("-n", "build", "DOCKER=docker").stdout
+    assert "LOCK_FILE=requirements.lock" in default
+    assert "BASE_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04" in default
+    lock = make("-n", "lock", "TORCH_FLAVOUR=cu128").stdout
+    assert "--index https://download.pytorch.org/whl/cu128" in lock and "docker/locks/cu128.lock" in lock
+
+
+def test_a_flavour_without_its_lock_is_one_clear_error():
+    proc = make("build", "TORCH_FLAVOUR=cu126", "DOCKER=docker", expect=2)
+    assert ("error: docker/locks/cu126.lock is missing: run 'make lock TORCH_FLAVOUR=cu126' where "
+            "download.pytorch.org is reachable") in proc.stderr
