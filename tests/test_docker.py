@@ -199,3 +199,30 @@ def test_make_train_falls_back_to_the_local_environment_without_an_engine(tmp_pa
     proc = run(["make", "--no-print-directory", "train", "DOCKER=/nonexistent/docker",
                 f"ARGS=--preset debug --max-steps 5 --run-dir {tmp_path / 'run'}"], cwd=REPO, timeout=600)
     assert "trainbox: local environment" in proc.stderr
+
+
+def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
+    import time
+    import urllib.request
+
+    from tests.conftest import python_cmd
+    from train.distributed import free_port
+
+    root, env_file = nas
+    run(python_cmd("--preset", "debug", "--max-steps", 10, "--run-dir", root / "runs" / "tb1"))
+    port = free_port()
+    env_file.write_text(env_file.read_text() + f"TENSORBOARD_PORT={port}\n")
+    project = ["-p", f"trainbox-test-{port}"]
+    compose(env_file, *project, "up", "-d", "tensorboard")
+    try:
+        deadline, seen = time.monotonic() + 120, ""
+        while time.monotonic() < deadline and "tb1/tensorboard" not in seen:
+            try:
+                seen = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=5).read().decode()
+            except OSError:
+                time.sleep(1)
+        assert "tb1/tensorboard" in seen
+        tags = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5).read()
+        assert b"train/loss" in tags and b"eval/accuracy" in tags
+    finally:
+        compose(env_file, *project, "down", expect=None)
