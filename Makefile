@@ -21,6 +21,7 @@ SHELL := /bin/bash
 #   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
+#   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
 ARGS ?=
 PYTHON ?= python3
@@ -38,6 +39,8 @@ DATA_DIR ?=
 RUNS_DIR ?=
 ENV_FILE ?= .env
 PYTEST_ARGS ?=
+SQSH ?= trainbox.sqsh
+SIF ?= trainbox.sif
 RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
 
 PY := $(VENV)/bin/python
@@ -54,7 +57,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test build image shell tensorboard env doctor lock clean
+.PHONY: help setup train train-local train-docker test build image shell tensorboard env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -116,6 +119,14 @@ ifeq ($(RUNTIME),docker)
 else
 	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor
 endif
+
+enroot: image ## the image as an enroot squashfs for pyxis (SQSH=trainbox.sqsh; needs enroot)
+	@command -v enroot >/dev/null || { echo "error: enroot not found: install NVIDIA enroot where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	enroot import -o $(SQSH) dockerd://$(IMAGE)
+
+apptainer: image ## the image as an Apptainer SIF (SIF=trainbox.sif; needs apptainer)
+	@command -v apptainer >/dev/null || { echo "error: apptainer not found: install Apptainer where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	apptainer build $(SIF) docker-daemon://$(IMAGE)
 
 lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu128/cu126 need download.pytorch.org)
 	@mkdir -p $(dir $(LOCK))

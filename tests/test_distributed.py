@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import expand_hostlist, free_port, resolve_identity, slurm_master_port
+from train.distributed import free_port, resolve_identity
+from train.slurm import expand_hostlist
+from train.slurm import master_port as slurm_master_port
 from train.loop import ordered_allreduce_hook
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from train.slurm import expand_hostlist, master_port
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -32,30 +34,6 @@ class Identity:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1 or self.launcher != "single"
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a Slurm hostlist such as 'gpu[01-03,7],login1' into its host names."""
-    hosts = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            for n in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
-    return hosts
-
-
-def slurm_master_port(job_id: str) -> int:
-    """A port derived from the job id, so two jobs sharing a node do not collide."""
-    return 20000 + int(job_id) % 20000
 
 
 def _int(env, key: str) -> int:
@@ -84,7 +62,7 @@ def resolve_identity(env=None) -> Identity:
             global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID"),
             world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
             launcher="slurm", master_addr=env.get("MASTER_ADDR", nodes[0]),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else slurm_master_port(env["SLURM_JOB_ID"]))
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port(env["SLURM_JOB_ID"]))
     return Identity(0, 0, 1, 1, "single", "127.0.0.1", 0)
 
 

@@ -1,0 +1,205 @@
+"""slurm/*.sh on a real 2-node Slurm cluster (tests/cluster/up.sh: slurmd n1, n2 in network namespaces).
+
+Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
+The unit tests of train.slurm at the top run everywhere.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEBUG, PY, REPO, assert_bit_identical, metrics, reached_step, run, torchrun_cmd, wait_for
+from train import slurm
+
+CLUSTER = REPO / "tests" / "cluster"
+LAB = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-slurm-cluster"
+
+
+# ------------------------------------------------------------ train.slurm, no cluster needed
+
+def _job_env(tmp_path, **extra):
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    return {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_SUBMIT_DIR": str(REPO),
+            "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": PY, **extra}
+
+
+def test_plan_local_runtime(tmp_path):
+    out = slurm.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
+    assert (out["NNODES"], out["NPROC_PER_NODE"], out["MASTER_ADDR"]) == ("2", "4", "gpu07")
+    assert out["MASTER_PORT"] == str(20000 + 777) and out["LAUNCH"] == [PY]
+    assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(tmp_path / "runs" / "slurm-777")
+    assert slurm.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
+    assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
+
+
+def test_plan_container_runtimes_mount_the_nas(tmp_path):
+    (tmp_path / "data").mkdir()
+    image = tmp_path / "trainbox.sqsh"
+    image.write_text("x")
+    env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "data"), IMAGE=str(image))
+    pyxis = slurm.plan({**env, "RUNTIME": "pyxis"})
+    assert pyxis["LAUNCH"][0] == f"--container-image={image}"
+    assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
+    assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
+    assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
+    apptainer = slurm.plan({**env, "RUNTIME": "apptainer"})
+    assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"RUNTIME": "docker"}, "RUNTIME='docker': use one of local, pyxis, apptainer"),
+    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0'"),
+    ({"RUNS_DIR": "/nonexistent/runs"}, "RUNS_DIR=/nonexistent/runs does not exist"),
+    ({"DATA_DIR": "/nonexistent/data"}, "DATA_DIR=/nonexistent/data does not exist"),
+    ({"RUNTIME": "pyxis"}, "RUNTIME=pyxis needs IMAGE="),
+    ({"RUNTIME": "apptainer", "IMAGE": "/nonexistent/t.sif"}, "RUNTIME=apptainer needs IMAGE="),
+    ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
+])
+def test_plan_refuses_bad_input(tmp_path, extra, message):
+    with pytest.raises(slurm.SlurmInputError) as e:
+        slurm.plan({**_job_env(tmp_path), **extra})
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("state, restarts, decision", [
+    ("done", "0", "done"), ("stopped", "0", "requeue"), ("stopped", "10", "failed"), ("running", "0", "failed"),
+    (None, "0", "failed"),
+])
+def test_after_the_step(tmp_path, state, restarts, decision):
+    if state:
+        (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}) == decision
+
+
+# ------------------------------------------------------------ a real cluster
+
+def _slurm_ok() -> bool:
+    return os.getuid() == 0 and all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not _slurm_ok():
+        if os.environ.get("TRAINBOX_REQUIRE_SLURM") == "1":
+            pytest.fail("TRAINBOX_REQUIRE_SLURM=1 but Slurm (slurm-wlm, munge) or root is missing")
+        pytest.skip("needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)")
+    env = {**os.environ, "LAB": str(LAB)}
+    subprocess.run(["bash", str(CLUSTER / "down.sh")], env=env, capture_output=True)
+    up = subprocess.run(["bash", str(CLUSTER / "up.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield {**env, "SLURM_CONF": str(LAB / "slurm.conf")}
+    subprocess.run(["bash", str(CLUSTER / "down.sh")], env=env, capture_output=True)
+
+
+def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
+    proc = run(["sbatch", "--parsable", *sbatch_args, str(REPO / "slurm" / script), *map(str, args)],
+               env={**cluster, **(env or {})}, expect=expect, cwd=REPO)
+    return proc.stdout.strip().split(";")[0] if proc.returncode == 0 else proc
+
+
+def job_info(cluster, job_id) -> dict:
+    out = run(["scontrol", "show", "job", job_id], env=cluster).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_job(cluster, job_id, timeout=600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(cluster, job_id)
+        if info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return info
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {job_info(cluster, job_id)['JobState']} after {timeout}s")
+
+
+def nas(tmp_path):
+    runs = tmp_path / "nas" / "runs"
+    runs.mkdir(parents=True)
+    return {"RUNS_DIR": str(runs), "PYTHON": str(REPO / ".venv" / "bin" / "python")}, runs
+
+
+@pytest.fixture(scope="module")
+def local_4_workers(tmp_path_factory):
+    """The reference: a local torchrun with 4 workers, deterministic, the debug preset."""
+    run_dir = tmp_path_factory.mktemp("local4") / "run"
+    run(torchrun_cmd(4, *DEBUG, "--deterministic", "--run-dir", run_dir), timeout=600)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_workers):
+    env, runs = nas(tmp_path)
+    log = tmp_path / "job.out"
+    job = sbatch(cluster, "multinode.sh", *DEBUG, "--deterministic", sbatch_args=("--nodes=2", f"--output={log}"),
+                 env={**env, "NPROC_PER_NODE": "2"})
+    info = wait_job(cluster, job)
+    assert info["JobState"] == "COMPLETED", log.read_text()
+    run_dir = runs / f"slurm-{job}"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
+    assert manifest["slurm_job_id"] == job
+    assert "2 node(s) x 2 worker(s)" in log.read_text()
+    assert_bit_identical(run_dir, local_4_workers)
+
+
+@pytest.mark.slow
+def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path):
+    env, runs = nas(tmp_path)
+    log = tmp_path / "job.out"
+    long = [*DEBUG, "--deterministic", "--max-steps", 160, "--log-every", 5, "--eval-every", 0]
+    job = sbatch(cluster, "multinode.sh", *long, sbatch_args=("--nodes=2", f"--output={log}"),
+                 env={**env, "NPROC_PER_NODE": "2"})
+    run_dir = runs / f"slurm-{job}"
+    wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
+    run(["scancel", "--signal=USR2", "--batch", job], env=cluster)
+    info = wait_job(cluster, job, timeout=900)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    assert info["Restarts"] == "1", text
+    assert "preemption signal: checkpointing" in text and "requeueing job" in text and "resumed from" in text
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["resumed_from_step"] and 15 <= manifest["resumed_from_step"] < 160
+    logged = [m["step"] for m in metrics(run_dir, "train")]
+    assert logged == sorted(set(logged)) and logged[-1] == 160
+    local = tmp_path / "local"
+    run(torchrun_cmd(4, *long, "--run-dir", local), timeout=600)
+    assert_bit_identical(run_dir, local)
+
+
+@pytest.mark.slow
+def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path):
+    env, runs = nas(tmp_path)
+    jobs = [sbatch(cluster, "singlenode.sh", *DEBUG, "--max-steps", 20,
+                   sbatch_args=("--nodelist=n1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out"), env=env)
+            for _ in range(2)]
+    infos = [wait_job(cluster, job) for job in jobs]
+    logs = [(tmp_path / f"{job}.out").read_text() for job in jobs]
+    assert [i["JobState"] for i in infos] == ["COMPLETED", "COMPLETED"], logs
+    assert [i["NodeList"] for i in infos] == ["n1", "n1"]
+    ports = [re.search(r"rendezvous n1:(\d+)", text).group(1) for text in logs]
+    assert ports[0] != ports[1]
+    for job in jobs:
+        assert (runs / f"slurm-{job}" / "model.pt").is_file()
+
+
+@pytest.mark.slow
+def test_more_nodes_than_the_partition_has_is_refused(cluster, tmp_path):
+    proc = sbatch(cluster, "multinode.sh", sbatch_args=("--nodes=3", f"--output={tmp_path}/x.out"), expect=None)
+    assert proc.returncode != 0
+    assert "Node count specification invalid" in proc.stderr  # EnforcePartLimits=ALL, as clusters set it
+
+
+@pytest.mark.slow
+def test_missing_nas_folder_is_one_line_in_the_job_log(cluster, tmp_path):
+    log = tmp_path / "job.out"
+    job = sbatch(cluster, "multinode.sh", *DEBUG, sbatch_args=(f"--output={log}",),
+                 env={"RUNS_DIR": str(tmp_path / "not-mounted"), "PYTHON": str(REPO / ".venv" / "bin" / "python")})
+    info = wait_job(cluster, job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0"
+    assert f"error: RUNS_DIR={tmp_path / 'not-mounted'} does not exist on" in log.read_text()

@@ -1,0 +1,151 @@
+"""The decisions behind slurm/*.sh, in Python (standard library only: the batch shell's python3 runs it).
+
+  python3 -m train.slurm plan            shell assignments: NNODES, NPROC_PER_NODE, MASTER_ADDR,
+                                         MASTER_PORT, RUN_DIR_ARG and LAUNCH (the runtime's command prefix)
+  python3 -m train.slurm after RUN_DIR   what the batch shell does once the step ended:
+                                         requeue | done | failed (from RUN_DIR/status.json)
+
+Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE) is one line on stderr
+and exit code 2, so the job log says what to fix before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+RUNTIMES = ("local", "pyxis", "apptainer")
+WORKDIR = "/opt/trainbox"  # the image's checkout; the NAS folders are mounted under it
+
+
+class SlurmInputError(ValueError):
+    pass
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm hostlist such as 'gpu[01-03,7],login1' into its host names."""
+    hosts = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            for n in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{n:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def master_port(job_id: str) -> int:
+    """A port derived from the job id, so two jobs sharing a node do not collide."""
+    return 20000 + int(job_id) % 20000
+
+
+def gpus_on_node(env) -> int:
+    """GPUs Slurm gave this node (SLURM_GPUS_ON_NODE), else those CUDA_VISIBLE_DEVICES lists."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return len(visible)
+
+
+def plan(env) -> dict[str, str | list[str]]:
+    """Everything the batch script needs to start one torchrun per node, checked first."""
+    if "SLURM_JOB_ID" not in env:
+        raise SlurmInputError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
+    runtime = env.get("RUNTIME", "local")
+    if runtime not in RUNTIMES:
+        raise SlurmInputError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
+    nproc = env.get("NPROC_PER_NODE", "")
+    if nproc and (not nproc.isdigit() or int(nproc) < 1):
+        raise SlurmInputError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
+    workers = int(nproc) if nproc else (gpus_on_node(env) or 1)
+    trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
+    runs_dir = Path(env.get("RUNS_DIR") or trainbox_dir / "runs")
+    data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
+    if not runs_dir.is_dir():
+        raise SlurmInputError(f"RUNS_DIR={runs_dir} does not exist on {env.get('SLURMD_NODENAME', 'this node')}: "
+                              f"create it on the NAS or set RUNS_DIR")
+    if not os.access(runs_dir, os.W_OK):
+        raise SlurmInputError(f"RUNS_DIR={runs_dir} is not writable: fix its permissions or set RUNS_DIR")
+    if env.get("DATA_DIR") and not data_dir.is_dir():
+        raise SlurmInputError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
+    run_name = env.get("RUN_NAME") or f"slurm-{env['SLURM_JOB_ID']}"
+    nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"))
+    out: dict[str, str | list[str]] = {
+        "NNODES": str(len(nodes)),
+        "NPROC_PER_NODE": str(workers),
+        "MASTER_ADDR": nodes[0],
+        "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"])),
+        "RUN_DIR": str(runs_dir / run_name),
+    }
+    if runtime == "local":
+        python = Path(env.get("PYTHON") or trainbox_dir / ".venv" / "bin" / "python")
+        if not python.exists():
+            raise SlurmInputError(f"{python} not found: run `make setup` in {trainbox_dir} (on the NAS) or set PYTHON")
+        out["LAUNCH"] = [str(python)]
+        out["RUN_DIR_ARG"] = str(runs_dir / run_name)
+        return out
+    image = env.get("IMAGE", "")
+    suffix = ".sqsh" if runtime == "pyxis" else ".sif"
+    if not image or ("/" in image and not Path(image).exists()):
+        raise SlurmInputError(f"RUNTIME={runtime} needs IMAGE=/nas/path/trainbox{suffix}: build it with "
+                              f"`make {'enroot' if runtime == 'pyxis' else 'apptainer'}`")
+    mounts = [(str(runs_dir), f"{WORKDIR}/runs", "rw")]
+    if data_dir.is_dir():
+        mounts.append((str(data_dir), f"{WORKDIR}/data", "ro"))
+    if runtime == "pyxis":
+        out["LAUNCH"] = [f"--container-image={image}",
+                         "--container-mounts=" + ",".join(f"{s}:{d}:{m}" for s, d, m in mounts),
+                         f"--container-workdir={WORKDIR}", "python"]
+    else:
+        out["LAUNCH"] = ["apptainer", "exec", "--nv", "--pwd", WORKDIR,
+                         *[a for s, d, m in mounts for a in ("--bind", f"{s}:{d}:{m}")], image, "python"]
+    out["RUN_DIR_ARG"] = f"runs/{run_name}"
+    return out
+
+
+def after(run_dir: Path, env) -> str:
+    """requeue: stopped on a signal with a checkpoint (and requeues left); done; or failed."""
+    try:
+        state = json.loads((run_dir / "status.json").read_text()).get("state")
+    except (OSError, ValueError):
+        state = None
+    if state == "done":
+        return "done"
+    if state == "stopped":
+        limit = int(env.get("MAX_REQUEUES", "10"))
+        return "requeue" if int(env.get("SLURM_RESTART_COUNT", "0")) < limit else "failed"
+    return "failed"
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["plan"]:
+            for key, value in plan(os.environ).items():
+                if isinstance(value, list):
+                    print(f"{key}=({' '.join(shlex.quote(v) for v in value)})")
+                else:
+                    print(f"{key}={shlex.quote(value)}")
+            return 0
+        if argv[:1] == ["after"] and len(argv) == 2:
+            print(after(Path(argv[1]), os.environ))
+            return 0
+    except SlurmInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("usage: python3 -m train.slurm plan | after RUN_DIR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
