@@ -35,7 +35,8 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
-eval "$(python3 -m train.slurm plan)" || exit 2   # NNODES NPROC_PER_NODE MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH
+plan=$(python3 -m train.slurm plan) || exit 2   # NNODES NPROC_PER_NODE MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH
+eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 
@@ -43,12 +44,13 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" "${LAUNCH[@]}" -
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --max-restarts="${MAX_RESTARTS:-0}" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 \
+    --shutdown-timeout=100 \
     -m train --run-dir "$RUN_DIR_ARG" "$@" &
 step=$!
 # The signal reaches this shell only (B:); pass it to the step's processes on every node.
 trap 'echo "trainbox: preemption signal: checkpointing"; scancel --signal=USR2 "$SLURM_JOB_ID"' USR2 TERM
-wait "$step"; code=$?
-while kill -0 "$step" 2>/dev/null; do wait "$step"; code=$?; done   # wait returns early for a trap
+while kill -0 "$step" 2>/dev/null; do wait "$step"; done   # wait returns early when a trap runs
+wait "$step"; code=$?                                       # the step's own exit code
 
 case "$(python3 -m train.slurm after "$RUN_DIR")" in
   done)    echo "trainbox: finished: $RUN_DIR/model.pt"; exit 0 ;;

@@ -12,3 +12,12 @@ def tiny_groupnorm_cnn(num_classes: int) -> nn.Module:
 
 
 NOT_CALLABLE = 42
+
+
+def crashes_on_rank_1(num_classes: int) -> nn.Module:
+    """Rank 1 fails while building the model; rank 0 goes on into the first collective."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("deliberate failure on rank 1")
+    return tiny_groupnorm_cnn(num_classes)

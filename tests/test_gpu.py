@@ -37,4 +37,5 @@ def test_fp16_with_grad_scaler_resumes(tmp_path):
 def test_make_gpus_above_visible_is_one_line():
     visible = torch.cuda.device_count()
     proc = run(["make", "--no-print-directory", "train", f"GPUS={visible + 1}"], expect=2, cwd=REPO)
-    assert f"GPUS={visible + 1} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES" in proc.stderr
+    expected = f"GPUS={visible + 1} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES"
+    assert expected in proc.stderr

@@ -3,11 +3,10 @@
 import json
 import re
 import shutil
-import subprocess
 
 import pytest
 
-from tests.conftest import REPO, env_for_tests, metrics, run, status
+from tests.conftest import REPO, metrics, run, status
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
 

@@ -52,7 +52,7 @@ def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
     run(python_cmd(*common, "--batch-size", 32, "--run-dir", one))
     a, b = metrics(two, "train"), metrics(one, "train")
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 31))
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
     assert a[-1]["loss"] < a[0]["loss"] - 0.1  # and it did learn
 

@@ -69,3 +69,11 @@ def test_sigterm_to_a_single_process_run(tmp_path):
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _finish_and_compare(proc, run_dir, lambda d: python_cmd(*LONG, "--run-dir", d), tmp_path, expected_code=75)
+
+
+def test_spawn_stops_the_other_workers_when_one_crashes(tmp_path):
+    # Rank 0 would otherwise wait in a collective for the full --timeout-s (600 s).
+    proc = run(python_cmd(*DEBUG, "--spawn", 2, "--model", "tests.models:crashes_on_rank_1",
+                          "--run-dir", tmp_path / "run"), expect=None, timeout=120)
+    assert proc.returncode not in (0, 75)
+    assert "deliberate failure on rank 1" in proc.stderr

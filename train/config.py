@@ -28,7 +28,8 @@ def _f(default, help: str, choices: tuple | None = None):
 @dataclass
 class Config:
     # --- run ---
-    run_dir: str = _f("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; empty: runs/<timestamp>")
+    run_dir: str = _f("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; "
+                          "empty: runs/<timestamp>")
     preset: str = _f("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
     seed: int = _f(0, "seed for the model, the built-in data, sampling and augmentation")
     max_steps: int = _f(600, "total optimizer steps of the run, counted across resumes")
@@ -47,7 +48,8 @@ class Config:
     image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
     train_samples: int = _f(12000, "shapes: number of training images")
     val_samples: int = _f(2000, "shapes: number of validation images")
-    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else 1-4 by cores per worker")
+    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
+                              "else 1-4 by cores per worker")
     # --- model ---
     model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
     width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
@@ -79,7 +81,8 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
-        non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay", "momentum")
+        non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
+                        "momentum")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from train.config import Config, ConfigError
-from train.distributed import barrier, identity
+from train.distributed import gather, identity
 
 NUM_SHAPE_CLASSES = 10
 SHAPE_CLASSES = ("disk", "square", "ring", "plus", "triangle", "diamond",
@@ -191,9 +191,15 @@ def build_datasets(cfg: Config):
         present = (root / "cifar-10-batches-py").is_dir()
         if not present and not cfg.download:
             raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
-        if identity().local_rank == 0 and cfg.download:
-            datasets.CIFAR10(str(root), train=True, download=True)  # once per node
-        barrier()
+        error = None
+        if identity().local_rank == 0 and cfg.download:  # once per node
+            try:
+                datasets.CIFAR10(str(root), train=True, download=True)
+            except (OSError, RuntimeError) as e:
+                error = f"downloading CIFAR-10 into {root} failed ({e}): check the network or download it by hand"
+        failed = [e for e in gather(error) if e]  # every rank learns of a failed download; none waits
+        if failed:
+            raise ConfigError(failed[0])
         try:
             train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
             val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))

@@ -129,9 +129,13 @@ def teardown(clean: bool = True) -> None:
     _control_group = None
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier(group=_control_group)
+def gather(value) -> list:
+    """Every rank's value (plain Python objects), on every rank."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=_control_group)
+    return out
 
 
 def free_port() -> int:

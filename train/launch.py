@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -114,8 +115,15 @@ def spawn(cfg: Config) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         signal.signal(sig, forward)
-    for process in context.processes:
-        process.join()
+    # Wait for all; if one fails, stop the rest now rather than after the collective timeout.
+    waiting = {p.sentinel: p for p in context.processes}
+    while waiting:
+        for sentinel in multiprocessing.connection.wait(list(waiting)):
+            process = waiting.pop(sentinel)
+            process.join()
+            if process.exitcode not in (0, EXIT_STOPPED):
+                for other in waiting.values():
+                    other.kill()  # not SIGTERM: that asks for a checkpoint, which needs the dead rank
     # A crash outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does.
     codes = [code if code >= 0 else 128 - code for code in (p.exitcode for p in context.processes)]
     crashed = [code for code in codes if code not in (0, EXIT_STOPPED)]
@@ -191,6 +199,7 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
         "--standalone", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",
         # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+        "--shutdown-timeout=100",  # time for the workers to agree on a step and save before SIGKILL
         "-m", "train", *trainer_args])
     try:
         torchrun.run(options)
@@ -200,7 +209,8 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
             state = json.loads((run_dir / "status.json").read_text()).get("state")
         except (OSError, ValueError):
             state = None
-        if state == "stopped":
+        codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
+        if state == "stopped" and codes <= {EXIT_STOPPED}:
             print(f"trainbox: stopped after saving a checkpoint in {run_dir}; run the same command to resume",
                   file=sys.stderr)
             return EXIT_STOPPED

@@ -21,7 +21,7 @@ from train import checkpoint as ckpt
 from train.config import MODEL_KEYS, Config, ConfigError
 from train.data import build_datasets, build_train_loader, build_val_loader
 from train.launch import EXIT_STOPPED
-from train.distributed import control_group, identity, init, is_main, pick_device, teardown
+from train.distributed import control_group, gather, identity, init, is_main, pick_device, teardown
 from train.metrics import GpuTelemetry, MetricsWriter, build_manifest, write_manifest
 from train.models import build_model
 
@@ -45,14 +45,6 @@ def raise_if_main_failed(error: str | None) -> None:
     error = broadcast_from_main(error)
     if error:
         raise ConfigError(error)
-
-
-def gather(value) -> list:
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value, group=control_group())
-    return out
 
 
 class StopSignal:
@@ -231,6 +223,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
             probe = run_dir / f".write-test-{os.getpid()}"
             probe.write_text("ok")
             probe.unlink()
+            ckpt.write_status(run_dir, "starting", -1)  # a crash before training must not look "stopped"
         except OSError as e:
             error = f"run directory {run_dir} is not writable ({e.strerror}): pass a writable --run-dir"
     raise_if_main_failed(error)
@@ -246,7 +239,8 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
     steps_per_epoch = batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
         raise ConfigError(f"{len(train_set)} training samples are fewer than one step needs "
-                          f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): lower --batch-size or --grad-accum")
+                          f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): "
+                          f"lower --batch-size or --grad-accum")
 
     raw_model = build_model(cfg, num_classes)
     if cfg.sync_bn and world > 1:
@@ -260,7 +254,13 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
 
     # Resume: rank 0 picks the newest checkpoint that verifies; every rank loads it.
     step, epoch, step_in_epoch = 0, 0, 0
-    latest = ckpt.newest_valid(run_dir) if is_main() else None
+    latest, error = None, None
+    if is_main():
+        try:
+            latest = ckpt.newest_valid(run_dir)
+        except OSError as e:
+            error = f"cannot read the checkpoints in {run_dir} ({e.strerror or e}): check the disk and permissions"
+    raise_if_main_failed(error)
     latest = broadcast_from_main(str(latest) if latest else None)
     if latest:
         state = ckpt.load_checkpoint(Path(latest), device)
@@ -271,14 +271,18 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        if state["scaler"] and scaler.is_enabled():  # empty unless the checkpoint was made with fp16
+            scaler.load_state_dict(state["scaler"])
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
-        if state["world_size"] != world:
-            # The epoch position is kept as samples seen; per-rank RNG streams cannot carry over.
-            seen = step_in_epoch * state["world_size"] * state["batch_size"] * state["grad_accum"]
+        saved_layout = (state["world_size"], state["batch_size"], state["grad_accum"])
+        if saved_layout != (world, cfg.batch_size, cfg.grad_accum):
+            # Keep the epoch position as samples seen, rounded down to a whole step of the new layout.
+            seen = step_in_epoch * saved_layout[0] * saved_layout[1] * saved_layout[2]
             step_in_epoch = seen // (world * cfg.batch_size * cfg.grad_accum)
-            log.warning("resuming a %d-worker checkpoint with %d workers: same data order, but results will "
-                        "differ from an uninterrupted run", state["world_size"], world)
+            log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
+                        "same data order, but results will differ from an uninterrupted run",
+                        *saved_layout, world, cfg.batch_size, cfg.grad_accum)
+        if state["world_size"] != world:  # per-rank RNG streams cannot carry over
             torch.manual_seed(cfg.seed * 7919 + rank + step)
         else:
             torch.set_rng_state(state["rng"][rank]["cpu"].cpu())
@@ -299,13 +303,19 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
             model.register_comm_hook(None, ordered_allreduce_hook)
 
     hostnames = gather(socket.gethostname())
+    error = None
     if is_main():
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        write_manifest(run_dir, build_manifest(cfg, ident, device, hostnames, step if latest else None))
+        try:
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_manifest(run_dir, build_manifest(cfg, ident, device, hostnames, step if latest else None))
+            ckpt.write_status(run_dir, "running", step, max_steps=cfg.max_steps)
+        except OSError as e:
+            error = f"could not write to {run_dir} ({e.strerror or e}): check the disk and its permissions"
+    raise_if_main_failed(error)
+    if is_main():
         log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                  run_dir, world, ident.launcher, device.type, cfg.max_steps, steps_per_epoch,
                  world * cfg.batch_size * cfg.grad_accum, str(autocast_dtype or "fp32").replace("torch.", ""))
-        ckpt.write_status(run_dir, "running", step, max_steps=cfg.max_steps)
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=step if latest else 0)
     telemetry = GpuTelemetry(device)
 
@@ -340,6 +350,11 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
     last_saved = step if latest else -1
     window_loss = torch.zeros(1, device=device)
     window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+    if cfg.stop_at and latest and cfg.stop_at <= step < cfg.max_steps:
+        log.info("--stop-at %d: already at step %d, nothing to train (exit %d)", cfg.stop_at, step, EXIT_STOPPED)
+        exit_code = EXIT_STOPPED
+        if is_main():
+            ckpt.write_status(run_dir, "stopped", step, max_steps=cfg.max_steps, exit_code=EXIT_STOPPED)
     while step < cfg.max_steps and not exit_code:
         sampler.set_epoch(epoch, start=step_in_epoch * cfg.grad_accum * cfg.batch_size)
         batches = iter(train_loader)
@@ -380,7 +395,9 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
                           "step_time_s": elapsed / window_steps, "data_wait_frac": wait_mean / elapsed,
                           "epoch": epoch}
                 for r, reading in enumerate(gather(telemetry.read()) if device.type == "cuda" else []):
-                    values.update({f"gpu{r}_{k}": v for k, v in zip(("util", "mem_mib", "power_w"), reading)})
+                    # A rank without NVML reads []: it adds nothing.
+                    names = ("util", "mem_mib", "power_w")
+                    values.update({f"gpu{r}_{k}": v for k, v in zip(names, reading, strict=False)})
                 log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", step, cfg.max_steps,
                          values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
                 metrics.write(step, "train", values)
@@ -410,7 +427,8 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
         final = run_eval()
         if is_main():
             ckpt.atomic_write(run_dir / "model.pt", _serialise(raw_model.state_dict()))
-            ckpt.write_status(run_dir, "done", step, max_steps=cfg.max_steps, **{f"val_{k}": v for k, v in final.items()})
+            ckpt.write_status(run_dir, "done", step, max_steps=cfg.max_steps,
+                              **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", run_dir / "model.pt")
     metrics.close()
     return exit_code
