@@ -140,6 +140,7 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_worker
                  env={**env, "NPROC_PER_NODE": "2"})
     info = wait_job(cluster, job)
     assert info["JobState"] == "COMPLETED", log.read_text()
+    assert info["Restarts"] == "0" and "trainbox: finished:" in log.read_text()  # a finished run is not requeued
     run_dir = runs / f"slurm-{job}"
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
