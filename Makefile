@@ -20,10 +20,13 @@ SHELL := /bin/bash
 #   HOST_UID/HOST_GID  the container user (default: yours; 1000 when you are root)
 #   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
+#   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (default 3; resumes from the
+#                newest checkpoint)
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
 ARGS ?=
+MAX_RESTARTS ?= 3
 PYTHON ?= python3
 VENV ?= .venv
 DOCKER ?= docker
@@ -54,7 +57,7 @@ LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these two come from make's knobs.
-export GPUS
+export GPUS MAX_RESTARTS
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test build image shell tensorboard env doctor enroot apptainer lock clean
@@ -77,7 +80,7 @@ train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, e
 
 train-local: $(STAMP) ## train in the local environment (what RUNTIME=local selects)
 	@echo "trainbox: local environment ($(VENV)); RUNTIME=docker for the container" >&2
-	$(PY) -m train.launch --gpus "$(GPUS)" -- $(ARGS)
+	$(PY) -m train.launch --gpus "$(GPUS)" --max-restarts "$(MAX_RESTARTS)" -- $(ARGS)
 
 train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNTIME=docker selects)
 	@echo "trainbox: container $(IMAGE) via $(COMPOSE); RUNTIME=local for the local environment" >&2

@@ -43,7 +43,7 @@ echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES n
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" "${LAUNCH[@]}" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    --max-restarts="${MAX_RESTARTS:-0}" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 \
+    --max-restarts="${MAX_RESTARTS:-3}" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 \
     --shutdown-timeout=100 \
     -m train --run-dir "$RUN_DIR_ARG" "$@" &
 step=$!

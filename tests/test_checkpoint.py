@@ -1,12 +1,12 @@
 """Checkpoint files: atomic, verified, pruned, and loaded as data only."""
 
 import os
-import pickle
 
 import pytest
 import torch
 
 from train import checkpoint as ckpt
+from train.config import ConfigError
 
 
 def _state(step):
@@ -60,15 +60,22 @@ def test_failed_write_leaves_nothing_behind(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
 
 
-class _Evil:
+class Evil:
+    """Unpickling this runs a shell command: what a weights-only load must never do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
     def __reduce__(self):
-        return (os.system, ("touch /tmp/trainbox-pwned",))
+        return (os.system, (f"touch {self.marker}",))
 
 
 def test_a_pickle_with_code_is_refused_not_executed(tmp_path):
     path = tmp_path / "checkpoints" / "step_00000005.pt"
     path.parent.mkdir()
-    torch.save({"model": _Evil()}, path)
-    with pytest.raises(pickle.UnpicklingError):
+    torch.save({"model": Evil(tmp_path / "pwned")}, path)
+    with pytest.raises(ConfigError, match="is not a weights-only checkpoint, refused without running it"):
         ckpt.load_checkpoint(path, torch.device("cpu"))
-    assert not os.path.exists("/tmp/trainbox-pwned")
+    assert not (tmp_path / "pwned").exists()
+    torch.load(path, weights_only=False)  # proof the payload is real: an unsafe load runs it
+    assert (tmp_path / "pwned").exists()

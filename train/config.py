@@ -21,6 +21,10 @@ class ConfigError(ValueError):
     """A user mistake in flags, a config file or a preset: one line, cause and fix."""
 
 
+class DataError(ConfigError):
+    """A dataset file that cannot be read, met by one rank while training: one line naming the file."""
+
+
 def _f(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 

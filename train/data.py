@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from train.config import Config, ConfigError
+from train.config import Config, ConfigError, DataError
 from train.distributed import gather, identity
 
 NUM_SHAPE_CLASSES = 10
@@ -141,12 +141,24 @@ class TensorLoader:
             yield self.dataset.images[idx], self.dataset.labels[idx]
 
 
+def load_image(path: str):
+    """ImageFolder's loader, failing with one line that names the file (a run stops on a bad image)."""
+    from PIL import Image  # noqa: PLC0415
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:  # PIL raises all three for damaged files
+        raise DataError(f"cannot read image {path} ({e}): delete or replace the file, then run the same "
+                        f"command to resume") from None
+
+
 def _imagefolder_split(root: Path, split: str):
     from torchvision import datasets  # noqa: PLC0415
 
     path = root / split
     try:
-        return datasets.ImageFolder(str(path))
+        return datasets.ImageFolder(str(path), loader=load_image)
     except (FileNotFoundError, RuntimeError) as e:
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from train.config import MODEL_KEYS, Config, ConfigError, parse_config
 
-EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1  # a crash, or a worker lost its peers (one died, hung or was stopped): rerun to resume
+EXIT_BAD_INPUT = 2  # bad input or a condition the message names (disk full, bad image): fix it, then rerun
 EXIT_STOPPED = 75  # a signal stopped the run after it saved a checkpoint; run again to resume
 
 
@@ -36,13 +37,20 @@ def preflight(cfg: Config) -> None:
     """Checks that need no process group; raise ConfigError with one line."""
     import torch  # noqa: PLC0415 - keeps `--help` and config errors fast
 
+    from train import checkpoint  # noqa: PLC0415
     from train.data import check_imagefolder  # noqa: PLC0415
+    from train.distributed import resolve_identity  # noqa: PLC0415
     from train.models import check_model_spec  # noqa: PLC0415
 
+    problem = visible_devices_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), host_gpu_count())
+    if problem:
+        raise ConfigError(problem)
     cuda = torch.cuda.is_available()
     if cfg.device == "cuda" and not cuda:
-        raise ConfigError("--device cuda but no CUDA GPU is visible: use --device cpu, or check the driver "
-                          "and CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
+            if "CUDA_VISIBLE_DEVICES" in os.environ else ""
+        raise ConfigError(f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the "
+                          f"driver and CUDA_VISIBLE_DEVICES")
     on_cpu = cfg.device == "cpu" or not cuda
     if on_cpu and cfg.precision in ("fp16", "bf16"):
         raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
@@ -55,8 +63,20 @@ def preflight(cfg: Config) -> None:
     if cfg.dataset == "imagefolder":
         check_imagefolder(Path(cfg.data_dir))
     check_model_spec(cfg)
+    ident = resolve_identity()
+    # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
+    port = os.environ.get("MASTER_PORT") if cfg.spawn else \
+        str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
+    if port is not None:
+        if not port.isdigit() or not port_free(int(port)):
+            fix = "unset MASTER_PORT so a free one is picked" if cfg.spawn else "set MASTER_PORT to a free port"
+            raise ConfigError(f"rendezvous port {port} is in use on this host (or not a port number): {fix}, "
+                              f"or choose another")
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
+        if run_dir.is_absolute() and not run_dir.parent.exists():
+            raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
+                              f"--run-dir inside an existing folder")
         if not _writable_or_creatable(run_dir):
             raise ConfigError(f"run directory {run_dir} is not writable: pass a writable --run-dir")
         saved = run_dir / "config.json"
@@ -69,19 +89,100 @@ def preflight(cfg: Config) -> None:
                 if key in previous and previous[key] != getattr(cfg, key):
                     raise ConfigError(f"{run_dir} holds a run with {key}={previous[key]!r}, this one has "
                                       f"{key}={getattr(cfg, key)!r}: use a new --run-dir or the same {key}")
+        problem = checkpoint.space_problem(run_dir)
+        if problem:
+            raise ConfigError(problem)
+
+
+def port_free(port: int) -> bool:
+    import socket  # noqa: PLC0415
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def host_gpu_count() -> int | None:
+    """GPUs the driver has, whatever CUDA_VISIBLE_DEVICES says (NVML); None without an NVIDIA driver."""
+    try:
+        import pynvml  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no library, no driver: a CPU host
+        return None
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def visible_devices_problem(value: str | None, host_gpus: int | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES naming a GPU index the host does not have (CUDA would silently drop it and
+    every GPU after it). An empty value hides all GPUs on purpose; UUIDs are left to CUDA."""
+    if not value or host_gpus is None:
+        return None
+    for item in (v.strip() for v in value.split(",")):
+        if item.isdigit() and int(item) >= host_gpus:
+            return (f"CUDA_VISIBLE_DEVICES={value} names GPU {item} but this host has {host_gpus} "
+                    f"(0-{host_gpus - 1}): fix CUDA_VISIBLE_DEVICES or unset it")
+    return None
+
+
+def _last_line(error: Exception) -> str:
+    """The message itself, also when a DataLoader worker re-raised it with its whole traceback."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return text
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """A failed collective: a peer died (connection reset/closed) or stopped answering (timeout)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    text = str(error)
+    return isinstance(error, getattr(dist, "DistError", ())) or (
+        isinstance(error, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")))
 
 
 def run_worker(cfg: Config) -> int:
     """Train as the rank the environment says this process is."""
-    from train import loop  # noqa: PLC0415
-    from train.distributed import is_main  # noqa: PLC0415
+    import faulthandler  # noqa: PLC0415
 
+    from train import loop  # noqa: PLC0415
+    from train.config import DataError  # noqa: PLC0415
+    from train.distributed import identity, is_main  # noqa: PLC0415
+
+    faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
+    rank = identity().global_rank
     try:
-        return loop.main(cfg)
-    except ConfigError as e:
-        if is_main():
-            print(f"error: {e}", file=sys.stderr)
+        code = loop.main(cfg)
+    except DataError as e:  # one rank met it; that rank says so
+        print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ConfigError as e:  # every rank raised it; one says so
+        if is_main():
+            print(f"error: {_last_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if not _lost_peer(e):
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        print(f"error: [rank {rank}] lost contact with the other workers ({first.strip()[:200]}): another worker "
+              f"died, hung or was stopped, its output says which; run the same command to resume from the newest "
+              f"checkpoint. This rank's stack at the failure:", file=sys.stderr)
+        traceback.print_exception(e, limit=-8, file=sys.stderr)
+        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+        return EXIT_FAILED
+    if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun reports any non-zero worker as a failure (exit 1, never 75) and would restart it under
+        # --max-restarts: a stop is a clean end for it. train.launch and the Slurm template read
+        # status.json ("stopped") and exit 75.
+        return 0
+    return code
 
 
 def _spawned(local_rank: int, cfg: Config, nprocs: int) -> None:
@@ -165,7 +266,9 @@ def launch_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.launch")
     parser.add_argument("--gpus", default=os.environ.get("GPUS", ""),
                         help="workers: GPU count, 0 for CPU; empty: all GPUs or 1 CPU (default: $GPUS)")
-    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts")
+    parser.add_argument("--max-restarts", type=int, default=int(os.environ.get("MAX_RESTARTS") or 3),
+                        help="torchrun --max-restarts: a crashed worker restarts all of them from the newest "
+                             "checkpoint (default: $MAX_RESTARTS or 3)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     args = [a for a in ns.trainer_args if a != "--"] if ns.trainer_args[:1] == ["--"] else ns.trainer_args
@@ -201,22 +304,27 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
         "--shutdown-timeout=100",  # time for the workers to agree on a step and save before SIGKILL
         "-m", "train", *trainer_args])
+    def stopped() -> bool:
+        try:
+            return json.loads((run_dir / "status.json").read_text()).get("state") == "stopped"
+        except (OSError, ValueError):
+            return False
+
+    message = f"trainbox: stopped after saving a checkpoint in {run_dir}; run the same command to resume"
     try:
         torchrun.run(options)
-        return 0
     except (SignalException, ChildFailedError) as e:
-        try:
-            state = json.loads((run_dir / "status.json").read_text()).get("state")
-        except (OSError, ValueError):
-            state = None
         codes = {f.exitcode for f in getattr(e, "failures", {}).values()}
-        if state == "stopped" and codes <= {EXIT_STOPPED}:
-            print(f"trainbox: stopped after saving a checkpoint in {run_dir}; run the same command to resume",
-                  file=sys.stderr)
+        if stopped() and codes <= {0, EXIT_STOPPED}:
+            print(message, file=sys.stderr)
             return EXIT_STOPPED
         print(f"trainbox: torchrun failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
               file=sys.stderr)
         return 1
+    if stopped():  # the workers stopped on a signal and exited 0 so that torchrun would not restart them
+        print(message, file=sys.stderr)
+        return EXIT_STOPPED
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import math
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -84,6 +86,25 @@ class StopSignal:
         self._work = None
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+class Watchdog:
+    """A rank that makes no progress (no step, eval batch or save) for timeout_s plus a margin dumps every
+    thread's stack (faulthandler, so it works even when Python is stuck in C) and exits 1. A stuck
+    collective fails earlier, after timeout_s, with its own error; this catches hangs outside them."""
+
+    def __init__(self, timeout_s: int):
+        self.limit = timeout_s + min(timeout_s, 60)
+        self.armed_at = -math.inf
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if now - self.armed_at >= 1.0:  # re-arming starts a thread: at most once a second
+            faulthandler.dump_traceback_later(self.limit, exit=True, file=sys.__stderr__)
+            self.armed_at = now
+
+    def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
 
 
 # ---------------------------------------------------------------- set-up pieces
@@ -174,7 +195,7 @@ def setup_logging(run_dir: Path | None) -> None:
 # ---------------------------------------------------------------- evaluation
 
 @torch.inference_mode()
-def evaluate(model, loader, device, autocast_dtype, channels_last: bool) -> dict:
+def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None) -> dict:
     """Loss and accuracy over the whole validation set, each sample counted once across ranks."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -185,6 +206,7 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool) -> dict
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += y.numel()
+        progress()
     if dist.is_initialized():
         dist.all_reduce(totals)
     loss, correct, count = totals.tolist()
@@ -202,17 +224,19 @@ def main(cfg: Config) -> int:
     autocast_dtype = resolve_precision(cfg, device)
     init(device, cfg.timeout_s)
     stop = StopSignal()
+    watchdog = Watchdog(cfg.timeout_s)
     clean = False
     try:
-        code = _run(cfg, device, autocast_dtype, stop)
+        code = _run(cfg, device, autocast_dtype, stop, watchdog)
         clean = True
         return code
     finally:
+        watchdog.close()
         stop.close(wait=clean)
         teardown(clean)
 
 
-def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) -> int:
+def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, watchdog: Watchdog) -> int:
     ident = identity()
     rank, world = ident.global_rank, ident.world_size
     run_dir = resolve_run_dir(cfg)
@@ -224,6 +248,9 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
             probe.write_text("ok")
             probe.unlink()
             ckpt.write_status(run_dir, "starting", -1)  # a crash before training must not look "stopped"
+            freed = ckpt.remove_partial(run_dir)
+            if freed:
+                print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
         except OSError as e:
             error = f"run directory {run_dir} is not writable ({e.strerror}): pass a writable --run-dir"
     raise_if_main_failed(error)
@@ -264,12 +291,19 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
     latest = broadcast_from_main(str(latest) if latest else None)
     if latest:
         state = ckpt.load_checkpoint(Path(latest), device)
+        if not isinstance(state, dict) or not {"model", "optimizer", "step", "config"} <= state.keys():
+            raise ConfigError(f"{latest} is not a trainbox checkpoint (no model/optimizer/step/config): "
+                              f"move it out of the run directory")
         for key in MODEL_KEYS:
             if state["config"].get(key) != getattr(cfg, key):
                 raise ConfigError(f"{latest} was made with {key}={state['config'].get(key)!r}, this run has "
                                   f"{key}={getattr(cfg, key)!r}: use a new --run-dir or the same {key}")
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            raw_model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{latest} does not fit this model ({str(e).splitlines()[0][:160]}): "
+                              f"use a new --run-dir, or the code that made the checkpoint") from None
         scheduler.load_state_dict(state["scheduler"])
         if state["scaler"] and scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             scaler.load_state_dict(state["scaler"])
@@ -333,12 +367,18 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
                 path = ckpt.save_checkpoint(run_dir, step, state, cfg.keep_checkpoints)
                 log.info("saved %s (%s)", path, reason)
             except OSError as e:
-                error = (f"could not save the checkpoint of step {step} in {run_dir} ({e.strerror or e}): "
-                         f"free space or fix permissions, then run again to resume from the previous one")
+                previous = ckpt.list_checkpoints(run_dir)[-1:]
+                error = (f"could not save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); "
+                         f"{'kept ' + previous[0].name if previous else 'no earlier checkpoint'}: "
+                         f"free space or fix permissions, then run the same command to resume")
+                with contextlib.suppress(OSError):  # best effort: the disk may be full
+                    ckpt.write_status(run_dir, "failed", step, error=error,
+                                      needed_bytes=getattr(e, "needed", 0))
         raise_if_main_failed(error)
+        watchdog.progress()
 
     def run_eval() -> dict:
-        result = evaluate(raw_model, val_loader, device, autocast_dtype, cfg.channels_last)
+        result = evaluate(raw_model, val_loader, device, autocast_dtype, cfg.channels_last, watchdog.progress)
         log.info("eval step %d: loss %.4f, accuracy %.2f%% over %d samples",
                  step, result["loss"], 100 * result["accuracy"], result["samples"])
         metrics.write(step, "eval", result)
@@ -381,6 +421,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) ->
             step += 1
             step_in_epoch += 1
             window_steps += 1
+            watchdog.progress()
 
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 if device.type == "cuda":
