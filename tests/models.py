@@ -21,3 +21,30 @@ def crashes_on_rank_1(num_classes: int) -> nn.Module:
     if os.environ.get("RANK") == "1":
         raise RuntimeError("deliberate failure on rank 1")
     return tiny_groupnorm_cnn(num_classes)
+
+
+def wide_mlp(num_classes: int) -> nn.Module:
+    """About 20 M parameters: a checkpoint of about 240 MB, slow enough to write that a kill lands mid-save."""
+    return nn.Sequential(nn.AdaptiveAvgPool2d(16), nn.Flatten(), nn.Linear(768, 4096), nn.ReLU(),
+                         nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, num_classes))
+
+
+class _HangsInForward(nn.Module):
+    """Trains normally for 30 forward passes, then blocks forever in Python (a stuck rank)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.net = tiny_groupnorm_cnn(num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 30:
+            import threading
+
+            threading.Event().wait()  # never set
+        return self.net(x)
+
+
+def hangs_after_30_steps(num_classes: int) -> nn.Module:
+    return _HangsInForward(num_classes)

@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import shutil
+import socket
 
 import pytest
 import torch
@@ -71,16 +73,19 @@ CASES = [
     ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
     ("run-dir-not-writable", ["--run-dir", "{tmp}/a_file/run"], "is not writable"),
     ("resume-other-model", ["--width", "16"], "holds a run with width=8, this one has width=16"),
+    ("nas-not-mounted", ["--run-dir", "/nonexistent-nas/runs/exp1"],
+     "/nonexistent-nas/runs does not exist (is the NAS mounted?)"),
+    ("zero-grad-accum", ["--grad-accum", "0"], "--grad-accum must be > 0"),
+    ("zero-timeout", ["--timeout-s", "0"], "--timeout-s must be > 0"),
+    ("tiny-images", ["--image-size", "4"], "--image-size must be at least 8"),
+    ("negative-spawn", ["--spawn", "-2"], "--spawn must be >= 0"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("cuda-without-gpu", ["--device", "cuda"], "--device cuda but no CUDA GPU is visible"))
 
 
-@pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
-    _files(tmp_path)
+def _refused(finished_run, capsys, argv, expected):
     before = snapshot(finished_run)
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     has_run_dir = "--run-dir" in argv
     code = launch.main([*DEBUG, *([] if has_run_dir else ["--run-dir", str(finished_run)]), *argv])
     err = capsys.readouterr().err.strip().splitlines()
@@ -88,6 +93,98 @@ def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, 
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert expected in err[0]
     assert snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
+    _files(tmp_path)
+    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], expected)
+
+
+def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        _refused(finished_run, capsys, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
+
+
+def test_cuda_visible_devices_naming_a_missing_gpu(finished_run, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    # On a GPU host NVML counts the GPUs and names the bad index; on a CPU host no GPU is visible at all.
+    _refused(finished_run, capsys, ["--device", "cuda"], "CUDA_VISIBLE_DEVICES=7")
+
+
+@pytest.mark.parametrize("value, host, problem", [
+    ("0,7", 2, "CUDA_VISIBLE_DEVICES=0,7 names GPU 7 but this host has 2 (0-1)"), ("1", 2, None), ("", 2, None),
+    ("GPU-5d1c9b9a", 2, None), ("3", None, None),
+])
+def test_visible_devices_check(value, host, problem):
+    found = launch.visible_devices_problem(value, host)
+    assert found == problem or problem in found
+
+
+def _trainer_refuses(run_dir, argv, expected):
+    """In the trainer (after the process group would start): one error line, exit 2, no traceback, and the
+    run's data (checkpoints, model, metrics, config) unchanged; train.log and status.json record the attempt."""
+    def data():
+        return {k: v for k, v in snapshot(run_dir).items() if k not in ("train.log", "status.json")}
+    existed = run_dir.exists()
+    before = data() if existed else None
+    proc = run(python_cmd(*argv, "--run-dir", run_dir), expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    if existed:
+        assert data() == before
+
+
+def test_a_checkpoint_that_runs_code_is_refused_not_executed(finished_run, tmp_path):
+    from tests.test_checkpoint import Evil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    evil = run_dir / "checkpoints" / "step_99999999.pt"
+    torch.save({"model": Evil(tmp_path / "pwned")}, evil)
+    evil.with_name(evil.name + ".sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10], "is not a weights-only checkpoint, refused")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused(finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    (run_dir / "config.json").unlink()  # only the checkpoint itself knows its model now
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10, "--width", 16], "was made with width=8")
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_path):
+    from train import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    newest = ckpt.newest_valid(run_dir)
+    state = torch.load(newest, weights_only=True)
+    state["model"] = {f"renamed.{k}": v for k, v in state["model"].items()}  # the model's code changed
+    ckpt.save_checkpoint(run_dir, state["step"], state, keep=3)
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10], "does not fit this model")
+
+
+def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path):
+    """Documented choice: a damaged image fails the run (skipping would silently change the dataset)."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(8):
+                Image.new("RGB", (12, 12), (i * 20, 0, 0)).save(tmp_path / "data" / split / c / f"{i}.png")
+    broken = tmp_path / "data" / "train" / "b" / "3.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    _trainer_refuses(tmp_path / "run", [*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data",
+                                        "--image-size", 12, "--batch-size", 4, "--num-workers", 1],
+                     f"cannot read image {broken}")
 
 
 def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):

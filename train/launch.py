@@ -9,6 +9,7 @@ import argparse
 import json
 import multiprocessing.connection
 import os
+import re
 import signal
 import sys
 import time
@@ -171,6 +172,7 @@ def run_worker(cfg: Config) -> int:
         if not _lost_peer(e):
             raise
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        first = re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0]
         print(f"error: [rank {rank}] lost contact with the other workers ({first.strip()[:200]}): another worker "
               f"died, hung or was stopped, its output says which; run the same command to resume from the newest "
               f"checkpoint. This rank's stack at the failure:", file=sys.stderr)
@@ -298,6 +300,9 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
+    # torchrun's shared rendezvous store keeps the last attempt's keys, so restarted workers can read the
+    # dead workers' addresses and fail or hang (pytorch/pytorch#135712): give every attempt its own store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     options = torchrun.get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",
         # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
@@ -318,9 +323,13 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
         if stopped() and codes <= {0, EXIT_STOPPED}:
             print(message, file=sys.stderr)
             return EXIT_STOPPED
-        print(f"trainbox: torchrun failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-              file=sys.stderr)
-        return 1
+        if codes == {EXIT_BAD_INPUT}:  # the workers named the problem above; restarting cannot fix it
+            print(f"trainbox: the workers stopped on the error above (exit {EXIT_BAD_INPUT})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        what = f"worker exit codes {sorted(codes)}" if codes else f"signal ({type(e).__name__})"
+        print(f"trainbox: torchrun failed ({what}, restarts used up); the errors above say why; run the same "
+              f"command to resume from the newest checkpoint in {run_dir}", file=sys.stderr)
+        return EXIT_FAILED
     if stopped():  # the workers stopped on a signal and exited 0 so that torchrun would not restart them
         print(message, file=sys.stderr)
         return EXIT_STOPPED

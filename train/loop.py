@@ -346,6 +346,11 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
         except OSError as e:
             error = f"could not write to {run_dir} ({e.strerror or e}): check the disk and its permissions"
     raise_if_main_failed(error)
+    if is_main() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        log.warning("torchrun --max-restarts with its shared store: restarted workers may fail or hang reading "
+                    "the previous attempt's addresses (pytorch/pytorch#135712); set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (make train and slurm/ do)")
     if is_main():
         log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                  run_dir, world, ident.launcher, device.type, cfg.max_steps, steps_per_epoch,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -17,7 +18,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from train.checkpoint import atomic_write
+
 log = logging.getLogger("train")
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a line cut short by a crash
 
 
 class MetricsWriter:
@@ -29,7 +39,11 @@ class MetricsWriter:
         self._tb = None
         if not self.active:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if path.exists():  # drop what a crashed or stopped attempt logged after the checkpoint resumed from
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            atomic_write(path, "".join(line + "\n" for line in kept).encode())
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
 

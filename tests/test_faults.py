@@ -1,0 +1,370 @@
+"""Fault injection, for real: killed and stopped workers, signals at random moments, a save killed
+halfway, damaged checkpoints, a full disk, a hung rank. Each run must end without losing work and,
+where it resumes, bit-identical to a run that was never interrupted."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (DEBUG, PY, assert_bit_identical, children, env_for_tests, metrics, process_env,
+                            python_cmd, reached_step, run, status, wait_for)
+from train import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+# A few seconds on 2 cores; a checkpoint every 20 steps, so a fault lands between two of them.
+FAULT = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-every", 20, "--eval-every", 0]
+
+
+def launch_cmd(workers: int, run_dir: Path, *extra, restarts: int | None = None) -> list[str]:
+    """What `make train GPUS=N ARGS=...` runs (torchrun, with its default restarts unless given)."""
+    flags = [] if restarts is None else ["--max-restarts", str(restarts)]
+    return [PY, "-m", "train.launch", "--gpus", str(workers), *flags, "--", *map(str, FAULT), *map(str, extra),
+            "--run-dir", str(run_dir)]
+
+
+_started: list[subprocess.Popen] = []
+
+
+def start(cmd, **kwargs) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=kwargs.pop("env", None) or env_for_tests(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+    _started.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """communicate(), but a run that does not end in time fails the test with its output, not a hang."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _kill_tree(proc)
+        raise AssertionError(f"still running after {timeout}s\n{out[-3000:]}\n{err[-6000:]}") from None
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            _kill_tree(proc)
+
+
+def _kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
+    for pid in [d for c in children(proc.pid) for d in [c, *children(c)]]:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    return proc.communicate()
+
+
+def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The torchrun worker with this RANK among the launcher's descendants."""
+    for agent in children(launcher.pid):
+        for pid in [agent, *children(agent)]:
+            try:
+                if process_env(pid).get("RANK") == str(rank):
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no worker with RANK={rank} under {launcher.pid}")
+
+
+def assert_logged_once(run_dir: Path) -> None:
+    steps = [m["step"] for m in metrics(run_dir, "train")]
+    assert steps == sorted(set(steps)), "a step was logged twice after the resume"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """FAULT with 2 workers, never interrupted: what every faulted 2-worker run must end equal to."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run(python_cmd(*FAULT, "--spawn", 2, "--run-dir", run_dir))
+    return run_dir
+
+
+def manual_ranks(world: int, run_dir: Path, *extra) -> list[subprocess.Popen]:
+    """Each rank a plain process with RANK/WORLD_SIZE set, as any external launcher starts them, and no
+    launcher watching over them: what the trainer alone does when a peer fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = env_for_tests(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(start(python_cmd(*FAULT, *extra, "--run-dir", run_dir), env=env))
+    return procs
+
+
+# ---------------------------------------------------------------- a worker dies
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tmp_path, seed):
+    rng = random.Random(seed)
+    victim, at_step = rng.randrange(2), rng.randrange(25, 200)
+    run_dir = tmp_path / "run"
+    proc = start(launch_cmd(2, run_dir))  # the default --max-restarts, as `make train GPUS=2`
+    wait_for(reached_step(run_dir, at_step), 120, f"step {at_step}", proc)
+    time.sleep(rng.uniform(0, 0.2))
+    os.kill(worker_pid(proc, victim), signal.SIGKILL)
+    out, err = finish(proc, 300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "resumed from" in err, "the restarted workers did not resume from a checkpoint"
+    assert status(run_dir)["state"] == "done"
+    assert_logged_once(run_dir)
+    assert_bit_identical(run_dir, reference)
+
+
+def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(tmp_path):
+    extra = ["--deterministic"]
+    straight = tmp_path / "straight"
+    run(python_cmd(*FAULT, *extra, "--spawn", 3, "--run-dir", straight))
+    run_dir = tmp_path / "run"
+    proc = start(launch_cmd(3, run_dir, *extra))
+    wait_for(reached_step(run_dir, 90), 180, "step 90", proc)
+    os.kill(worker_pid(proc, 2), signal.SIGKILL)
+    out, err = finish(proc, 300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "resumed from" in err
+    assert_bit_identical(run_dir, straight)
+
+
+def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path):
+    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 60)
+    wait_for(reached_step(tmp_path / "run", 30), 120, "step 30", procs[0])
+    procs[1].kill()
+    started = time.monotonic()
+    out, err = finish(procs[0], 120)
+    waited = time.monotonic() - started
+    procs[1].communicate()
+    assert procs[0].returncode == 1
+    assert waited < 60, f"rank 0 took {waited:.0f}s to notice its dead peer"
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "[rank 0] lost contact with the other workers" in errors[0], err[-3000:]
+    assert "run the same command to resume" in errors[0]
+    assert 'File "' in err and "train/loop.py" in err  # where it was when the peer died
+
+
+def test_without_restarts_torchrun_ends_the_job(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(launch_cmd(2, run_dir, restarts=0))
+    wait_for(reached_step(run_dir, 30), 120, "step 30", proc)
+    os.kill(worker_pid(proc, 1), signal.SIGKILL)
+    out, err = finish(proc, 180)
+    assert proc.returncode == 1
+    assert "trainbox: torchrun failed" in err
+    assert ckpt.newest_valid(run_dir) is not None  # what was saved is still there to resume from
+
+
+# ---------------------------------------------------------------- preemption signals
+
+@pytest.mark.parametrize("seed, target, sig", [
+    (21, "launcher", signal.SIGUSR2), (22, "rank 0", signal.SIGTERM), (23, "rank 1", signal.SIGUSR2),
+    (24, "launcher", signal.SIGTERM),
+])
+def test_a_signal_at_a_random_moment_stops_every_rank_at_one_step(reference, tmp_path, seed, target, sig):
+    rng = random.Random(seed)
+    run_dir = tmp_path / "run"
+    proc = start(launch_cmd(2, run_dir))  # restarts on: a stop must still end the run, not restart it
+    wait_for(reached_step(run_dir, rng.randrange(10, 180)), 120, "the signal's moment", proc)
+    time.sleep(rng.uniform(0, 0.3))
+    os.kill(proc.pid if target == "launcher" else worker_pid(proc, int(target[-1])), sig)
+    out, err = finish(proc, 180)
+    assert proc.returncode == 75, err[-4000:]
+    stopped = status(run_dir)
+    assert stopped["state"] == "stopped"
+    newest = ckpt.newest_valid(run_dir)
+    assert newest is not None and newest.name == f"step_{stopped['step']:08d}.pt"  # complete and verified
+    assert "will restart worker group" not in err  # torchrun did not restart the stopped workers
+    run(launch_cmd(2, run_dir))  # the same command resumes
+    assert status(run_dir)["state"] == "done"
+    assert_logged_once(run_dir)
+    assert_bit_identical(run_dir, reference)
+
+
+def _imagefolder(root: Path) -> None:
+    from PIL import Image
+
+    rng = random.Random(0)
+    for split, count in (("train", 48), ("val", 16)):
+        for c, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                jitter = tuple(max(0, min(255, v + rng.randint(-40, 40))) for v in colour)
+                Image.new("RGB", (20, 20), jitter).save(folder / f"{i}.png")
+
+
+def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path):
+    """Ctrl-C in a terminal or a scheduler signalling every process: the DataLoader workers get it too,
+    and must not die before the trainer has saved."""
+    data = tmp_path / "data"
+    _imagefolder(data)
+    args = [*DEBUG, "--dataset", "imagefolder", "--data-dir", data, "--image-size", 16, "--num-workers", 2,
+            "--max-steps", 60, "--log-every", 2, "--save-every", 1000, "--eval-every", 0]
+    straight = tmp_path / "straight"
+    run(python_cmd(*args, "--spawn", 2, "--run-dir", straight))
+    run_dir = tmp_path / "run"
+    cmd = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, args), "--run-dir", str(run_dir)]
+    proc = start(cmd, start_new_session=True)
+    wait_for(reached_step(run_dir, 20), 180, "step 20", proc)
+    loaders = [pid for w in (worker_pid(proc, 0), worker_pid(proc, 1)) for pid in children(w)]
+    assert len(loaders) >= 4, "expected 2 loader workers per rank"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = finish(proc, 180)
+    assert proc.returncode == 75, err[-4000:]
+    assert "DataLoader worker" not in err
+    assert ckpt.newest_valid(run_dir).name == f"step_{status(run_dir)['step']:08d}.pt"
+    run(cmd)
+    assert_bit_identical(run_dir, straight)
+
+
+# ---------------------------------------------------------------- checkpoints under attack
+
+def test_killed_while_writing_a_checkpoint_the_previous_one_is_used(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = python_cmd(*DEBUG, "--model", "tests.models:wide_mlp", "--max-steps", 12, "--save-every", 5,
+                     "--log-every", 1, "--eval-every", 0, "--run-dir", run_dir)
+    proc = start(cmd)
+    folder = run_dir / "checkpoints"
+    wait_for(lambda: (folder / "step_00000005.pt.sha256").exists(), 180, "the first checkpoint", proc)
+
+    def writing() -> bool:
+        return any(p.stat().st_size > 0 for p in folder.glob(".step_00000010.pt.tmp.*"))
+    wait_for(writing, 180, "the second checkpoint's write", proc)
+    proc.kill()
+    proc.communicate()
+    assert list(folder.glob(".step_00000010.pt.tmp.*")), "the kill did not land inside the write"
+    assert ckpt.newest_valid(run_dir).name == "step_00000005.pt"
+    resumed = run(cmd)
+    assert "removed" in resumed.stderr and "unfinished checkpoint files" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_00000005.pt" in resumed.stderr
+    assert status(run_dir)["state"] == "done" and not list(folder.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, damage):
+    single = [*FAULT, "--save-every", 40]
+    straight = tmp_path / "straight"
+    run(python_cmd(*single, "--run-dir", straight))
+    run_dir = tmp_path / "run"
+    run(python_cmd(*single, "--stop-at", 120, "--run-dir", run_dir), expect=75)
+    newest = run_dir / "checkpoints" / "step_00000120.pt"
+    data = bytearray(newest.read_bytes())
+    if damage == "flip":
+        for i in range(1000, len(data), 7919):
+            data[i] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    else:
+        newest.write_bytes(bytes(data[: len(data) // 2]))
+    resumed = run(python_cmd(*single, "--run-dir", run_dir))
+    warnings = [line for line in resumed.stderr.splitlines() if "skipping checkpoint" in line]
+    assert len(warnings) == 1 and "step_00000120.pt: checksum mismatch" in warnings[0]
+    assert "resumed from" in resumed.stderr and "step_00000080.pt" in resumed.stderr
+    assert_bit_identical(run_dir, straight)
+
+
+def _unshare() -> list[str]:
+    """A private mount namespace (the tmpfs vanishes with it); as a normal user via a user namespace."""
+    if not shutil.which("unshare"):
+        pytest.fail("unshare (util-linux) is needed to mount a small tmpfs")
+    return ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--map-root-user", "--mount"]
+
+
+def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, tmp_path):
+    """The run directory on a 2.5 MB tmpfs: the checkpoints of steps 20 and 40 (0.9 MB each) fit, 60 does not."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = " ".join(launch_cmd(2, mnt / "run", restarts=2))
+    script = f"""
+        set -u
+        mount -t tmpfs -o size=2500k tmpfs {mnt} || exit 90
+        {cmd} >{out}/out1 2>{out}/err1; echo $? >{out}/code1
+        cp -a {mnt}/run {out}/after_failure
+        mount -o remount,size=64m {mnt}     # space freed
+        {cmd} >{out}/out2 2>{out}/err2; echo $? >{out}/code2
+        cp -a {mnt}/run {out}/after_resume
+    """
+    proc = subprocess.run([*_unshare(), "bash", "-c", script], env=env_for_tests(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    err1 = (out / "err1").read_text()
+    assert (out / "code1").read_text().strip() == "2", err1[-4000:]
+    failed = [line for line in err1.splitlines() if "could not save the checkpoint" in line]
+    assert len(failed) == 1, err1[-4000:]  # one save failed; the restarts did not train up to it again
+    assert "No space left on device" in failed[0] and "kept step_00000040.pt" in failed[0]
+    assert "MiB free but a checkpoint needs" in err1  # what each restart said, within seconds
+    after = out / "after_failure"
+    assert ckpt.newest_valid(after).name == "step_00000040.pt"
+    assert not list((after / "checkpoints").glob(".*")), "a partial file was left behind"
+    assert status(after)["state"] == "failed"
+    assert (out / "code2").read_text().strip() == "0", (out / "err2").read_text()[-4000:]
+    assert "step_00000040.pt" in (out / "err2").read_text()
+    assert_bit_identical(out / "after_resume", reference)
+
+
+# ---------------------------------------------------------------- hangs
+
+def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp_path):
+    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 10)
+    try:
+        wait_for(reached_step(tmp_path / "run", 30), 120, "step 30", procs[0])
+        os.kill(procs[1].pid, signal.SIGSTOP)  # alive, connected, silent
+        started = time.monotonic()
+        out, err = finish(procs[0], 120)
+        waited = time.monotonic() - started
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 1
+    assert 9 <= waited < 40, f"rank 0 gave up after {waited:.0f}s with --timeout-s 10"
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and "Timed out" in errors[0]
+    assert "train/loop.py" in err and ("Thread 0x" in err or "Current thread" in err)  # faulthandler's dump
+
+
+def test_a_rank_stuck_outside_collectives_dumps_its_stack_and_exits(tmp_path):
+    started = time.monotonic()
+    proc = run(python_cmd(*DEBUG, "--model", "tests.models:hangs_after_30_steps", "--timeout-s", 3,
+                          "--log-every", 5, "--run-dir", tmp_path / "run"), expect=1, timeout=120)
+    assert time.monotonic() - started < 60
+    assert "Timeout (0:00:06)!" in proc.stderr
+    assert "tests/models.py" in proc.stderr and "in forward" in proc.stderr  # where it hung
+    assert status(tmp_path / "run")["state"] == "running"  # neither "done" nor "stopped": not resumable as such
+
+
+# ---------------------------------------------------------------- resuming with something changed
+
+def test_resume_with_another_world_size_warns_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    run(python_cmd(*FAULT, "--spawn", 2, "--stop-at", 100, "--run-dir", run_dir), expect=75)
+    resumed = run(python_cmd(*FAULT, "--run-dir", run_dir))
+    assert "resuming a checkpoint of 2 workers x batch" in resumed.stderr
+    assert "results will differ from an uninterrupted run" in resumed.stderr
+    assert status(run_dir)["state"] == "done" and status(run_dir)["step"] == 240
+
+
+def test_resume_with_another_model_is_refused_and_nothing_changes(tmp_path):
+    run_dir = tmp_path / "run"
+    run(python_cmd(*FAULT, "--stop-at", 40, "--run-dir", run_dir), expect=75)
+    before = {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    proc = run(python_cmd(*FAULT, "--width", 32, "--run-dir", run_dir), expect=2)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {run_dir} holds a run with width=16, this one has width=32: use a new --run-dir or the same width"]
+    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+    assert torch.load(ckpt.newest_valid(run_dir), weights_only=True)["step"] == 40
