@@ -79,3 +79,19 @@ def test_a_pickle_with_code_is_refused_not_executed(tmp_path):
     assert not (tmp_path / "pwned").exists()
     torch.load(path, weights_only=False)  # proof the payload is real: an unsafe load runs it
     assert (tmp_path / "pwned").exists()
+
+
+def test_every_load_in_the_trainer_is_weights_only():
+    """Checkpoints and user files are data: no torch.load in train/ may run pickled code."""
+    import re
+    from pathlib import Path
+
+    calls = []
+    for source in (Path(__file__).resolve().parents[1] / "train").glob("*.py"):
+        for match in re.finditer(r"torch\.load\((.*?)\)", source.read_text(), flags=re.S):
+            calls.append((source.name, match.group(1)))
+    assert calls, "no torch.load found: the scan is looking in the wrong place"
+    for name, args in calls:
+        assert "weights_only=True" in args, f"{name}: torch.load({args}) without weights_only=True"
+    assert not [p for p in (Path(__file__).resolve().parents[1] / "train").glob("*.py")
+                if re.search(r"\bpickle\.loads?\(", p.read_text())], "pickle.load in train/"
