@@ -22,6 +22,7 @@ SHELL := /bin/bash
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
 #   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (default 3; resumes from the
 #                newest checkpoint)
+#   BENCH_ARGS   flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
@@ -60,7 +61,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS MAX_RESTARTS
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test build image shell tensorboard env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench build image shell tensorboard env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -88,6 +89,9 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
+	$(PY) -m train.bench $(BENCH_ARGS)
 
 build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \

@@ -4,6 +4,7 @@ import hashlib
 import json
 import shutil
 import socket
+import zlib
 
 import pytest
 import torch
@@ -147,7 +148,8 @@ def test_a_checkpoint_that_runs_code_is_refused_not_executed(finished_run, tmp_p
     shutil.copytree(finished_run, run_dir)
     evil = run_dir / "checkpoints" / "step_99999999.pt"
     torch.save({"model": Evil(tmp_path / "pwned")}, evil)
-    evil.with_name(evil.name + ".sha256").write_text(hashlib.sha256(evil.read_bytes()).hexdigest() + "\n")
+    data = evil.read_bytes()  # a sidecar that matches: the file passes the checksum, the load must refuse it
+    evil.with_name(evil.name + ".crc32").write_text(f"crc32:{zlib.crc32(data):08x} size:{len(data)}  {evil.name}\n")
     _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10], "is not a weights-only checkpoint, refused")
     assert not (tmp_path / "pwned").exists()
 

@@ -19,7 +19,7 @@ def test_save_prunes_to_the_newest_k_and_loads_back(tmp_path):
     names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
     assert names == ["step_00000030.pt", "step_00000040.pt"]
     assert sorted(p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir()) == [
-        "step_00000030.pt", "step_00000030.pt.sha256", "step_00000040.pt", "step_00000040.pt.sha256"]
+        "step_00000030.pt", "step_00000030.pt.crc32", "step_00000040.pt", "step_00000040.pt.crc32"]
     latest = ckpt.newest_valid(tmp_path)
     assert ckpt.load_checkpoint(latest, torch.device("cpu"))["step"] == 40
 
@@ -34,9 +34,31 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage
     elif damage == "flip":
         newest.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
     else:
-        newest.with_name(newest.name + ".sha256").unlink()
+        newest.with_name(newest.name + ".crc32").unlink()
     assert ckpt.verify(newest) is not None
     assert ckpt.newest_valid(tmp_path).name == "step_00000001.pt"
+
+
+def test_a_checkpoint_with_a_sha256_sidecar_from_an_earlier_version_still_verifies(tmp_path):
+    import hashlib
+
+    path = ckpt.save_checkpoint(tmp_path, 5, _state(5), keep=3)
+    path.with_name(path.name + ".crc32").unlink()
+    legacy = path.with_name(path.name + ".sha256")
+    legacy.write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n")
+    assert ckpt.verify(path) is None
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert ckpt.verify(path) == "checksum mismatch (file corrupted)"
+
+
+def test_a_save_after_resuming_from_an_older_checkpoint_replaces_the_damaged_newer_one(tmp_path):
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
+    damaged = ckpt.list_checkpoints(tmp_path)[-1]
+    damaged.write_bytes(b"garbage")
+    assert ckpt.newest_valid(tmp_path).name == "step_00000020.pt"  # resume from 20, train on, save 25
+    ckpt.save_checkpoint(tmp_path, 25, _state(25), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000020.pt", "step_00000025.pt"]
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path):

@@ -1,21 +1,24 @@
 """Checkpoints: atomic writes by global rank 0, a checksum beside each, newest-valid lookup, safe loads.
 
-Layout: RUN_DIR/checkpoints/step_00001500.pt with step_00001500.pt.sha256 beside it. A file counts
-only once it has been renamed into place and its checksum matches, so a save killed halfway, a
-truncated file or flipped bytes are never loaded; the newest checkpoint that verifies wins.
+Layout: RUN_DIR/checkpoints/step_00001500.pt with step_00001500.pt.crc32 beside it (its size and
+CRC32, computed while the file streams out; sha256 sidecars of older runs are still checked). A file
+counts only once it has been renamed into place and its size and checksum match, so a save killed
+halfway, a truncated file or flipped bytes are never loaded; the newest checkpoint that verifies wins.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
 import pickle
+import queue
 import re
 import shutil
+import threading
+import zlib
 from pathlib import Path
 
 import torch
@@ -70,26 +73,110 @@ def remove_partial(run_dir: Path) -> int:
     return freed
 
 
+class _ChecksumFile:
+    """The file torch.save streams into: every chunk goes to disk and into a CRC32, with no copy in memory.
+    A big chunk is checksummed on a helper thread while the main thread writes it (both release the GIL)."""
+
+    BIG = 1 << 18
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+        self.error: OSError | None = None  # torch.save reports a failed write as a RuntimeError
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._checksum_chunks, daemon=True)
+        self._thread.start()
+
+    def _checksum_chunks(self) -> None:
+        while (chunk := self._todo.get()) is not None:
+            self.crc = zlib.crc32(chunk, self.crc)
+            self._done.put(True)
+
+    def write(self, data) -> int:
+        self.size += len(data)
+        big = len(data) >= self.BIG
+        if big:
+            self._todo.put(data)  # checksummed while written; `data` stays valid until this call returns
+        else:
+            self.crc = zlib.crc32(data, self.crc)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+        finally:
+            if big:
+                self._done.get()
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
+
+    def sidecar(self, name: str) -> bytes:
+        return f"crc32:{self.crc:08x} size:{self.size}  {name}\n".encode()
+
+
+def _state_bytes(state) -> int:
+    """Roughly what a checkpoint of `state` takes on disk: its tensors' bytes."""
+    if isinstance(state, torch.Tensor):
+        return state.nelement() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Serialise in memory, then write atomically with its sha256 sidecar; prune to the newest `keep`.
-    Old checkpoints are removed only after the new one is complete, so a failed save loses nothing."""
+    """Stream the state into a temp file while checksumming it, fsync; write the sidecar, fsync; rename both
+    into place, fsync the folder once; then prune to the newest `keep`. Old checkpoints are removed only
+    after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
     path = folder / f"step_{step:08d}.pt"
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    sidecar, sidecar_tmp = _sidecar(path), path.with_name(f".{path.name}.crc32.tmp.{os.getpid()}")
+    out = None
+    crc = torch.serialization.get_crc32_options()
     try:
-        atomic_write(path, data)
-        atomic_write(path.with_name(path.name + ".sha256"),
-                     f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
-    except OSError as e:
-        path.unlink(missing_ok=True)  # a checkpoint without its checksum would only be skipped later
-        raise SaveError(e, len(data)) from e
-    for old in list_checkpoints(run_dir)[:-keep]:
+        f = open(tmp, "wb")
+        try:
+            out = _ChecksumFile(f)
+            torch.serialization.set_crc32_options(False)  # the zip's own CRCs would only repeat ours, slower
+            torch.save(state, out)
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            torch.serialization.set_crc32_options(crc)
+            if out is not None:
+                out.close()
+            with contextlib.suppress(OSError):
+                f.close()
+        with open(sidecar_tmp, "wb") as f:
+            f.write(out.sidecar(path.name))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # a .pt without its sidecar (a crash right here) never verifies
+        os.replace(sidecar_tmp, sidecar)
+        _fsync_dir(folder)
+    except (OSError, RuntimeError) as e:
+        for leftover in (tmp, sidecar_tmp, path):  # a checkpoint without its sidecar would only be skipped
+            leftover.unlink(missing_ok=True)
+        cause = e if isinstance(e, OSError) else getattr(out, "error", None)
+        if cause is None:
+            raise
+        raise SaveError(cause, _state_bytes(state) + (1 << 16)) from e
+    # Checkpoints of later steps exist only if resume skipped them as damaged: they go, then the oldest.
+    existing = list_checkpoints(run_dir)
+    later = [p for p in existing if p.name > path.name]
+    for old in later + [p for p in existing if p not in later][:-keep]:
         old.unlink(missing_ok=True)
-        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+        for kind in SIDECARS:
+            old.with_name(old.name + kind).unlink(missing_ok=True)
     return path
 
 
@@ -101,19 +188,36 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted((p for p in folder.iterdir() if _NAME.fullmatch(p.name)), key=lambda p: p.name)
 
 
+SIDECARS = (".crc32", ".sha256")  # what this version writes; what earlier versions wrote
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SIDECARS[0])
+
+
 def verify(path: Path) -> str | None:
-    """None if `path` matches its checksum, else why not."""
-    sidecar = path.with_name(path.name + ".sha256")
-    if not sidecar.is_file():
+    """None if `path` matches the size and checksum in its sidecar, else why not."""
+    sidecar = next((path.with_name(path.name + k) for k in SIDECARS if path.with_name(path.name + k).is_file()),
+                   None)
+    if sidecar is None:
         return "no checksum file beside it (the save did not finish)"
-    expected = sidecar.read_text().split()[0] if sidecar.read_text().strip() else ""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        return "checksum mismatch (file truncated or corrupted)"
-    return None
+    fields = sidecar.read_text().split()
+    if sidecar.suffix == ".sha256":
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        ok = bool(fields) and digest.hexdigest() == fields[0]
+    else:
+        values = dict(field.split(":", 1) for field in fields if ":" in field)
+        if str(path.stat().st_size) != values.get("size"):
+            return f"size {path.stat().st_size} but {values.get('size')} was saved (file truncated)"
+        crc = 0
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                crc = zlib.crc32(chunk, crc)
+        ok = f"{crc:08x}" == values.get("crc32")
+    return None if ok else "checksum mismatch (file corrupted)"
 
 
 def newest_valid(run_dir: Path) -> Path | None:

@@ -45,13 +45,14 @@ class Config:
     device: str = _f("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
     timeout_s: int = _f(600, "collective timeout in seconds; a stuck rank fails the job after this long")
     # --- data ---
-    dataset: str = _f("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, DATA_DIR/val)",
-                      choices=("shapes", "cifar10", "imagefolder"))
+    dataset: str = _f("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, DATA_DIR/val); "
+                                "synthetic: random images for benchmarks (learns nothing)",
+                      choices=("shapes", "cifar10", "imagefolder", "synthetic"))
     data_dir: str = _f("data", "dataset root for cifar10 and imagefolder")
     download: bool = _f(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
     image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
-    train_samples: int = _f(12000, "shapes: number of training images")
-    val_samples: int = _f(2000, "shapes: number of validation images")
+    train_samples: int = _f(12000, "shapes/synthetic: number of training images")
+    val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
     num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
                               "else 1-4 by cores per worker")
     # --- model ---
@@ -60,6 +61,9 @@ class Config:
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
     channels_last: bool = _f(False, "use the channels_last memory format for model and inputs")
     compile: bool = _f(False, "wrap the model with torch.compile")
+    bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
+    static_graph: bool = _f(False, "DDP static_graph: faster when the graph never changes and every "
+                                   "parameter gets a gradient every step")
     # --- optimisation ---
     batch_size: int = _f(64, "images per worker per micro-batch")
     grad_accum: int = _f(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
@@ -81,7 +85,7 @@ class Config:
 
     def validate(self) -> None:
         positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
-                    "save_every", "keep_checkpoints", "log_every", "timeout_s", "width")
+                    "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")

@@ -23,6 +23,7 @@ from train.config import Config, ConfigError, DataError
 from train.distributed import gather, identity
 
 NUM_SHAPE_CLASSES = 10
+SYNTHETIC_CLASSES = 1000
 SHAPE_CLASSES = ("disk", "square", "ring", "plus", "triangle", "diamond",
                  "h-stripes", "v-stripes", "checker", "x-cross")
 
@@ -63,15 +64,31 @@ def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class ShapesDataset(Dataset):
+    """In-memory images and labels; the trainer moves them to its device once, so batches never wait."""
+
     def __init__(self, n: int, size: int, seed: int):
         self.images, self.labels = make_shapes(n, size, seed)
         self.classes = list(SHAPE_CLASSES)
+
+    def to(self, device: torch.device) -> ShapesDataset:
+        self.images, self.labels = self.images.to(device), self.labels.to(device)
+        return self
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index):
         return self.images[index], self.labels[index]
+
+
+class SyntheticDataset(ShapesDataset):
+    """Random images and labels (1000 classes), for measuring speed: nothing to learn, nothing to load."""
+
+    def __init__(self, n: int, size: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+        self.labels = torch.randint(0, SYNTHETIC_CLASSES, (n,), generator=g)
+        self.classes = [str(i) for i in range(SYNTHETIC_CLASSES)]
 
 
 class SeededSample(Dataset):
@@ -135,7 +152,7 @@ class TensorLoader:
         return len(self.sampler) // self.batch_size
 
     def __iter__(self):
-        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.dataset.images.device)
         for b in range(len(self)):
             idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
             yield self.dataset.images[idx], self.dataset.labels[idx]
@@ -192,10 +209,11 @@ def _transforms(cfg: Config, train: bool):
 
 def build_datasets(cfg: Config):
     """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device)."""
-    if cfg.dataset == "shapes":
-        train = ShapesDataset(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
-        val = ShapesDataset(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
-        return train, val, NUM_SHAPE_CLASSES
+    if cfg.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
+        train = kind(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
+        val = kind(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
+        return train, val, len(train.classes)
     root = Path(cfg.data_dir)
     if cfg.dataset == "cifar10":
         from torchvision import datasets  # noqa: PLC0415
@@ -228,7 +246,7 @@ def build_datasets(cfg: Config):
 def default_num_workers(cfg: Config) -> int:
     if cfg.num_workers >= 0:
         return cfg.num_workers
-    if cfg.dataset == "shapes":
+    if cfg.dataset in ("shapes", "synthetic"):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cores // max(1, identity().local_world_size) - 1))
@@ -243,10 +261,11 @@ def _ignore_stop_signals(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool):
-    if isinstance(dataset, ShapesDataset):
+def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+                       device: torch.device | None = None):
+    if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
         sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False)
-        return TensorLoader(dataset, sampler, cfg.batch_size), sampler
+        return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
     sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True)
     workers = default_num_workers(cfg)
     loader = DataLoader(SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
@@ -257,11 +276,13 @@ def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_mem
     return loader, sampler
 
 
-def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool):
+def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+                     device: torch.device | None = None):
     """Each rank takes indices rank, rank+W, ... with no padding: every sample counted exactly once."""
     indices = list(range(rank, len(dataset), world_size))
     if isinstance(dataset, ShapesDataset):
-        idx = torch.tensor(indices, dtype=torch.long)
+        dataset.to(device or torch.device("cpu"))
+        idx = torch.tensor(indices, dtype=torch.long, device=dataset.images.device)
         return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
     workers = default_num_workers(cfg)
     return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,

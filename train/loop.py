@@ -24,7 +24,7 @@ from train.config import MODEL_KEYS, Config, ConfigError
 from train.data import build_datasets, build_train_loader, build_val_loader
 from train.launch import EXIT_STOPPED
 from train.distributed import control_group, gather, identity, init, is_main, pick_device, teardown
-from train.metrics import GpuTelemetry, MetricsWriter, build_manifest, write_manifest
+from train.metrics import GpuTelemetry, MetricsWriter, build_manifest, process_start_time, write_manifest
 from train.models import build_model
 
 log = logging.getLogger("train")
@@ -260,8 +260,8 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     torch.manual_seed(cfg.seed)
     train_set, val_set, num_classes = build_datasets(cfg)
     pin = device.type == "cuda"
-    train_loader, sampler = build_train_loader(cfg, train_set, rank, world, pin)
-    val_loader = build_val_loader(cfg, val_set, rank, world, pin)
+    train_loader, sampler = build_train_loader(cfg, train_set, rank, world, pin, device)
+    val_loader = build_val_loader(cfg, val_set, rank, world, pin, device)
     batches_per_epoch = (len(train_set) // world) // cfg.batch_size
     steps_per_epoch = batches_per_epoch // cfg.grad_accum
     if steps_per_epoch == 0:
@@ -332,7 +332,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
         model = torch.compile(model)
     if dist.is_initialized():
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph)
         if cfg.deterministic and world > 1:
             model.register_comm_hook(None, ordered_allreduce_hook)
 
@@ -395,6 +395,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     last_saved = step if latest else -1
     window_loss = torch.zeros(1, device=device)
     window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+    first_step = True
     if cfg.stop_at and latest and cfg.stop_at <= step < cfg.max_steps:
         log.info("--stop-at %d: already at step %d, nothing to train (exit %d)", cfg.stop_at, step, EXIT_STOPPED)
         exit_code = EXIT_STOPPED
@@ -427,6 +428,9 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
             step_in_epoch += 1
             window_steps += 1
             watchdog.progress()
+            if first_step:  # launch to first optimizer step, start-up cost included (no sync: logged once)
+                first_step = False
+                metrics.write(step, "first_step", {"since_start_s": time.time() - process_start_time()})
 
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 if device.type == "cuda":

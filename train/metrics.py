@@ -23,6 +23,20 @@ from train.checkpoint import atomic_write
 log = logging.getLogger("train")
 
 
+def process_start_time() -> float:
+    """When this process started (Unix time), from /proc; the import of this module elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
 def _step_of(line: str) -> float:
     try:
         return json.loads(line)["step"]

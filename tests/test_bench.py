@@ -1,0 +1,40 @@
+"""`make bench` end to end at tiny sizes: every CPU row is measured and reported (table, JSON, PNG).
+Its numbers are not checked against targets here: timing on shared machines belongs to the bench."""
+
+import json
+import math
+
+import pytest
+from PIL import Image
+
+from tests.test_make import make
+
+pytestmark = pytest.mark.slow
+
+CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction per step, built-in",
+            "time to first step", "DDP wrapper", "communication: step without sync", "exposed communication",
+            "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
+            "checkpoint save", "checkpoint load")
+
+
+def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
+    out = tmp_path / "bench"
+    proc = make("bench", f"BENCH_ARGS=--quick --rounds 2 --out {out}", timeout=900)
+    report = json.loads((out / "bench.json").read_text())
+    names = [r["row"] for r in report["rows"]]
+    for prefix in CPU_ROWS:
+        assert any(n.startswith(prefix) for n in names), f"row {prefix!r} missing"
+    for r in report["rows"]:
+        assert r["rounds"] == 2 and r["low"] <= r["ratio"] <= r["high"], r
+        assert math.isfinite(r["ratio"]) and r["ratio"] >= 0, r
+        assert r["row"] in proc.stdout  # the printed table carries every row
+    targets = {r["row"].split(":")[0]: r["target"] for r in report["rows"] if r["target"]}
+    assert targets["trainer overhead"] == ">= 0.97" and targets["checkpoint save"] == ">= 0.7"
+    with Image.open(out / "scaling.png") as chart:
+        assert chart.format == "PNG" and chart.size[0] > 300
+    assert set(report["scaling_samples_per_s"]) >= {"1 rank x 1 thread", "2 ranks x 1 thread"}
+
+
+def test_bench_refuses_a_single_round(tmp_path):
+    proc = make("bench", f"BENCH_ARGS=--rounds 1 --out {tmp_path}", expect=2)
+    assert "error: --rounds must be at least 2" in proc.stderr
