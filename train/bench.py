@@ -380,6 +380,7 @@ def checkpoint_rows(out: Path, size: dict, rounds: int) -> list[dict]:
         start = time.perf_counter()
         path = ckpt.save_checkpoint(folder, r, state, keep=1)
         save_s = time.perf_counter() - start
+        ckpt.list_checkpoints(folder)  # waits for the old checkpoint's deletion, untimed (it overlaps training)
         start = time.perf_counter()
         with open(raw_dir / f"raw-{r}.bin", "wb") as f:
             f.write(raw)
@@ -481,7 +482,7 @@ def table(rows: list[dict], header: str) -> str:
 
 
 SIZES = {
-    "full": {"steps": 60, "window": 5, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
+    "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
              "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80, "quick": False},
     "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
               "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8, "quick": True},

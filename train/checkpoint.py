@@ -78,9 +78,10 @@ class _ChecksumFile:
     A big chunk is checksummed on a helper thread while the main thread writes it (both release the GIL)."""
 
     BIG = 1 << 18
+    WRITE_BEHIND = 32 << 20
 
     def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
+        self.f, self.crc, self.size, self._synced = f, 0, 0, 0
         self.error: OSError | None = None  # torch.save reports a failed write as a RuntimeError
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -91,6 +92,12 @@ class _ChecksumFile:
         while (chunk := self._todo.get()) is not None:
             self.crc = zlib.crc32(chunk, self.crc)
             self._done.put(True)
+            if self.size - self._synced >= self.WRITE_BEHIND:  # start the disk on what is written so far,
+                self._synced = self.size                         # so the final fsync has little left to do
+                try:
+                    os.fdatasync(self.f.fileno())
+                except OSError as e:  # reported once per file: keep it for the save to raise
+                    self.error = self.error or e
 
     def write(self, data) -> int:
         self.size += len(data)
@@ -112,8 +119,9 @@ class _ChecksumFile:
         self.f.flush()
 
     def close(self) -> None:
-        self._todo.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._todo.put(None)
+            self._thread.join()
 
     def sidecar(self, name: str) -> bytes:
         return f"crc32:{self.crc:08x} size:{self.size}  {name}\n".encode()
@@ -134,6 +142,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     """Stream the state into a temp file while checksumming it, fsync; write the sidecar, fsync; rename both
     into place, fsync the folder once; then prune to the newest `keep`. Old checkpoints are removed only
     after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
+    _wait_for_pruning()
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
@@ -150,16 +159,18 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
             torch.save(state, out)
             f.flush()
             os.fsync(f.fileno())
+            out.close()
+            if out.error:
+                raise out.error
         finally:
             torch.serialization.set_crc32_options(crc)
             if out is not None:
                 out.close()
             with contextlib.suppress(OSError):
                 f.close()
-        with open(sidecar_tmp, "wb") as f:
-            f.write(out.sidecar(path.name))
-            f.flush()
-            os.fsync(f.fileno())
+        # The sidecar needs no fsync of its own: if a crash loses or tears it, the checkpoint simply does
+        # not verify and the previous one is used.
+        sidecar_tmp.write_bytes(out.sidecar(path.name))
         os.replace(tmp, path)  # a .pt without its sidecar (a crash right here) never verifies
         os.replace(sidecar_tmp, sidecar)
         _fsync_dir(folder)
@@ -171,17 +182,34 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
             raise
         raise SaveError(cause, _state_bytes(state) + (1 << 16)) from e
     # Checkpoints of later steps exist only if resume skipped them as damaged: they go, then the oldest.
+    # Deleting big files takes a while: a thread does it, and any look at the folder waits for it.
     existing = list_checkpoints(run_dir)
     later = [p for p in existing if p.name > path.name]
-    for old in later + [p for p in existing if p not in later][:-keep]:
-        old.unlink(missing_ok=True)
-        for kind in SIDECARS:
-            old.with_name(old.name + kind).unlink(missing_ok=True)
+    doomed = later + [p for p in existing if p not in later][:-keep]
+    global _pruning
+    _pruning = threading.Thread(target=_delete, args=(doomed,), name="checkpoint-prune")
+    _pruning.start()
     return path
+
+
+_pruning: threading.Thread | None = None
+
+
+def _delete(paths: list[Path]) -> None:
+    for old in paths:
+        for file in (old, *(old.with_name(old.name + kind) for kind in SIDECARS)):
+            with contextlib.suppress(OSError):
+                file.unlink()
+
+
+def _wait_for_pruning() -> None:
+    if _pruning is not None:
+        _pruning.join()
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint files, oldest first (by step number)."""
+    _wait_for_pruning()
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []

@@ -62,7 +62,8 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
 
             # purge_step drops events logged after the checkpoint we resumed from (a stop after it).
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
+            # Its own thread writes the events to disk every 5 s: nothing waits on the file in the loop.
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None, flush_secs=5)
 
     def write(self, step: int, kind: str, values: dict) -> None:
         if not self.active:
@@ -72,7 +73,6 @@ class MetricsWriter:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
-            self._tb.flush()
 
     def close(self) -> None:
         if self._jsonl:
