@@ -78,10 +78,9 @@ class _ChecksumFile:
     A big chunk is checksummed on a helper thread while the main thread writes it (both release the GIL)."""
 
     BIG = 1 << 18
-    WRITE_BEHIND = 32 << 20
 
     def __init__(self, f):
-        self.f, self.crc, self.size, self._synced = f, 0, 0, 0
+        self.f, self.crc, self.size = f, 0, 0
         self.error: OSError | None = None  # torch.save reports a failed write as a RuntimeError
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,12 +91,6 @@ class _ChecksumFile:
         while (chunk := self._todo.get()) is not None:
             self.crc = zlib.crc32(chunk, self.crc)
             self._done.put(True)
-            if self.size - self._synced >= self.WRITE_BEHIND:  # start the disk on what is written so far,
-                self._synced = self.size                         # so the final fsync has little left to do
-                try:
-                    os.fdatasync(self.f.fileno())
-                except OSError as e:  # reported once per file: keep it for the save to raise
-                    self.error = self.error or e
 
     def write(self, data) -> int:
         self.size += len(data)
@@ -160,8 +153,6 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
             f.flush()
             os.fsync(f.fileno())
             out.close()
-            if out.error:
-                raise out.error
         finally:
             torch.serialization.set_crc32_options(crc)
             if out is not None:
