@@ -25,7 +25,7 @@ def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
     for prefix in CPU_ROWS:
         assert any(n.startswith(prefix) for n in names), f"row {prefix!r} missing"
     for r in report["rows"]:
-        assert r["rounds"] == 2 and r["low"] <= r["ratio"] <= r["high"], r
+        assert r["rounds"] >= 2 and r["low"] <= r["ratio"] <= r["high"], r
         assert math.isfinite(r["ratio"]) and r["ratio"] >= 0, r
         assert r["row"] in proc.stdout  # the printed table carries every row
     targets = {r["row"].split(":")[0]: r["target"] for r in report["rows"] if r["target"]}

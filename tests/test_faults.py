@@ -332,11 +332,13 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp
     finally:
         procs[1].kill()
         procs[1].communicate()
-    assert procs[0].returncode == 1
+    assert procs[0].returncode == 1, err[-5000:]
     assert 9 <= waited < 40, f"rank 0 gave up after {waited:.0f}s with --timeout-s 10"
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and "Timed out" in errors[0]
-    assert "train/loop.py" in err and ("Thread 0x" in err or "Current thread" in err)  # faulthandler's dump
+    assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and \
+        ("Timed out" in errors[0] or "timeout" in errors[0]), \
+        err[-5000:]
+    assert "train/loop.py" in err and ("Thread 0x" in err or "Current thread" in err), err[-5000:]  # the stacks
 
 
 def test_a_rank_stuck_outside_collectives_dumps_its_stack_and_exits(tmp_path):

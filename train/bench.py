@@ -522,7 +522,7 @@ def main(argv: list[str]) -> int:
     header = (f"trainbox bench: torch {torch.__version__}, {cores} CPU cores, "
               f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
               f"{ns.rounds} interleaved rounds; ratio = median, spread = lowest-highest round")
-    print(header, file=sys.stderr, flush=True)
+    print(f"bench: measuring into {out} (about 7 minutes on 2 cores)", file=sys.stderr, flush=True)
     rows, bars = loop_rows(out, size, ns.rounds)
     rows += comm_rows(out, size)
     rows += pipeline_rows(out, size, ns.rounds)

@@ -144,9 +144,9 @@ def _lost_peer(error: BaseException) -> bool:
     """A failed collective: a peer died (connection reset/closed) or stopped answering (timeout)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    text = str(error)
-    return isinstance(error, getattr(dist, "DistError", ())) or (
-        isinstance(error, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")))
+    text = str(error).lower()
+    return isinstance(error, getattr(dist, "DistError", ())) or (isinstance(error, RuntimeError) and any(
+        k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure", "by peer")))
 
 
 def run_worker(cfg: Config) -> int:
@@ -176,7 +176,7 @@ def run_worker(cfg: Config) -> int:
         print(f"error: [rank {rank}] lost contact with the other workers ({first.strip()[:200]}): another worker "
               f"died, hung or was stopped, its output says which; run the same command to resume from the newest "
               f"checkpoint. This rank's stack at the failure:", file=sys.stderr)
-        traceback.print_exception(e, limit=-8, file=sys.stderr)
+        traceback.print_exception(e, file=sys.stderr)
         faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
         return EXIT_FAILED
     if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
