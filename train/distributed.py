@@ -122,10 +122,11 @@ def teardown(clean: bool = True) -> None:
     """Leave the process group; after a clean run wait for every rank first, so none exits while a
     peer still talks to it. After an error, do not wait: the peers may never arrive."""
     global _control_group
-    if dist.is_initialized():
-        if clean:
-            dist.barrier(group=_control_group)
+    if dist.is_initialized() and clean:
+        dist.barrier(group=_control_group)
         dist.destroy_process_group()
+    # After an error the group is left to the process's exit: destroying it with a collective still in
+    # flight (a peer gone, a timeout) can abort the process before it has reported the error.
     _control_group = None
 
 
