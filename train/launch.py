@@ -323,7 +323,8 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
         if stopped() and codes <= {0, EXIT_STOPPED}:
             print(message, file=sys.stderr)
             return EXIT_STOPPED
-        if codes == {EXIT_BAD_INPUT}:  # the workers named the problem above; restarting cannot fix it
+        # The workers named the problem above (the rest were stopped by torchrun): restarting cannot fix it.
+        if EXIT_BAD_INPUT in codes and all(c == EXIT_BAD_INPUT or c < 0 for c in codes):
             print(f"trainbox: the workers stopped on the error above (exit {EXIT_BAD_INPUT})", file=sys.stderr)
             return EXIT_BAD_INPUT
         what = f"worker exit codes {sorted(codes)}" if codes else f"signal ({type(e).__name__})"
