@@ -6,6 +6,7 @@ Everything a user can get wrong is checked here, before any worker or process gr
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import multiprocessing.connection
 import os
@@ -149,6 +150,17 @@ def _lost_peer(error: BaseException) -> bool:
         k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure", "by peer")))
 
 
+def _kill_loader_workers() -> None:
+    """DataLoader workers ignore SIGTERM (a preemption signal must not kill them before the save), so
+    multiprocessing's own exit hook, which terminates and then joins them, could wait forever when a run
+    ends on an error with a worker still alive. Registered after that hook, this runs first."""
+    import multiprocessing  # noqa: PLC0415
+
+    for child in multiprocessing.active_children():  # this process's children: its loader workers
+        child.kill()
+        child.join(5)
+
+
 def run_worker(cfg: Config) -> int:
     """Train as the rank the environment says this process is."""
     import faulthandler  # noqa: PLC0415
@@ -158,6 +170,9 @@ def run_worker(cfg: Config) -> int:
     from train.distributed import identity, is_main  # noqa: PLC0415
 
     faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
+    import multiprocessing.util  # noqa: F401, PLC0415 - its exit hook must be registered before ours
+
+    atexit.register(_kill_loader_workers)
     rank = identity().global_rank
     try:
         code = loop.main(cfg)
