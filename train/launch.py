@@ -154,11 +154,15 @@ def _kill_loader_workers() -> None:
     """DataLoader workers ignore SIGTERM (a preemption signal must not kill them before the save), so
     multiprocessing's own exit hook, which terminates and then joins them, could wait forever when a run
     ends on an error with a worker still alive. Registered after that hook, this runs first."""
+    import contextlib  # noqa: PLC0415
     import multiprocessing  # noqa: PLC0415
 
-    for child in multiprocessing.active_children():  # this process's children: its loader workers
-        child.kill()
-        child.join(5)
+    with contextlib.suppress(Exception):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kill
+        for child in multiprocessing.active_children():  # this process's children: its loader workers
+            with contextlib.suppress(Exception):
+                child.kill()
+                child.join(5)
 
 
 def run_worker(cfg: Config) -> int:
