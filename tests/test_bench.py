@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 from PIL import Image
 
 from tests.test_make import make
@@ -38,3 +39,16 @@ def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
 def test_bench_refuses_a_single_round(tmp_path):
     proc = make("bench", f"BENCH_ARGS=--rounds 1 --out {tmp_path}", expect=2)
     assert "error: --rounds must be at least 2" in proc.stderr
+
+
+def test_bench_refuses_unknown_gpu_knobs(tmp_path):
+    proc = make("bench", f"BENCH_ARGS=--gpu-knobs fp32,warp-drive --out {tmp_path}", expect=2)
+    assert "error: unknown --gpu-knobs warp-drive: pick from fp32," in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_gpu_only_without_a_gpu_is_one_line(tmp_path):
+    proc = make("bench", f"BENCH_ARGS=--gpu-only --out {tmp_path}", expect=2)
+    assert "error: --gpu-only needs a CUDA GPU and none is visible" in proc.stderr
+    assert "Traceback" not in proc.stderr

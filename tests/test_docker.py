@@ -77,11 +77,22 @@ def image(docker, standin_base, tmp_path_factory):
     ca = tmp_path_factory.mktemp("ca") / "extra-ca.pem"
     system = Path("/etc/ssl/certs/ca-certificates.crt")
     ca.write_text((system.read_text() if system.exists() else "") + f"\n# {marker}\n")
+    # Every --no-cache build makes a new ~5 GB image; an earlier run's, left untagged, would pile up on
+    # the machine until `docker save` below runs out of disk. So: none before, none after.
+    _remove_test_images(docker)
     # --no-cache: the dependency step must really run with the secret mounted (pip's cache mount stays).
     build = run(["make", "--no-print-directory", "build", f"DOCKER={docker}", f"IMAGE={IMAGE}",
                  f"BASE_IMAGE={standin_base}", f"HOST_UID={USER}", f"HOST_GID={USER}", f"EXTRA_CA={ca}",
                  "BUILD_FLAGS=--no-cache --progress=plain"], cwd=REPO, timeout=1800)
-    return {"tag": IMAGE, "marker": marker, "log": build.stdout + build.stderr}
+    yield {"tag": IMAGE, "marker": marker, "log": build.stdout + build.stderr}
+    _remove_test_images(docker)
+
+
+def _remove_test_images(docker: str) -> None:
+    """The test tag and untagged trainbox images (the label is the Dockerfile's); other images stay."""
+    subprocess.run([docker, "image", "rm", "-f", IMAGE], capture_output=True)
+    subprocess.run([docker, "image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=trainbox"],
+                   capture_output=True, check=True)
 
 
 @pytest.fixture

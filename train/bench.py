@@ -136,9 +136,11 @@ def _env() -> dict:
 
 
 def _run(cmd: list[str], what: str) -> None:
+    started = time.monotonic()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"bench: {what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"bench: {time.monotonic() - started:5.1f} s  {what}", file=sys.stderr, flush=True)
 
 
 def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
@@ -224,10 +226,18 @@ def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
 
 def _comm_worker(rank: int, spec: dict) -> None:
     """DDP wrapper cost (1 rank) or exposed communication (2 ranks), blocks interleaved in-process."""
+    _init(rank, spec["world"], spec["port"], spec["threads"])
+    times = _comm_blocks(spec)  # returns with every DDP reducer gone, before its group is destroyed
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(times))
+    dist.barrier()  # leave together: a rank tearing gloo down under its peer made both abort
+    dist.destroy_process_group()
+
+
+def _comm_blocks(spec: dict) -> dict[str, list[float]]:
     from train.models import SmallCNN  # noqa: PLC0415
 
     world = spec["world"]
-    _init(rank, world, spec["port"], spec["threads"])
     torch.manual_seed(0)
     x = torch.randn(spec["batch"], 3, 32, 32)
     y = torch.randint(0, 10, (spec["batch"],))
@@ -264,9 +274,7 @@ def _comm_worker(rank: int, spec: dict) -> None:
                 fn()
             if block >= 1:  # the first block of each arm is warm-up
                 times[name].append((time.perf_counter() - start) / spec["per_block"])
-    if rank == 0:
-        Path(spec["out"]).write_text(json.dumps(times))
-    dist.destroy_process_group()
+    return times
 
 
 def comm_rows(out: Path, size: dict) -> list[dict]:
@@ -424,15 +432,20 @@ def checkpoint_rows(out: Path, size: dict, rounds: int) -> list[dict]:
 
 # ---------------------------------------------------------------- GPU rows
 
-def gpu_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph")
+
+
+def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) -> list[dict]:
     """ResNet-50, 224 px, synthetic data on the device, bf16 + channels_last, 1 GPU (DDP of 1)."""
     base = ["--spawn", 1, "--dataset", "synthetic", "--model", "resnet50", "--image-size", 224,
             "--batch-size", size["gpu_batch"], "--train-samples", 1024, "--val-samples", 128,
             "--max-steps", size["gpu_steps"], "--log-every", size["window"], "--eval-every", 0,
             "--save-every", 10**6, "--grad-clip", 0, "--precision", "bf16", "--channels-last"]
-    knobs = {"fp32 instead of bf16": ["--precision", "fp32"], "without channels_last": None,
-             "torch.compile": ["--compile"], "bucket_cap_mb 100": ["--bucket-cap-mb", 100],
-             "static_graph": ["--static-graph"]}
+    knobs = {"fp32 instead of bf16": ("fp32", ["--precision", "fp32"]),
+             "without channels_last": ("no-channels-last", None),
+             "torch.compile": ("compile", ["--compile"]), "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
+             "static_graph": ("static-graph", ["--static-graph"])}
+    knobs = {name: extra for name, (key, extra) in knobs.items() if key in only}
     bare = {"gpu": True, "samples": 1024, "image_size": 224, "batch": size["gpu_batch"],
             "steps": size["gpu_steps"], "window": size["window"]}
     vs_bare, util, trainer_ips, bare_ips = [], [], [], []
@@ -506,6 +519,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=time.strftime("runs/bench-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds per comparison")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every row runs")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (needs CUDA)")
+    parser.add_argument("--gpu-knobs", default=",".join(GPU_KNOBS),
+                        help=f"GPU knobs to measure, comma-separated from {','.join(GPU_KNOBS)} (default: all)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.bare:
@@ -513,6 +529,14 @@ def main(argv: list[str]) -> int:
         return 0
     if ns.rounds < 2:
         print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more", file=sys.stderr)
+        return 2
+    if ns.gpu_only and not torch.cuda.is_available():
+        print("error: --gpu-only needs a CUDA GPU and none is visible: drop --gpu-only or check nvidia-smi",
+              file=sys.stderr)
+        return 2
+    knobs = [k for k in ns.gpu_knobs.split(",") if k]
+    if unknown := sorted(set(knobs) - set(GPU_KNOBS)):
+        print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
         return 2
     size = SIZES["quick" if ns.quick else "full"]
     out = Path(ns.out).resolve()
@@ -522,14 +546,17 @@ def main(argv: list[str]) -> int:
     header = (f"trainbox bench: torch {torch.__version__}, {cores} CPU cores, "
               f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
               f"{ns.rounds} interleaved rounds; ratio = median, spread = lowest-highest round")
-    print(f"bench: measuring into {out} (about 7 minutes on 2 cores)", file=sys.stderr, flush=True)
-    rows, bars = loop_rows(out, size, ns.rounds)
-    rows += comm_rows(out, size)
-    rows += pipeline_rows(out, size, ns.rounds)
-    rows += checkpoint_rows(out, size, ns.rounds)
+    print(f"bench: measuring into {out}{'' if ns.gpu_only else ' (about 7 minutes on 2 cores)'}", file=sys.stderr,
+          flush=True)
+    rows, bars = [], {}
+    if not ns.gpu_only:
+        rows, bars = loop_rows(out, size, ns.rounds)
+        rows += comm_rows(out, size)
+        rows += pipeline_rows(out, size, ns.rounds)
+        rows += checkpoint_rows(out, size, ns.rounds)
+        chart(out / "scaling.png", bars)
     if torch.cuda.is_available():
-        rows += gpu_rows(out, size, ns.rounds)
-    chart(out / "scaling.png", bars)
+        rows += gpu_rows(out, size, ns.rounds, knobs)
     text = table(rows, header) + f"\n\n{time.monotonic() - started:.0f} s; written to {out}"
     (out / "bench.txt").write_text(text + "\n")
     (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows, "scaling_samples_per_s": bars,
