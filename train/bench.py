@@ -71,6 +71,7 @@ def _bare_worker(rank: int, spec: dict) -> None:
             window = time.perf_counter()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
+    dist.barrier()  # leave together (see _comm_worker)
     dist.destroy_process_group()
 
 
