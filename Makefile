@@ -8,7 +8,8 @@ SHELL := /bin/bash
 #   RUNTIME      docker | local; default: docker when an engine answers, else local
 #   PYTHON       interpreter that creates the local environment (>= 3.10)
 #   VENV         the local environment, built from requirements.lock
-#   DOCKER       a docker client with BuildKit (Debian's docker.io: /usr/bin/docker)
+#   DOCKER       a docker client that builds with BuildKit; default: `docker` when it has buildx, else
+#                Debian's docker.io client /usr/bin/docker (BuildKit without buildx)
 #   COMPOSE      "docker compose" (v2) or docker-compose (v1.29); default: whichever is installed
 #   IMAGE        the image tag to build and run
 #   TORCH_FLAVOUR  the CUDA build of torch: cu130 (PyPI; driver >= 580; the default), or cu128 / cu126
@@ -30,7 +31,7 @@ ARGS ?=
 MAX_RESTARTS ?= 3
 PYTHON ?= python3
 VENV ?= .venv
-DOCKER ?= docker
+DOCKER ?= $(shell docker buildx version >/dev/null 2>&1 || ! test -x /usr/bin/docker && echo docker || echo /usr/bin/docker)
 COMPOSE ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
 IMAGE ?= trainbox:local
 TORCH_FLAVOUR ?= cu130
@@ -100,8 +101,12 @@ build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH
 	  --build-arg LOCK_FILE=$(LOCK) --build-arg LOCK_SHA256=$$(sha256sum $(LOCK) | cut -d' ' -f1) \
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
-image: ## build the image only if it is missing
+image: ## build the image only if it is missing (warns when it was built from another commit)
 	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) --no-print-directory build
+	@built=$$($(DOCKER) image inspect --format '{{index .Config.Labels "org.opencontainers.image.revision"}}' $(IMAGE)); \
+	  head=$$(git rev-parse HEAD 2>/dev/null); dirty=$$(git status --porcelain -- train docker requirements.lock 2>/dev/null); \
+	  if [ -n "$$head" ] && { [ "$$built" != "$$head" ] || [ -n "$$dirty" ]; }; then \
+	    built=$${built:0:12}; echo "warning: $(IMAGE) was built from $${built:-an unknown commit}, this checkout is $${head:0:12}$${dirty:+ with changes}: run 'make build' to train this code" >&2; fi
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer

@@ -36,6 +36,6 @@ def test_fp16_with_grad_scaler_resumes(tmp_path):
 
 def test_make_gpus_above_visible_is_one_line():
     visible = torch.cuda.device_count()
-    proc = run(["make", "--no-print-directory", "train", f"GPUS={visible + 1}"], expect=2, cwd=REPO)
+    proc = run(["make", "--no-print-directory", "train", "RUNTIME=local", f"GPUS={visible + 1}"], expect=2, cwd=REPO)
     expected = f"GPUS={visible + 1} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES"
     assert expected in proc.stderr

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import queue as queue_module
 import shutil
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ import torch.multiprocessing as mp
 
 # Oldest Linux driver each CUDA major version needs (NVIDIA's CUDA Toolkit release notes, minor
 # version compatibility): CUDA 13.x needs >= 580, CUDA 12.x >= 525, CUDA 11.x >= 450.
+ALLREDUCE_TIMEOUT_S = 120  # the all-reduce check gives up after this
 MIN_DRIVER = {13: 580, 12: 525, 11: 450}
 
 results: list[tuple[str, str, str]] = []  # (status, check, detail)
@@ -129,7 +132,8 @@ def _allreduce_worker(rank: int, world: int, port: int, use_cuda: bool, queue) -
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=ALLREDUCE_TIMEOUT_S))
     tensor = torch.ones(16 * 2**20 // 4, device=device)  # 16 MiB of float32
     for _ in range(2):
         dist.all_reduce(tensor)
@@ -159,16 +163,32 @@ def check_allreduce(workers: int, gpus: int) -> None:
         return
     from train.distributed import free_port  # noqa: PLC0415
 
-    queue = mp.get_context("spawn").SimpleQueue()
+    queue = mp.get_context("spawn").Queue()
+    context = None
     try:
         context = mp.start_processes(_allreduce_worker, args=(workers, free_port(), use_cuda, queue),
                                      nprocs=workers, start_method="spawn", join=False)
-        elapsed, busbw, ok = queue.get()
-        while not context.join(timeout=120):
+        # A worker that dies (or a group that never forms) must fail the check, not hang the report.
+        deadline = time.monotonic() + ALLREDUCE_TIMEOUT_S
+        result = None
+        while result is None:
+            try:
+                result = queue.get(timeout=1)
+            except queue_module.Empty:
+                context.join(timeout=0)  # raises when a worker exited with an error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result within {ALLREDUCE_TIMEOUT_S} s") from None
+        elapsed, busbw, ok = result
+        while not context.join(timeout=ALLREDUCE_TIMEOUT_S):
             pass
     except Exception as e:  # noqa: BLE001 - report, do not crash the report
-        report("FAIL", "all-reduce", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}: "
-               f"see the troubleshooting section of the README (NCCL_P2P_DISABLE, NCCL_SOCKET_IFNAME)")
+        if context is not None:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        report("FAIL", "all-reduce", f"{lines[-1] if lines else type(e).__name__}: "
+               f"see the troubleshooting section of the README (NCCL_P2P_DISABLE, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)")
         return
     backend = "nccl" if use_cuda else "gloo"
     status = "ok" if ok else "FAIL"
