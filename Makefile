@@ -132,12 +132,14 @@ else
 	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor
 endif
 
-enroot: image ## the image as an enroot squashfs for pyxis (SQSH=trainbox.sqsh; needs enroot)
+enroot: ## the image as an enroot squashfs for pyxis (SQSH=trainbox.sqsh; needs enroot)
 	@command -v enroot >/dev/null || { echo "error: enroot not found: install NVIDIA enroot where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	@$(MAKE) --no-print-directory image
 	enroot import -o $(SQSH) dockerd://$(IMAGE)
 
-apptainer: image ## the image as an Apptainer SIF (SIF=trainbox.sif; needs apptainer)
+apptainer: ## the image as an Apptainer SIF (SIF=trainbox.sif; needs apptainer)
 	@command -v apptainer >/dev/null || { echo "error: apptainer not found: install Apptainer where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	@$(MAKE) --no-print-directory image
 	apptainer build $(SIF) docker-daemon://$(IMAGE)
 
 lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu128/cu126 need download.pytorch.org)

@@ -14,7 +14,8 @@
 # Preemption: Slurm sends USR2 to this script GRACE seconds before the end (USR1 is taken by NCCL).
 # The script passes it to the training processes, which agree on a step, save a checkpoint and exit;
 # the script then requeues the job, which resumes from that checkpoint in the same run directory.
-# A finished run is not requeued; a crash is not requeued; at most MAX_REQUEUES requeues.
+# A finished run is not requeued; a crash is not requeued; at most MAX_REQUEUES requeues; a cancel
+# (SIGTERM: scancel, the time limit) checkpoints but is not requeued.
 #
 #SBATCH --job-name=trainbox
 #SBATCH --nodes=2
@@ -50,15 +51,23 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" "${LAUNCH[@]}" -
     --shutdown-timeout=100 \
     -m train --run-dir "$RUN_DIR_ARG" "$@" &
 step=$!
-# The signal reaches this shell only (B:); pass it to the step's processes on every node.
-trap 'echo "trainbox: preemption signal: checkpointing"; scancel --signal=USR2 "$SLURM_JOB_ID"' USR2 TERM
+# The signal reaches this shell only (B:); pass it to the step's processes on every node. USR2 is the
+# preemption notice (requeue after the checkpoint); TERM is a cancel (`scancel`, a time limit): the run
+# still checkpoints, but the job is not brought back.
+preempted=0
+trap 'preempted=1; echo "trainbox: preemption signal: checkpointing"; scancel --signal=USR2 "$SLURM_JOB_ID"' USR2
+trap 'echo "trainbox: cancelled: checkpointing, no requeue"; scancel --signal=USR2 "$SLURM_JOB_ID"' TERM
 while kill -0 "$step" 2>/dev/null; do wait "$step"; done   # wait returns early when a trap runs
 wait "$step"; code=$?                                       # the step's own exit code
 
 case "$(python3 -m train.slurm after "$RUN_DIR")" in
   done)    echo "trainbox: finished: $RUN_DIR/model.pt"; exit 0 ;;
-  requeue) echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"
-           scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
+  requeue) if [ "$preempted" = 1 ]; then
+             echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"
+             scontrol requeue "$SLURM_JOB_ID"; exit 0
+           fi
+           echo "trainbox: stopped at a checkpoint, not requeued (not a preemption): resubmit to resume"
+           exit 75 ;;
   *)       echo "trainbox: the run failed (step exit code $code): not requeued; see the log above"
            exit "$(( code == 0 ? 1 : code ))" ;;
 esac

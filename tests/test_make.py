@@ -66,3 +66,12 @@ def test_a_flavour_without_its_lock_is_one_clear_error():
     proc = make("build", "TORCH_FLAVOUR=cu126", "DOCKER=docker", expect=2)
     assert ("error: docker/locks/cu126.lock is missing: run 'make lock TORCH_FLAVOUR=cu126' where "
             "download.pytorch.org is reachable") in proc.stderr
+
+
+@pytest.mark.parametrize("target, tool", [("enroot", "enroot"), ("apptainer", "apptainer")])
+def test_image_conversion_without_the_tool_is_one_line_before_any_build(target, tool):
+    if shutil.which(tool):
+        pytest.skip(f"{tool} is installed here")
+    proc = make(target, "DOCKER=/nonexistent/docker", expect=2)
+    assert f"error: {tool} not found: install" in proc.stderr
+    assert "docker" not in proc.stdout  # refused before the image step

@@ -10,12 +10,14 @@ import re
 import shutil
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import DEBUG, PY, REPO, assert_bit_identical, metrics, reached_step, run, torchrun_cmd, wait_for
 from train import slurm
+from train.checkpoint import write_status
 
 CLUSTER = REPO / "tests" / "cluster"
 LAB = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-slurm-cluster"
@@ -75,6 +77,17 @@ def test_after_the_step(tmp_path, state, restarts, decision):
     if state:
         (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
     assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}) == decision
+
+
+def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    # Attempt 0 stopped and was requeued; attempt 1 failed to launch before training wrote a status.
+    write_status(tmp_path, "stopped", 30)  # what attempt 0 wrote, under Slurm
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}) == "requeue"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}) == "failed"
 
 
 # ------------------------------------------------------------ a real cluster
@@ -185,8 +198,31 @@ def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path
     assert [i["NodeList"] for i in infos] == ["n1", "n1"]
     ports = [re.search(r"rendezvous n1:(\d+)", text).group(1) for text in logs]
     assert ports[0] != ports[1]
+    # and they really ran at the same time, each with its own rendezvous on the node
+    start, end = ([datetime.fromisoformat(i[key]) for i in infos] for key in ("StartTime", "EndTime"))
+    assert start[0] < end[1] and start[1] < end[0], infos
     for job in jobs:
         assert (runs / f"slurm-{job}" / "model.pt").is_file()
+
+
+@pytest.mark.slow
+def test_a_cancelled_job_checkpoints_and_is_not_requeued(cluster, tmp_path):
+    env, runs = nas(tmp_path)
+    log = tmp_path / "job.out"
+    job = sbatch(cluster, "multinode.sh", *DEBUG, "--max-steps", 100000, "--log-every", 5, "--eval-every", 0,
+                 sbatch_args=("--nodes=1", f"--output={log}"), env={**env, "NPROC_PER_NODE": "2"})
+    run_dir = runs / f"slurm-{job}"
+    wait_for(reached_step(run_dir, 10), 300, "step 10 of the Slurm job")
+    run(["scancel", job], env=cluster)  # SIGTERM to the batch shell and the step, as a user's cancel
+    wait_for(lambda: "not requeued" in log.read_text() or "trainbox: the run failed" in log.read_text(), 60,
+             "the batch shell's verdict")
+    time.sleep(3)  # a wrong `scontrol requeue` would have landed by now
+    info = job_info(cluster, job)
+    text = log.read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", text
+    assert "trainbox: cancelled: checkpointing, no requeue" in text and "requeueing" not in text
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    assert any((run_dir / "checkpoints").glob("step_*.pt"))
 
 
 @pytest.mark.slow

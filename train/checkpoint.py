@@ -289,4 +289,7 @@ def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
     """RUN_DIR/status.json: starting | running | stopped | failed | done, for scripts that decide whether
     to resume (the Slurm template requeues only 'stopped')."""
     record = {"state": state, "step": step, **extra}
+    if "SLURM_JOB_ID" in os.environ:  # which attempt of a requeued job wrote it (see train/slurm.py after)
+        record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+        record["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     atomic_write(run_dir / "status.json", (json.dumps(record) + "\n").encode())

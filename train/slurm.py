@@ -117,11 +117,15 @@ def plan(env) -> dict[str, str | list[str]]:
 def after(run_dir: Path, env) -> str:
     """requeue: stopped on a signal with a checkpoint (and requeues left); done; or failed."""
     try:
-        state = json.loads((run_dir / "status.json").read_text()).get("state")
+        status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
-        state = None
+        status = {}
+    state = status.get("state")
     if state == "done":
         return "done"
+    attempt = int(env.get("SLURM_RESTART_COUNT", "0"))
+    if state == "stopped" and status.get("slurm_restart_count", attempt) != attempt:
+        return "failed"  # an earlier attempt's status: this one never started training (launch failure)
     if state == "stopped":
         limit = int(env.get("MAX_REQUEUES", "10"))
         return "requeue" if int(env.get("SLURM_RESTART_COUNT", "0")) < limit else "failed"
