@@ -129,7 +129,7 @@ doctor: ## a report for bug reports: driver vs CUDA, GPUs, shm, port, NAS folder
 ifeq ($(RUNTIME),docker)
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
 else
-	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor
+	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
 endif
 
 enroot: ## the image as an enroot squashfs for pyxis (SQSH=trainbox.sqsh; needs enroot)

@@ -24,3 +24,16 @@ def test_doctor_reports_workers_that_cannot_form_a_group(tmp_path):
     line = next(line for line in proc.stdout.splitlines() if "all-reduce" in line)
     assert line.startswith("[FAIL]") and "trainbox-no-such-if0" in line and "GLOO_SOCKET_IFNAME" in line
     assert "1 check(s) failed: all-reduce" in proc.stdout
+
+
+def test_doctor_on_a_fresh_checkout_without_nas_folders(tmp_path):
+    proc = run([PY, "-m", "train.doctor", "--workers", "1"], expect=None, cwd=tmp_path, timeout=120)
+    lines = {line[7:].split()[0]: line for line in proc.stdout.splitlines() if line.startswith("[")}
+    assert lines["data"].startswith("[info]") and "only CIFAR-10 and ImageFolder runs need one" in lines["data"]
+    assert lines["runs"].startswith("[ok  ]") and ". is writable" in lines["runs"]
+
+
+def test_doctor_fails_a_named_folder_that_is_missing(tmp_path):
+    proc = run([PY, "-m", "train.doctor", "--workers", "1", "--data-dir", str(tmp_path / "nas" / "datasets")],
+               expect=1, cwd=tmp_path, timeout=120)
+    assert f"[FAIL] data           {tmp_path / 'nas' / 'datasets'} does not exist: mount the NAS" in proc.stdout

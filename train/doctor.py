@@ -201,16 +201,23 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default=os.environ.get("GPUS", ""),
                         help="workers for the all-reduce (default: $GPUS, else all GPUs, else 2)")
-    parser.add_argument("--data-dir", default="data")
-    parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--data-dir", help="the datasets folder (default: data, as the trainer's --data-dir)")
+    parser.add_argument("--runs-dir", help="the runs folder (default: runs, where runs/<timestamp> go)")
     args = parser.parse_args(argv)
     print("trainbox doctor")
     check_software()
     gpus = check_gpus()
     check_shm()
     check_port()
-    check_folder("data", args.data_dir, write=False)
-    check_folder("runs", args.runs_dir, write=True)
+    # Without the NAS (a fresh clone, no .env) the default folders may not exist yet: that is fine.
+    if args.data_dir is None and not os.path.isdir("data"):
+        report("info", "data", "no data folder: only CIFAR-10 and ImageFolder runs need one (DATA_DIR=... to check one)")
+    else:
+        check_folder("data", args.data_dir or "data", write=False)
+    if args.runs_dir is None and not os.path.isdir("runs"):
+        check_folder("runs", ".", write=True)  # the first run creates runs/ here
+    else:
+        check_folder("runs", args.runs_dir or "runs", write=True)
     workers = int(args.workers) if str(args.workers).strip().isdigit() and int(args.workers) > 0 else (gpus or 2)
     check_allreduce(workers, gpus)
     failed = [check for status, check, _ in results if status == "FAIL"]
