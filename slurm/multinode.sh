@@ -20,6 +20,7 @@
 #SBATCH --job-name=trainbox
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 #SBATCH --signal=B:USR2@120
@@ -39,12 +40,12 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
-plan=$(python3 -m train.slurm plan) || exit 2   # NNODES NPROC_PER_NODE MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH
+plan=$(python3 -m train.slurm plan) || exit 2   # NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH
 eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
-     "rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
+     "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" "${LAUNCH[@]}" -m torch.distributed.run \
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" --cpus-per-task="$CPUS_PER_TASK" "${LAUNCH[@]}" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --max-restarts="${MAX_RESTARTS:-3}" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 \

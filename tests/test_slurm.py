@@ -40,6 +40,13 @@ def test_plan_local_runtime(tmp_path):
     assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
 
 
+@pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
+                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
+                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
+def test_plan_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
+    assert slurm.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
+
+
 def test_plan_container_runtimes_mount_the_nas(tmp_path):
     (tmp_path / "data").mkdir()
     image = tmp_path / "trainbox.sqsh"
@@ -158,7 +165,7 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_worker
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
     assert manifest["slurm_job_id"] == job
-    assert "2 node(s) x 2 worker(s)" in log.read_text()
+    assert "2 node(s) x 2 worker(s), 2 CPU(s) per node" in log.read_text()  # --exclusive: both cores
     assert_bit_identical(run_dir, local_4_workers)
 
 

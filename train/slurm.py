@@ -1,7 +1,7 @@
 """The decisions behind slurm/*.sh, in Python (standard library only: the batch shell's python3 runs it).
 
-  python3 -m train.slurm plan            shell assignments: NNODES, NPROC_PER_NODE, MASTER_ADDR,
-                                         MASTER_PORT, RUN_DIR_ARG and LAUNCH (the runtime's command prefix)
+  python3 -m train.slurm plan            shell assignments: NNODES, NPROC_PER_NODE, CPUS_PER_TASK,
+                                         MASTER_ADDR, MASTER_PORT, RUN_DIR_ARG and LAUNCH (the runtime's command prefix)
   python3 -m train.slurm after RUN_DIR   what the batch shell does once the step ended:
                                          requeue | done | failed (from RUN_DIR/status.json)
 
@@ -58,6 +58,16 @@ def gpus_on_node(env) -> int:
     return len(visible)
 
 
+def cpus_per_task(env) -> int:
+    """CPUs for the one task (torchrun) per node: --cpus-per-task when given, else every CPU the job has
+    on its smallest node (SLURM_JOB_CPUS_PER_NODE, e.g. '64(x2),32'). srun would otherwise give the task
+    one CPU, and where cgroups pin it, every worker and loader of the node would share that core."""
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(env["SLURM_CPUS_PER_TASK"])
+    counts = [int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_JOB_CPUS_PER_NODE", ""))]
+    return min(counts) if counts else 1
+
+
 def plan(env) -> dict[str, str | list[str]]:
     """Everything the batch script needs to start one torchrun per node, checked first."""
     if "SLURM_JOB_ID" not in env:
@@ -84,6 +94,7 @@ def plan(env) -> dict[str, str | list[str]]:
     out: dict[str, str | list[str]] = {
         "NNODES": str(len(nodes)),
         "NPROC_PER_NODE": str(workers),
+        "CPUS_PER_TASK": str(cpus_per_task(env)),
         "MASTER_ADDR": nodes[0],
         "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"])),
         "RUN_DIR": str(runs_dir / run_name),
