@@ -1,7 +1,7 @@
 #!/bin/bash
 # trainbox on one Slurm node: one torchrun with a worker per GPU (NPROC_PER_NODE on CPU-only nodes).
 #
-#   sbatch --gpus-per-node=4 slurm/singlenode.sh [TRAINER ARGS]
+#   sbatch --gpus-per-node=4 --cpus-per-task=32 slurm/singlenode.sh [TRAINER ARGS]   (the CPUs for its workers)
 #   NPROC_PER_NODE=2 sbatch slurm/singlenode.sh --preset debug
 #
 # The same knobs, preemption and requeue as slurm/multinode.sh, which this runs with one node.
