@@ -80,6 +80,8 @@ CASES = [
     ("zero-timeout", ["--timeout-s", "0"], "--timeout-s must be > 0"),
     ("tiny-images", ["--image-size", "4"], "--image-size must be at least 8"),
     ("negative-spawn", ["--spawn", "-2"], "--spawn must be >= 0"),
+    ("fewer-samples-than-a-step", ["--train-samples", "8", "--batch-size", "16"],
+     "8 training samples are fewer than one step needs (1 workers x 16 x 1)"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("cuda-without-gpu", ["--device", "cuda"], "--device cuda but no CUDA GPU is visible"))
@@ -109,6 +111,17 @@ def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
         port = busy.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
         _refused(finished_run, capsys, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
+
+
+def test_too_few_samples_for_the_workers_is_refused_before_torchrun(finished_run, capsys):
+    # 24 samples make one step of 16 on one worker, but none on two: the launcher knows it will start two.
+    before = snapshot(finished_run)
+    code = launch.launch_main(["--gpus", "2", "--", *DEBUG, "--train-samples", "24", "--batch-size", "16",
+                               "--run-dir", str(finished_run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "24 training samples are fewer than one step needs (2 workers x 16 x 1)" in err[0]
+    assert snapshot(finished_run) == before
 
 
 def test_cuda_visible_devices_naming_a_missing_gpu(finished_run, capsys, monkeypatch):

@@ -35,8 +35,9 @@ def _writable_or_creatable(path: Path) -> bool:
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
-def preflight(cfg: Config) -> None:
-    """Checks that need no process group; raise ConfigError with one line."""
+def preflight(cfg: Config, world: int | None = None) -> None:
+    """Checks that need no process group; raise ConfigError with one line. world: the workers about to
+    start, when the caller knows (the launcher); else from the launch environment."""
     import torch  # noqa: PLC0415 - keeps `--help` and config errors fast
 
     from train import checkpoint  # noqa: PLC0415
@@ -66,6 +67,12 @@ def preflight(cfg: Config) -> None:
         check_imagefolder(Path(cfg.data_dir))
     check_model_spec(cfg)
     ident = resolve_identity()
+    world = world or cfg.spawn or ident.world_size
+    if cfg.dataset in ("shapes", "synthetic") and (cfg.train_samples // world) // cfg.batch_size // cfg.grad_accum == 0:
+        # Also checked by the workers for every dataset; here it fails before torchrun would restart it.
+        raise ConfigError(f"{cfg.train_samples} training samples are fewer than one step needs "
+                          f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): "
+                          f"lower --batch-size or --grad-accum")
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
     port = os.environ.get("MASTER_PORT") if cfg.spawn else \
         str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
@@ -300,7 +307,7 @@ def launch_main(argv: list[str]) -> int:
         cfg = parse_config(args)
         if cfg.spawn:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
-        preflight(cfg)
+        preflight(cfg, nprocs)
     except ConfigError as e:
         return _fail(str(e))
     if not cfg.run_dir:
