@@ -444,7 +444,8 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
             "--save-every", 10**6, "--grad-clip", 0, "--precision", "bf16", "--channels-last"]
     knobs = {"fp32 instead of bf16": ("fp32", ["--precision", "fp32"]),
              "without channels_last": ("no-channels-last", None),
-             "torch.compile": ("compile", ["--compile"]), "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
+             "torch.compile": ("compile", ["--compile"]),
+             "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
              "static_graph": ("static-graph", ["--static-graph"])}
     knobs = {name: extra for name, (key, extra) in knobs.items() if key in only}
     bare = {"gpu": True, "samples": 1024, "image_size": 224, "batch": size["gpu_batch"],

@@ -188,7 +188,8 @@ def check_allreduce(workers: int, gpus: int) -> None:
                     process.kill()
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         report("FAIL", "all-reduce", f"{lines[-1] if lines else type(e).__name__}: "
-               f"see the troubleshooting section of the README (NCCL_P2P_DISABLE, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)")
+               "see the troubleshooting section of the README "
+               "(NCCL_P2P_DISABLE, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)")
         return
     backend = "nccl" if use_cuda else "gloo"
     status = "ok" if ok else "FAIL"
@@ -211,7 +212,8 @@ def main(argv: list[str]) -> int:
     check_port()
     # Without the NAS (a fresh clone, no .env) the default folders may not exist yet: that is fine.
     if args.data_dir is None and not os.path.isdir("data"):
-        report("info", "data", "no data folder: only CIFAR-10 and ImageFolder runs need one (DATA_DIR=... to check one)")
+        report("info", "data", "no data folder: only CIFAR-10 and ImageFolder runs need one "
+               "(DATA_DIR=... to check one)")
     else:
         check_folder("data", args.data_dir or "data", write=False)
     if args.runs_dir is None and not os.path.isdir("runs"):
