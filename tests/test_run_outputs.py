@@ -90,3 +90,24 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     again = run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
     assert "resumed from" in again.stderr and "step 10 of 10" in again.stderr
     assert (run_dir / "model.pt").read_bytes() == before
+
+
+def test_a_torchvision_model_with_sgd_and_channels_last_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--model", "resnet18", "--optimizer", "sgd", "--channels-last", "--max-steps", 6,
+                   "--log-every", 2, "--warmup-steps", 2, "--run-dir", run_dir))
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert "layer4.1.bn2.running_mean" in state and state["fc.weight"].shape[0] == 10  # resnet18, 10 classes
+    train = metrics(run_dir, "train")
+    assert [m["step"] for m in train] == [2, 4, 6] and all(m["loss"] == m["loss"] for m in train)  # not NaN
+    assert json.loads((run_dir / "config.json").read_text())["optimizer"] == "sgd"
+
+
+def test_learning_rate_warms_up_then_follows_the_cosine():
+    from train.loop import lr_factor  # noqa: PLC0415
+
+    cfg = parse_config(["--max-steps", "110", "--warmup-steps", "10", "--min-lr-ratio", "0.1"])
+    assert [lr_factor(cfg, s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_factor(cfg, 10) == pytest.approx(1.0)
+    assert lr_factor(cfg, 60) == pytest.approx(0.55)  # halfway down: 0.1 + 0.9 * 0.5
+    assert lr_factor(cfg, 110) == pytest.approx(0.1) and lr_factor(cfg, 500) == pytest.approx(0.1)
