@@ -104,7 +104,7 @@ def test_a_torchvision_model_with_sgd_and_channels_last_trains(tmp_path):
 
 
 def test_learning_rate_warms_up_then_follows_the_cosine():
-    from train.loop import lr_factor  # noqa: PLC0415
+    from train.loop import lr_factor
 
     cfg = parse_config(["--max-steps", "110", "--warmup-steps", "10", "--min-lr-ratio", "0.1"])
     assert [lr_factor(cfg, s) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
