@@ -53,6 +53,9 @@ PY := $(VENV)/bin/python
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 BASE_cu126 := nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
+CUDA_cu130 := 13.0
+CUDA_cu128 := 12.8
+CUDA_cu126 := 12.6
 LOCK := $(if $(filter cu130,$(TORCH_FLAVOUR)),requirements.lock,docker/locks/$(TORCH_FLAVOUR).lock)
 # cu130 resolves for every platform and Python >= 3.10; the others for the image (Linux x86-64, Python 3.12).
 LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version 3.10,--index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --python-version 3.12 --python-platform x86_64-manylinux_2_28)
@@ -127,6 +130,8 @@ $(ENV_FILE):
 
 doctor: ## a report for bug reports: driver vs CUDA, GPUs, shm, port, NAS folders, all-reduce bandwidth
 ifeq ($(RUNTIME),docker)
+	@# On the host first: with a driver too old for the image's CUDA the container would not even start.
+	$(PYTHON) -m train.hostenv --check-driver $(CUDA_$(TORCH_FLAVOUR))
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
 else
 	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 from train import hostenv
 
@@ -37,3 +39,24 @@ def test_a_missing_nas_data_folder_is_one_line(tmp_path):
     assert proc.stderr.strip() == (f"error: DATA_DIR={tmp_path / 'not-mounted'} does not exist: "
                                    f"mount the NAS there or pass an existing folder")
     assert not (tmp_path / ".env").exists()
+
+
+@pytest.mark.parametrize("driver, cuda, too_old", [
+    ("535.183.01", "13.0", True), ("550.54", "12.8", False), ("580.159.04", "13.0", False),
+    ("520.61", "12.6", True), ("470.1", "11.8", False),
+])
+def test_driver_against_the_image_cuda(driver, cuda, too_old):
+    problem = hostenv.driver_problem(driver, cuda)
+    assert (problem is not None) == too_old
+    if too_old:
+        assert problem.startswith(f"driver {driver} is too old for CUDA {cuda}") and "TORCH_FLAVOUR=cu128" in problem
+
+
+def test_host_driver_check_as_make_doctor_runs_it():
+    host = subprocess.run([sys.executable, "-m", "train.hostenv", "--check-driver", "13.0"], cwd=REPO,
+                          capture_output=True, text=True)
+    driver = hostenv.host_driver()
+    if driver is None:
+        assert host.returncode == 0 and "no NVIDIA driver on this host: CPU only" in host.stdout
+    else:
+        assert host.returncode == (1 if hostenv.driver_problem(driver, "13.0") else 0) and driver in host.stdout

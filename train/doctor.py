@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Oldest Linux driver each CUDA major version needs (NVIDIA's CUDA Toolkit release notes, minor
-# version compatibility): CUDA 13.x needs >= 580, CUDA 12.x >= 525, CUDA 11.x >= 450.
+from train.hostenv import MIN_DRIVER, driver_problem
+
 ALLREDUCE_TIMEOUT_S = 120  # the all-reduce check gives up after this
-MIN_DRIVER = {13: 580, 12: 525, 11: 450}
 
 results: list[tuple[str, str, str]] = []  # (status, check, detail)
 
@@ -64,10 +63,9 @@ def check_gpus() -> int:
         report("info", "gpu", f"no NVIDIA driver reachable: CPU only (gloo) ({visible})")
         return 0
     need = MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
-    major = int(driver.split(".")[0])
-    if need and major < need:
-        report("FAIL", "driver", f"{driver} is too old for this torch's CUDA {cuda_build} (needs >= {need}): "
-               f"upgrade the driver, or build with an older CUDA flavour of torch")
+    problem = driver_problem(driver, cuda_build) if cuda_build else None
+    if problem:
+        report("FAIL", "driver", problem)
     else:
         report("ok", "driver", f"{driver} (CUDA {cuda_build} needs >= {need})")
     if not torch.cuda.is_available():

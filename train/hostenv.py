@@ -1,4 +1,7 @@
 """`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files).
+`make doctor` also asks it, on the host, whether the driver can run the image's CUDA (--check-driver):
+inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
+start an image whose CUDA the driver is too old for.
 
 Standard library only: it runs with the system python3, before any environment exists. Keys it does
 not own are kept, so a hand-edited .env loses nothing.
@@ -13,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The oldest Linux driver for each CUDA major version (NVIDIA's CUDA compatibility table).
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}
 GPU_COMPOSE = "docker-compose.yml:docker/compose.gpu.yml"
 CPU_COMPOSE = "docker-compose.yml"
 
@@ -25,6 +30,41 @@ def host_has_gpus() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and "GPU " in out.stdout
+
+
+def host_driver() -> str | None:
+    """The host's NVIDIA driver version from nvidia-smi, or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.split()
+    return lines[0] if out.returncode == 0 and lines else None
+
+
+def driver_problem(driver: str, cuda: str) -> str | None:
+    """Why a driver cannot run a CUDA version's torch, or None."""
+    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
+    if need and int(driver.split(".")[0]) < need:
+        return (f"driver {driver} is too old for CUDA {cuda} (needs >= {need}): upgrade the driver, or build "
+                f"the image with an older CUDA flavour (make build TORCH_FLAVOUR=cu128 or cu126)")
+    return None
+
+
+def check_driver(cuda: str) -> int:
+    driver = host_driver()
+    if driver is None:
+        print("[info] host driver   no NVIDIA driver on this host: CPU only (gloo)")
+        return 0
+    problem = driver_problem(driver, cuda)
+    if problem:
+        print(f"[FAIL] host driver   {problem}")
+        return 1
+    print(f"[ok  ] host driver   {driver} runs the image's CUDA {cuda}")
+    return 0
 
 
 def container_ids() -> tuple[int, int, str]:
@@ -51,7 +91,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--runs-dir", default="", help="runs and checkpoints on the NAS (read-write)")
     parser.add_argument("--image", default="", help="image tag the services run")
     parser.add_argument("--file", default=".env")
+    parser.add_argument("--check-driver", metavar="CUDA", help="only check the host driver against CUDA (13.0, ...)")
     args = parser.parse_args(argv)
+    if args.check_driver:
+        return check_driver(args.check_driver)
 
     path = Path(args.file)
     values = read_env(path)
