@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from train.distributed import destroy_and_leave_together
+
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,8 +73,7 @@ def _bare_worker(rank: int, spec: dict) -> None:
             window = time.perf_counter()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
-    dist.barrier()  # leave together (see _comm_worker)
-    dist.destroy_process_group()
+    destroy_and_leave_together()
 
 
 def _bare_gpu(spec: dict) -> None:
@@ -231,8 +232,7 @@ def _comm_worker(rank: int, spec: dict) -> None:
     times = _comm_blocks(spec)  # returns with every DDP reducer gone, before its group is destroyed
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(times))
-    dist.barrier()  # leave together: a rank tearing gloo down under its peer made both abort
-    dist.destroy_process_group()
+    destroy_and_leave_together()
 
 
 def _comm_blocks(spec: dict) -> dict[str, list[float]]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from train.distributed import destroy_and_leave_together
 from train.hostenv import MIN_DRIVER, driver_problem
 
 ALLREDUCE_TIMEOUT_S = 120  # the all-reduce check gives up after this
@@ -148,7 +149,7 @@ def _allreduce_worker(rank: int, world: int, port: int, use_cuda: bool, queue) -
         # Bus bandwidth as nccl-tests reports it: a ring all-reduce moves 2(n-1)/n of the data.
         queue.put((elapsed, tensor.numel() * 4 * 2 * (world - 1) / world / elapsed / 1e9, ok))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_and_leave_together()
 
 
 def check_allreduce(workers: int, gpus: int) -> None:
