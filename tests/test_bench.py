@@ -52,3 +52,15 @@ def test_bench_gpu_only_without_a_gpu_is_one_line(tmp_path):
     proc = make("bench", f"BENCH_ARGS=--gpu-only --out {tmp_path}", expect=2)
     assert "error: --gpu-only needs a CUDA GPU and none is visible" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_bench_arm_run_twice_in_one_folder_measures_the_second_run(tmp_path):
+    """A reused --out must not resume the first run and hand back its metrics."""
+    from train.bench import trainer_arm
+
+    args = ["--preset", "debug", "--max-steps", 4, "--log-every", 1, "--eval-every", 0]
+    first = trainer_arm(tmp_path / "arm", args, warmup=0)
+    second = trainer_arm(tmp_path / "arm", args, warmup=0)
+    for result in (first, second):
+        assert 0 < result["first_step_s"] < 120, result
+        assert len(result["step_times"]) == 4, result

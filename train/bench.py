@@ -18,6 +18,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -146,7 +147,8 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
-    """Run the trainer; its own metrics give per-window step time, data wait and GPU use."""
+    """Run the trainer in an empty run dir; its own metrics give per-window step time, data wait and GPU use."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a reused --out would resume the old run and read its metrics
     launched = time.time()
     _run([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
