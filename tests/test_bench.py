@@ -13,9 +13,10 @@ from tests.test_make import make
 pytestmark = pytest.mark.slow
 
 CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction per step, built-in",
-            "time to first step", "DDP wrapper", "communication: step without sync", "exposed communication",
+            "time to first step", "DDP wrapper", "gradient_as_bucket_view",
+            "communication: step without sync", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
-            "checkpoint save", "checkpoint load")
+            "persistent workers", "checkpoint save", "checkpoint load")
 
 
 def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):

@@ -255,10 +255,11 @@ def _comm_blocks(spec: dict) -> dict[str, list[float]]:
             optimizer.step()
         return step
 
-    ddp = DDP(SmallCNN(10, spec["width"]))
+    ddp = DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True)  # as the trainer wraps it
     arms = {"ddp": stepper(ddp)}
     if world == 1:
         arms["plain"] = stepper(SmallCNN(10, spec["width"]))
+        arms["ddp_copy"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=False))
     else:
         sync_free = stepper(ddp)
 
@@ -290,12 +291,15 @@ def comm_rows(out: Path, size: dict) -> list[dict]:
         results[world] = json.loads(Path(spec["out"]).read_text())
     one, two = results[1], results[2]
     wrapper = [p / d for p, d in zip(one["plain"], one["ddp"], strict=True)]
+    view = [c / d for c, d in zip(one["ddp_copy"], one["ddp"], strict=True)]
     compute = [n / s for n, s in zip(two["no_sync"], two["ddp"], strict=True)]
     exposed = [max(0.0, s - n) / a for s, n, a in zip(two["ddp"], two["no_sync"], two["allreduce"], strict=True)]
     ms = lambda v: 1000 * median(v)  # noqa: E731
     return [
         row("DDP wrapper: plain module step / 1-rank DDP step (CPU, 2 threads)", wrapper,
             f"plain {ms(one['plain']):.1f} ms, DDP {ms(one['ddp']):.1f} ms", ">= 0.95", median(wrapper) >= 0.95),
+        row("gradient_as_bucket_view: 1-rank DDP step without it / with it (the trainer's setting)", view,
+            f"without {ms(one['ddp_copy']):.1f} ms, with {ms(one['ddp']):.1f} ms; > 1: the bucket view saves time"),
         row("communication: step without sync (no_sync) / step with sync (2 ranks x 1 thread)", compute,
             f"with sync {ms(two['ddp']):.1f} ms, without {ms(two['no_sync']):.1f} ms"),
         row("exposed communication / raw all_reduce of the same gradient bytes", exposed,
@@ -339,15 +343,44 @@ def loader_alone(cfg_args: list, batches: int) -> float:
     return count / (time.perf_counter() - start)
 
 
+def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
+    """Median wait from iter() to the first batch of epochs 2.. of the trainer's train loader, with
+    persistent DataLoader workers (the trainer's default) or workers started anew every epoch."""
+    from train.config import parse_config  # noqa: PLC0415
+    from train.data import build_datasets, build_train_loader  # noqa: PLC0415
+
+    cfg = parse_config(list(map(str, cfg_args)))
+    train_set, _, _ = build_datasets(cfg)
+    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False, persistent=persistent)
+    waits = []
+    for epoch in range(epochs + 1):
+        sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        if epoch:
+            waits.append(time.perf_counter() - start)
+        for _ in it:  # the whole epoch, so no batch is still in flight when the next one starts
+            pass
+        del it
+    del loader
+    return median(waits)
+
+
 def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
     data = out / "cifar-like"
     _cifar_like(data, size["files"], 200)
     folder = ["--dataset", "imagefolder", "--data-dir", data, "--width", size["width"], "--batch-size", size["batch"]]
     builtin = ["--train-samples", size["samples"], "--width", size["width"], "--batch-size", size["batch"]]
     run = ["--max-steps", size["steps"], "--log-every", size["window"], "--eval-every", 0, "--save-every", 10**6]
+    small = out / "cifar-small"  # the wait at an epoch's start does not grow with the epoch: a short one will do
+    _cifar_like(small, max(size["files"] // 6, 4 * size["batch"]), 100)
+    short = [*folder[:2], "--data-dir", small, *folder[4:]]
     headroom = {"imagefolder": [], "shapes": []}
-    waits = []
+    waits, restart = [], []
     for r in range(rounds):
+        fresh, kept = epoch_start(short, False, 2), epoch_start(short, True, 2)
+        restart.append(fresh / kept)
         for name, args in (("imagefolder", folder), ("shapes", builtin)):
             alone = loader_alone(args, size["loader_batches"])
             trained = trainer_arm(out / "runs" / f"pipeline-{name}-{r}", [*args, *run], size["warmup"])
@@ -366,6 +399,8 @@ def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             headroom["imagefolder"], "PNG decode + augmentation vs the default CNN's training speed"),
         row("data wait fraction per step, CIFAR-sized ImageFolder, defaults", waits,
             "time in next(batch) / step time", "< 0.05", median(waits) < 0.05),
+        row("persistent workers: epoch-start wait with workers started anew / kept (CIFAR-sized ImageFolder)",
+            restart, f"iter() to the first batch of an epoch ({size['batch']} PNGs); > 1: persistent workers save it"),
     ]
 
 

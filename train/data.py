@@ -262,14 +262,14 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
 
 def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
-                       device: torch.device | None = None):
+                       device: torch.device | None = None, persistent: bool = True):
     if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
         sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False)
         return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
     sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True)
     workers = default_num_workers(cfg)
     loader = DataLoader(SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                        num_workers=workers, pin_memory=pin_memory, persistent_workers=persistent and workers > 0,
                         worker_init_fn=_ignore_stop_signals if workers > 0 else None,
                         prefetch_factor=4 if workers > 0 else None,
                         generator=torch.Generator().manual_seed(cfg.seed))  # iter() must not draw global RNG
