@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction per step, built-in",
             "time to first step", "DDP wrapper", "gradient_as_bucket_view",
-            "communication: step without sync", "exposed communication",
+            "communication: step without sync", "static_graph", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
             "persistent workers", "checkpoint save", "checkpoint load")
 

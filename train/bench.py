@@ -267,6 +267,7 @@ def _comm_blocks(spec: dict) -> dict[str, list[float]]:
             with ddp.no_sync():
                 sync_free()
         arms["no_sync"] = no_sync
+        arms["static"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True, static_graph=True))
         flat = torch.zeros(sum(p.numel() for p in ddp.parameters()))
         arms["allreduce"] = lambda: dist.all_reduce(flat)
     times = {name: [] for name in arms}
@@ -293,6 +294,7 @@ def comm_rows(out: Path, size: dict) -> list[dict]:
     wrapper = [p / d for p, d in zip(one["plain"], one["ddp"], strict=True)]
     view = [c / d for c, d in zip(one["ddp_copy"], one["ddp"], strict=True)]
     compute = [n / s for n, s in zip(two["no_sync"], two["ddp"], strict=True)]
+    static = [d / g for d, g in zip(two["ddp"], two["static"], strict=True)]
     exposed = [max(0.0, s - n) / a for s, n, a in zip(two["ddp"], two["no_sync"], two["allreduce"], strict=True)]
     ms = lambda v: 1000 * median(v)  # noqa: E731
     return [
@@ -302,6 +304,8 @@ def comm_rows(out: Path, size: dict) -> list[dict]:
             f"without {ms(one['ddp_copy']):.1f} ms, with {ms(one['ddp']):.1f} ms; > 1: the bucket view saves time"),
         row("communication: step without sync (no_sync) / step with sync (2 ranks x 1 thread)", compute,
             f"with sync {ms(two['ddp']):.1f} ms, without {ms(two['no_sync']):.1f} ms"),
+        row("static_graph: 2-rank DDP step without it / with it (--static-graph, off by default)", static,
+            f"without {ms(two['ddp']):.1f} ms, with {ms(two['static']):.1f} ms; > 1: static_graph saves time"),
         row("exposed communication / raw all_reduce of the same gradient bytes", exposed,
             f"all_reduce alone {ms(two['allreduce']):.1f} ms; 0 = fully overlapped with backward, "
             f"1 = none overlapped"),
