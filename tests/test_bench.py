@@ -3,6 +3,7 @@ Its numbers are not checked against targets here: timing on shared machines belo
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -60,8 +61,9 @@ def test_a_bench_arm_run_twice_in_one_folder_measures_the_second_run(tmp_path):
     from train.bench import trainer_arm
 
     args = ["--preset", "debug", "--max-steps", 4, "--log-every", 1, "--eval-every", 0]
-    first = trainer_arm(tmp_path / "arm", args, warmup=0)
-    second = trainer_arm(tmp_path / "arm", args, warmup=0)
-    for result in (first, second):
-        assert 0 < result["first_step_s"] < 120, result
+    for _ in range(2):
+        started = time.monotonic()
+        result = trainer_arm(tmp_path / "arm", args, warmup=0)
+        # The first step of this run, not of the one before: after its launch and within the call.
+        assert 0 < result["first_step_s"] <= time.monotonic() - started, result
         assert len(result["step_times"]) == 4, result
