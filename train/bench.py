@@ -372,14 +372,14 @@ def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
 
 
 def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
-    data = out / "cifar-like"
-    _cifar_like(data, size["files"], 200)
-    folder = ["--dataset", "imagefolder", "--data-dir", data, "--width", size["width"], "--batch-size", size["batch"]]
-    builtin = ["--train-samples", size["samples"], "--width", size["width"], "--batch-size", size["batch"]]
+    model = ["--width", size["width"], "--batch-size", size["batch"]]
+    _cifar_like(out / "cifar-like", size["files"], 200)
+    folder = ["--dataset", "imagefolder", "--data-dir", out / "cifar-like", *model]
+    # The wait at an epoch's start does not grow with the epoch: a short one will do.
+    _cifar_like(out / "cifar-small", max(size["files"] // 6, 4 * size["batch"]), 100)
+    short = ["--dataset", "imagefolder", "--data-dir", out / "cifar-small", *model]
+    builtin = ["--train-samples", size["samples"], *model]
     run = ["--max-steps", size["steps"], "--log-every", size["window"], "--eval-every", 0, "--save-every", 10**6]
-    small = out / "cifar-small"  # the wait at an epoch's start does not grow with the epoch: a short one will do
-    _cifar_like(small, max(size["files"] // 6, 4 * size["batch"]), 100)
-    short = [*folder[:2], "--data-dir", small, *folder[4:]]
     headroom = {"imagefolder": [], "shapes": []}
     waits, restart = [], []
     for r in range(rounds):
