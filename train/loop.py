@@ -151,13 +151,15 @@ def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]  # norms and biases
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Fused kernels update every parameter in one pass, on CUDA and on CPU alike (make bench: AdamW's
+    # step is several times faster on CPU than the default for-each implementation).
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -275,7 +277,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     raw_model.to(device)
     if cfg.channels_last:
         raw_model.to(memory_format=torch.channels_last)
-    optimizer = build_optimizer(cfg, raw_model, device)
+    optimizer = build_optimizer(cfg, raw_model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
 
