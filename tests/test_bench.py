@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction per step, built-in",
             "time to first step", "DDP wrapper", "gradient_as_bucket_view",
-            "communication: step without sync", "static_graph", "exposed communication",
+            "fused AdamW", "communication: step without sync", "static_graph", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
             "persistent workers", "checkpoint save", "checkpoint load")
 
@@ -67,3 +67,11 @@ def test_a_bench_arm_run_twice_in_one_folder_measures_the_second_run(tmp_path):
         # The first step of this run, not of the one before: after its launch and within the call.
         assert 0 < result["first_step_s"] <= time.monotonic() - started, result
         assert len(result["step_times"]) == 4, result
+
+
+def test_the_pinned_memory_row_counts_every_batch_it_delivers():
+    """The GPU row's loader arm, run on the CPU: the trainer's loader and copy deliver every batch asked for."""
+    from train.bench import host_to_device
+
+    images, seconds = host_to_device(False, batch=8, batches=3, size=32, device=torch.device("cpu"))
+    assert images == 24 and seconds > 0

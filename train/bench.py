@@ -9,7 +9,8 @@ first windows of each run are dropped as warm-up, and each row reports the media
 (lowest and highest of the per-round ratios). No figure is compared with a stored absolute time.
 
 The "bare" arm is the canonical loop of the PyTorch DDP tutorial, written out below: zero_grad,
-forward, loss, backward, step, on the same model, data, batch, threads and world size as the trainer.
+forward, loss, backward, step, on the same model, data, batch, threads, world size and optimizer
+(AdamW with fused kernels, as the trainer builds it) as the trainer.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _bare_worker(rank: int, spec: dict) -> None:
     torch.manual_seed(0)
     images, labels = make_shapes(spec["samples"], spec["image_size"], seed=1)
     model = DDP(SmallCNN(10, spec["width"]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=True)
     loss_fn = nn.CrossEntropyLoss()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))[rank::world]
     per_step = len(order) // spec["batch"]
@@ -92,7 +93,7 @@ def _bare_gpu(spec: dict) -> None:
     labels = torch.randint(0, 1000, (spec["samples"],), device=device, generator=g)
     model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
     model = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=spec.get("fused", True))
     loss_fn = nn.CrossEntropyLoss()
     times, first, window = [], None, time.perf_counter()
     for step in range(spec["steps"]):
@@ -246,8 +247,8 @@ def _comm_blocks(spec: dict) -> dict[str, list[float]]:
     y = torch.randint(0, 10, (spec["batch"],))
     loss_fn = nn.CrossEntropyLoss()
 
-    def stepper(model):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def stepper(model, fused=True):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)  # fused, as the trainer's
 
         def step():
             optimizer.zero_grad()
@@ -260,6 +261,13 @@ def _comm_blocks(spec: dict) -> dict[str, list[float]]:
     if world == 1:
         arms["plain"] = stepper(SmallCNN(10, spec["width"]))
         arms["ddp_copy"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=False))
+        arms["foreach"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True), fused=False)
+        for fused in (True, False):  # the optimizer step alone, 20 per call, on gradients that stay put
+            model = SmallCNN(10, spec["width"])
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+            arms[f"opt_{'fused' if fused else 'foreach'}"] = lambda opt=opt: [opt.step() for _ in range(20)]
     else:
         sync_free = stepper(ddp)
 
@@ -293,15 +301,25 @@ def comm_rows(out: Path, size: dict) -> list[dict]:
     one, two = results[1], results[2]
     wrapper = [p / d for p, d in zip(one["plain"], one["ddp"], strict=True)]
     view = [c / d for c, d in zip(one["ddp_copy"], one["ddp"], strict=True)]
+    fused = [f / d for f, d in zip(one["foreach"], one["ddp"], strict=True)]
+    fused_alone = [f / d for f, d in zip(one["opt_foreach"], one["opt_fused"], strict=True)]
     compute = [n / s for n, s in zip(two["no_sync"], two["ddp"], strict=True)]
     static = [d / g for d, g in zip(two["ddp"], two["static"], strict=True)]
     exposed = [max(0.0, s - n) / a for s, n, a in zip(two["ddp"], two["no_sync"], two["allreduce"], strict=True)]
     ms = lambda v: 1000 * median(v)  # noqa: E731
+    from train.models import SmallCNN  # noqa: PLC0415
+
+    params = sum(p.numel() for p in SmallCNN(10, size["width"]).parameters())
     return [
         row("DDP wrapper: plain module step / 1-rank DDP step (CPU, 2 threads)", wrapper,
             f"plain {ms(one['plain']):.1f} ms, DDP {ms(one['ddp']):.1f} ms", ">= 0.95", median(wrapper) >= 0.95),
         row("gradient_as_bucket_view: 1-rank DDP step without it / with it (the trainer's setting)", view,
             f"without {ms(one['ddp_copy']):.1f} ms, with {ms(one['ddp']):.1f} ms; > 1: the bucket view saves time"),
+        row("fused AdamW: 1-rank DDP step with the for-each AdamW (torch's default) / with fused (the trainer's)",
+            fused, f"for-each {ms(one['foreach']):.1f} ms, fused {ms(one['ddp']):.1f} ms per step"),
+        row("fused AdamW: the optimizer step alone, for-each / fused (same model, 2 threads)", fused_alone,
+            f"for-each {ms(one['opt_foreach']) / 20:.2f} ms, fused {ms(one['opt_fused']) / 20:.2f} ms per "
+            f"optimizer step of {params:,} parameters"),
         row("communication: step without sync (no_sync) / step with sync (2 ranks x 1 thread)", compute,
             f"with sync {ms(two['ddp']):.1f} ms, without {ms(two['no_sync']):.1f} ms"),
         row("static_graph: 2-rank DDP step without it / with it (--static-graph, off by default)", static,
@@ -474,7 +492,45 @@ def checkpoint_rows(out: Path, size: dict, rounds: int) -> list[dict]:
 
 # ---------------------------------------------------------------- GPU rows
 
-GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph")
+GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory")
+
+
+class _HostImages(torch.utils.data.Dataset):
+    """`distinct` random uint8 images held in host memory, read `repeat` times: a loader with no decode cost."""
+
+    def __init__(self, distinct: int, repeat: int, size: int):
+        self.images = torch.randint(0, 256, (distinct, 3, size, size), dtype=torch.uint8)
+        self.labels = torch.randint(0, 1000, (distinct,))
+        self.repeat = repeat
+
+    def __len__(self) -> int:
+        return len(self.labels) * self.repeat
+
+    def __getitem__(self, i: int):
+        return self.images[i % len(self.labels)], self.labels[i % len(self.labels)]
+
+
+def host_to_device(pin: bool, batch: int, batches: int, size: int, device: torch.device) -> tuple[int, float]:
+    """Images delivered onto the device by the trainer's own train loader (its default workers for an
+    image dataset) and its own copy (`prepare_inputs`, non_blocking), with or without pinned memory.
+    Returns (images, seconds); the first batch (worker start) is not counted."""
+    from train.config import parse_config  # noqa: PLC0415
+    from train.data import build_train_loader  # noqa: PLC0415
+    from train.loop import prepare_inputs  # noqa: PLC0415
+
+    cfg = parse_config(["--dataset", "imagefolder", "--batch-size", str(batch)])
+    loader, sampler = build_train_loader(cfg, _HostImages(batch, batches + 1, size), 0, 1, pin_memory=pin)
+    sampler.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    start, count = time.perf_counter(), 0
+    for _ in range(batches):
+        x, y = next(it)
+        x, y = prepare_inputs(x, device, channels_last=True), y.to(device, non_blocking=True)
+        count += len(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return count, time.perf_counter() - start
 
 
 def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) -> list[dict]:
@@ -489,6 +545,7 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
              "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
              "static_graph": ("static-graph", ["--static-graph"])}
     knobs = {name: extra for name, (key, extra) in knobs.items() if key in only}
+    foreach, pinned = [], []
     bare = {"gpu": True, "samples": 1024, "image_size": 224, "batch": size["gpu_batch"],
             "steps": size["gpu_steps"], "window": size["window"]}
     vs_bare, util, trainer_ips, bare_ips = [], [], [], []
@@ -504,6 +561,13 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
             args = [a for a in base if a != "--channels-last"] if extra is None else [*base, *extra]
             kb = trainer_arm(out / "runs" / f"gpu-{name.replace(' ', '-')}-{r}", args, size["warmup"] + 1)
             knob_ratio[name].append(median(tb["step_times"]) / median(kb["step_times"]))
+        if "foreach-adamw" in only:
+            fb = bare_arm(out / f"gpu-bare-foreach-{r}.json", {**bare, "fused": False}, size["warmup"])
+            foreach.append(median(bb["step_times"]) / median(fb["step_times"]))
+        if "no-pin-memory" in only:
+            rates = {pin: host_to_device(pin, size["gpu_batch"], size["loader_batches"], 224, torch.device("cuda", 0))
+                     for pin in (True, False)}
+            pinned.append((rates[False][0] / rates[False][1]) / (rates[True][0] / rates[True][1]))
     name = torch.cuda.get_device_name(0)
     rows = [row(f"GPU images/s: trainbox / bare loop (ResNet-50, 224 px, bf16, channels_last, {name})", vs_bare,
                 f"trainbox {median(trainer_ips):.0f} img/s, bare {median(bare_ips):.0f} img/s, batch "
@@ -511,6 +575,13 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
                 median(vs_bare) >= 0.97)]
     rows += [row(f"GPU knob: images/s with {knob} / the row above", ratios, "one setting changed")
              for knob, ratios in knob_ratio.items()]
+    if foreach:
+        rows.append(row("GPU knob: bare loop images/s with the for-each AdamW / with fused AdamW (the trainer's)",
+                        foreach, "the bare loop of the first row, its optimizer changed"))
+    if pinned:
+        rows.append(row("GPU knob: images/s onto the GPU from the trainer's loader without pinned memory / with it",
+                        pinned, f"224 px uint8 held on the host, batch {size['gpu_batch']}, no model: the "
+                        f"loader and the non_blocking copy alone"))
     return rows
 
 
