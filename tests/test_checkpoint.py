@@ -117,3 +117,52 @@ def test_every_load_in_the_trainer_is_weights_only():
         assert "weights_only=True" in args, f"{name}: torch.load({args}) without weights_only=True"
     assert not [p for p in (Path(__file__).resolve().parents[1] / "train").glob("*.py")
                 if re.search(r"\bpickle\.loads?\(", p.read_text())], "pickle.load in train/"
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
+    """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
+    optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
+    from train.config import parse_config
+    from train.loop import build_optimizer
+    from train.models import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN(10, 8)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    groups = [{"params": [p for p in model.parameters() if p.ndim > 1]},
+              {"params": [p for p in model.parameters() if p.ndim <= 1]}]
+    old = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if name == "sgd" else torch.optim.AdamW(groups, lr=0.1)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    old.step()
+
+    optimizer = build_optimizer(parse_config(["--optimizer", name]), model)
+    optimizer.load_state_dict(old.state_dict())
+    assert all(g["fused"] for g in optimizer.param_groups)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(b, p) for b, p in zip(before, after, strict=True))
+
+
+def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
+    """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
+    from train.config import parse_config
+    from train.loop import build_optimizer
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])
+    optimizer = build_optimizer(parse_config([]), model)
+    assert not optimizer.param_groups[0]["fused"]
+    expected = model.w.detach().clone()
+    group = optimizer.param_groups[0]
+    reference = torch.optim.AdamW([torch.nn.Parameter(expected)], lr=group["lr"], weight_decay=group["weight_decay"])
+    for opt, p in ((optimizer, model.w), (reference, reference.param_groups[0]["params"][0])):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    torch.testing.assert_close(model.w.detach(), reference.param_groups[0]["params"][0].detach())
