@@ -355,15 +355,27 @@ def loader_alone(cfg_args: list, batches: int) -> float:
 
     cfg = parse_config(list(map(str, cfg_args)))
     train_set, _, _ = build_datasets(cfg)
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False)
+    count, seconds = drain(*build_train_loader(cfg, train_set, 0, 1, pin_memory=False), batches)
+    return count / seconds
+
+
+def drain(loader, sampler, batches: int, device: torch.device | None = None) -> tuple[int, float]:
+    """(images, seconds) for `batches` batches of a train loader after its first (the workers' start);
+    with a device, each batch is copied onto it as the trainer copies it, and the time includes the copies."""
+    from train.loop import prepare_inputs  # noqa: PLC0415
+
     sampler.set_epoch(0)
     it = iter(loader)
     next(it)
     start, count = time.perf_counter(), 0
     for _ in range(batches):
-        x, _ = next(it)
+        x, y = next(it)
+        if device is not None:
+            x, y = prepare_inputs(x, device, channels_last=True), y.to(device, non_blocking=True)
         count += len(x)
-    return count / (time.perf_counter() - start)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return count, time.perf_counter() - start
 
 
 def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
@@ -517,21 +529,10 @@ def host_to_device(pin: bool, batch: int, batches: int, size: int, device: torch
     Returns (images, seconds); the first batch (worker start) is not counted."""
     from train.config import parse_config  # noqa: PLC0415
     from train.data import build_train_loader  # noqa: PLC0415
-    from train.loop import prepare_inputs  # noqa: PLC0415
 
     cfg = parse_config(["--dataset", "imagefolder", "--batch-size", str(batch)])
-    loader, sampler = build_train_loader(cfg, _HostImages(batch, batches + 1, size), 0, 1, pin_memory=pin)
-    sampler.set_epoch(0)
-    it = iter(loader)
-    next(it)
-    start, count = time.perf_counter(), 0
-    for _ in range(batches):
-        x, y = next(it)
-        x, y = prepare_inputs(x, device, channels_last=True), y.to(device, non_blocking=True)
-        count += len(x)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return count, time.perf_counter() - start
+    return drain(*build_train_loader(cfg, _HostImages(batch, batches + 1, size), 0, 1, pin_memory=pin), batches,
+                 device)
 
 
 def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) -> list[dict]:
