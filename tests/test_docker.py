@@ -77,15 +77,53 @@ def image(docker, standin_base, tmp_path_factory):
     ca = tmp_path_factory.mktemp("ca") / "extra-ca.pem"
     system = Path("/etc/ssl/certs/ca-certificates.crt")
     ca.write_text((system.read_text() if system.exists() else "") + f"\n# {marker}\n")
-    # Every --no-cache build makes a new ~5 GB image; an earlier run's, left untagged, would pile up on
-    # the machine until `docker save` below runs out of disk. So: none before, none after.
+    # Every --no-cache build makes a new ~5 GB image and as much build cache; an earlier run's, left
+    # behind, would pile up on the machine until a build runs out of disk. So: none before, none after.
     _remove_test_images(docker)
-    # --no-cache: the dependency step must really run with the secret mounted (pip's cache mount stays).
-    build = run(["make", "--no-print-directory", "build", f"DOCKER={docker}", f"IMAGE={IMAGE}",
-                 f"BASE_IMAGE={standin_base}", f"HOST_UID={USER}", f"HOST_GID={USER}", f"EXTRA_CA={ca}",
-                 "BUILD_FLAGS=--no-cache --progress=plain"], cwd=REPO, timeout=1800)
-    yield {"tag": IMAGE, "marker": marker, "log": build.stdout + build.stderr}
-    _remove_test_images(docker)
+    _check_free_disk(docker)
+    cache_before = set(_build_cache(docker))
+    try:
+        # --no-cache: the dependency step must really run with the secret mounted.
+        build = run(["make", "--no-print-directory", "build", f"DOCKER={docker}", f"IMAGE={IMAGE}",
+                     f"BASE_IMAGE={standin_base}", f"HOST_UID={USER}", f"HOST_GID={USER}", f"EXTRA_CA={ca}",
+                     "BUILD_FLAGS=--no-cache --progress=plain"], cwd=REPO, timeout=1800)
+        yield {"tag": IMAGE, "marker": marker, "log": build.stdout + build.stderr}
+    finally:
+        _remove_test_images(docker)
+        _prune_build_cache(docker, keep=cache_before)
+
+
+# The image test's build: the locked CUDA wheels (~3 GB downloaded) and the ~5 GB layer they install into.
+BUILD_NEEDS_GB = 12
+
+
+def _check_free_disk(docker: str) -> None:
+    """Fail in one line, before building, where Docker's disk cannot hold the build (a local engine only)."""
+    root = run([docker, "info", "--format", "{{.DockerRootDir}}"]).stdout.strip()
+    if not os.path.isdir(root):
+        return  # a remote engine: its disk is not ours to measure
+    free = shutil.disk_usage(root).free / 1e9
+    if free < BUILD_NEEDS_GB:
+        pytest.fail(f"the image build needs about {BUILD_NEEDS_GB} GB free under {root}, which has {free:.1f} GB "
+                    f"free: make room (`{docker} builder prune -a` drops Docker's build cache)", pytrace=False)
+
+
+def _build_cache(docker: str) -> dict[str, str]:
+    """The engine's build cache records: id -> parent id."""
+    out = run([docker, "system", "df", "-v", "--format", "{{json .BuildCache}}"]).stdout
+    return {r["ID"]: r.get("Parent") or "" for r in json.loads(out) or []}
+
+
+def _prune_build_cache(docker: str, keep: set[str]) -> None:
+    """Remove the build cache records not in keep (the ones the test's build made), children first: a
+    record with a child is not removable, and docker 20.10 takes one id per prune."""
+    while True:
+        records = {i: p for i, p in _build_cache(docker).items() if i not in keep}
+        leaves = set(records) - set(records.values())
+        for record in leaves:
+            subprocess.run([docker, "builder", "prune", "-a", "-f", "--filter", f"id={record}"], capture_output=True)
+        if not leaves or set(_build_cache(docker)) >= set(records):
+            return  # nothing left, or nothing more removable (in use by another build)
 
 
 def _remove_test_images(docker: str) -> None:
@@ -93,6 +131,27 @@ def _remove_test_images(docker: str) -> None:
     subprocess.run([docker, "image", "rm", "-f", IMAGE], capture_output=True)
     subprocess.run([docker, "image", "prune", "-f", "--filter", "label=org.opencontainers.image.title=trainbox"],
                    capture_output=True, check=True)
+
+
+def test_the_build_cache_cleanup_removes_what_a_build_added_and_keeps_the_rest(docker, standin_base, tmp_path):
+    # Two tiny builds on the stand-in base: the first one's cache stands for a user's own, to be kept.
+    (tmp_path / "Dockerfile").write_text(f"FROM {standin_base}\nARG X\nRUN echo $X > /x\n")
+    env = {**os.environ, "DOCKER_BUILDKIT": "1"}
+    tags = [f"trainbox-cache-test:{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    engine_had = set(_build_cache(docker))
+    try:
+        run([docker, "build", "-q", "--build-arg", f"X={tags[0]}", "-t", tags[0], str(tmp_path)], env=env)
+        before = set(_build_cache(docker))
+        run([docker, "build", "-q", "--build-arg", f"X={tags[1]}", "-t", tags[1], str(tmp_path)], env=env)
+        added = set(_build_cache(docker)) - before
+        assert added, "the second build added no build cache record"
+        subprocess.run([docker, "image", "rm", tags[1]], capture_output=True, check=True)
+        _prune_build_cache(docker, keep=before)
+        after = set(_build_cache(docker))
+        assert before <= after and not after & added
+    finally:
+        subprocess.run([docker, "image", "rm", "-f", *tags], capture_output=True)
+        _prune_build_cache(docker, keep=engine_had)
 
 
 @pytest.fixture
