@@ -70,7 +70,7 @@ def standin_base(docker):
     return STANDIN
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: the ~5 GB image and its build cache go as soon as these tests end
 def image(docker, standin_base, tmp_path_factory):
     """`make build` on the stand-in base, with an extra CA bundle carrying a marker that must not leak."""
     marker = f"trainbox-secret-marker-{uuid.uuid4().hex}"
