@@ -33,8 +33,8 @@
 #   NCCL_DEBUG=INFO              what NCCL chose, in this job's log
 # A rank that stops participating fails the job after the trainer's --timeout-s (default 600 s).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# Restarted workers must not read the previous attempt's addresses from torchrun's shared store
-# (pytorch/pytorch#135712): each attempt gets a fresh one.
+# A fresh rendezvous store for each torchrun attempt (the trainer namespaces its keys by attempt either
+# way, so a shared store works too; pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 set -uo pipefail

@@ -59,6 +59,12 @@ def assert_bit_identical(a: Path, b: Path) -> None:
     assert (a / "model.pt").read_bytes() == (b / "model.pt").read_bytes()
 
 
+def assert_same_final_figures(a: Path, b: Path) -> None:
+    """The final validation figures in status.json, bit for bit (runs of the same world size)."""
+    fa, fb = ({k: v for k, v in status(d).items() if k.startswith("val_")} for d in (a, b))
+    assert fa and fa == fb, f"final validation figures differ: {fa} vs {fb}"
+
+
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [m for m in lines if kind is None or m["kind"] == kind]

@@ -154,6 +154,11 @@ def _trainer_refuses(run_dir, argv, expected):
         assert data() == before
 
 
+# Training a finished run on for more steps loads its newest checkpoint (the same --max-steps would find
+# the run finished and load nothing).
+MORE = 20
+
+
 def test_a_checkpoint_that_runs_code_is_refused_not_executed(finished_run, tmp_path):
     from tests.test_checkpoint import Evil
 
@@ -163,7 +168,7 @@ def test_a_checkpoint_that_runs_code_is_refused_not_executed(finished_run, tmp_p
     torch.save({"model": Evil(tmp_path / "pwned")}, evil)
     data = evil.read_bytes()  # a sidecar that matches: the file passes the checksum, the load must refuse it
     evil.with_name(evil.name + ".crc32").write_text(f"crc32:{zlib.crc32(data):08x} size:{len(data)}  {evil.name}\n")
-    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10], "is not a weights-only checkpoint, refused")
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", MORE], "is not a weights-only checkpoint, refused")
     assert not (tmp_path / "pwned").exists()
 
 
@@ -171,7 +176,7 @@ def test_a_checkpoint_of_another_model_is_refused(finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     (run_dir / "config.json").unlink()  # only the checkpoint itself knows its model now
-    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10, "--width", 16], "was made with width=8")
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", MORE, "--width", 16], "was made with width=8")
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_path):
@@ -183,7 +188,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_p
     state = torch.load(newest, weights_only=True)
     state["model"] = {f"renamed.{k}": v for k, v in state["model"].items()}  # the model's code changed
     ckpt.save_checkpoint(run_dir, state["step"], state, keep=3)
-    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", 10], "does not fit this model")
+    _trainer_refuses(run_dir, [*DEBUG, "--max-steps", MORE], "does not fit this model")
 
 
 def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (DEBUG, PY, assert_bit_identical, children, env_for_tests, metrics, process_env,
-                            python_cmd, reached_step, run, status, wait_for)
+from tests.conftest import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, children, env_for_tests,
+                            metrics, process_env, python_cmd, reached_step, run, status, wait_for)
 from train import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -126,6 +126,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, 
     assert status(run_dir)["state"] == "done"
     assert_logged_once(run_dir)
     assert_bit_identical(run_dir, reference)
+    assert_same_final_figures(run_dir, reference)
 
 
 def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(tmp_path):

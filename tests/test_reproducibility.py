@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from tests.conftest import (DEBUG, assert_bit_identical, env_for_tests, metrics, python_cmd, run, status,
-                            torchrun_cmd)
+from tests.conftest import (DEBUG, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
+                            python_cmd, run, status, torchrun_cmd)
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,19 @@ def test_stop_and_resume_equals_one_uninterrupted_run(reference_2ranks, tmp_path
     assert f"resumed from {run_dir}/checkpoints/step_{stop_at:08d}.pt" in resumed.stderr
     assert status(run_dir)["state"] == "done"
     assert_bit_identical(run_dir, reference_2ranks)
+
+
+@pytest.mark.parametrize("stop_at", [20, 40], ids=["before-an-evaluation", "before-the-final-evaluation"])
+def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(reference_2ranks, tmp_path, stop_at):
+    """Stopped (or killed) just before an evaluation, the resumed run evaluates before any training step:
+    every rank must use the statistics the checkpoint holds, as the uninterrupted run does."""
+    run_dir = tmp_path / "resumed"
+    run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
+    run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir))
+    assert_bit_identical(run_dir, reference_2ranks)
+    assert_same_final_figures(run_dir, reference_2ranks)
+    evals = [(m["step"], m["loss"], m["accuracy"]) for m in metrics(run_dir, "eval")]
+    assert evals == [(m["step"], m["loss"], m["accuracy"]) for m in metrics(reference_2ranks, "eval")]
 
 
 def test_deterministic_mode_resumes_bit_identically_with_three_workers(tmp_path):

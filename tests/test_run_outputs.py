@@ -84,12 +84,16 @@ def test_only_rank_zero_prints_progress(torchrun_run):
 
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path):
+    """Nor does a torchrun restart after a worker was lost at shutdown: the run's figures stand."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
-    before = (run_dir / "model.pt").read_bytes()
-    again = run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
-    assert "resumed from" in again.stderr and "step 10 of 10" in again.stderr
-    assert (run_dir / "model.pt").read_bytes() == before
+    cmd = python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 10, "--run-dir", run_dir)
+    run(cmd)
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    again = run(cmd)
+    assert "already finished at step 10" in again.stderr
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+    longer = run(python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 14, "--run-dir", run_dir))  # trains on
+    assert "resumed from" in longer.stderr and "step 10 of 14" in longer.stderr and status(run_dir)["step"] == 14
 
 
 def test_a_torchvision_model_with_sgd_and_channels_last_trains(tmp_path):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.conftest import (DEBUG, PY, assert_bit_identical, children, env_for_tests, metrics, process_env,
-                            python_cmd, reached_step, run, status, wait_for)
+from tests.conftest import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, children, env_for_tests,
+                            metrics, process_env, python_cmd, reached_step, run, status, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ def _finish_and_compare(proc, run_dir, reference_cmd, tmp_path, expected_code):
     straight = tmp_path / "straight"
     run(reference_cmd(straight))
     assert_bit_identical(run_dir, straight)
+    assert_same_final_figures(run_dir, straight)  # every rank evaluated with the weights' own statistics
     return err
 
 

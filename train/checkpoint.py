@@ -293,3 +293,13 @@ def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
         record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
         record["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     atomic_write(run_dir / "status.json", (json.dumps(record) + "\n").encode())
+
+
+def finished(run_dir: Path, max_steps: int) -> dict | None:
+    """The status of a run that is done up to max_steps with its model.pt written, else None."""
+    try:
+        status = json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return None
+    done = status.get("state") == "done" and status.get("step", -1) >= max_steps and (run_dir / "model.pt").is_file()
+    return status if done else None

@@ -179,6 +179,7 @@ def run_worker(cfg: Config) -> int:
     from train import loop  # noqa: PLC0415
     from train.config import DataError  # noqa: PLC0415
     from train.distributed import identity, is_main  # noqa: PLC0415
+    from train.watchdog import watchdog  # noqa: PLC0415
 
     faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
     import multiprocessing.util  # noqa: F401, PLC0415 - its exit hook must be registered before ours
@@ -199,9 +200,10 @@ def run_worker(cfg: Config) -> int:
             raise
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         first = re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0]
-        print(f"error: [rank {rank}] lost contact with the other workers ({first.strip()[:200]}): another worker "
-              f"died, hung or was stopped, its output says which; run the same command to resume from the newest "
-              f"checkpoint. This rank's stack at the failure:", file=sys.stderr)
+        print(f"error: [rank {rank}] lost contact with the other workers during {watchdog.phase} "
+              f"({first.strip()[:200]}): another worker died, hung or was stopped (its output says which), or "
+              f"cannot be reached; run the same command to resume from the newest checkpoint. This rank's stack "
+              f"at the failure:", file=sys.stderr)
         traceback.print_exception(e, file=sys.stderr)
         faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
         return EXIT_FAILED
@@ -326,8 +328,9 @@ def run_torchrun(nprocs: int, max_restarts: int, trainer_args: list[str], run_di
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
-    # torchrun's shared rendezvous store keeps the last attempt's keys, so restarted workers can read the
-    # dead workers' addresses and fail or hang (pytorch/pytorch#135712): give every attempt its own store.
+    # A store of its own for every attempt (torchrun's shared one keeps an attempt's keys into the next,
+    # pytorch/pytorch#135712). The workers no longer need it (they namespace every key by attempt, see
+    # train/distributed.py), but nothing is gained by sharing it either.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     options = torchrun.get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",

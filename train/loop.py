@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import logging
 import math
@@ -23,9 +22,11 @@ from train import checkpoint as ckpt
 from train.config import MODEL_KEYS, Config, ConfigError
 from train.data import build_datasets, build_train_loader, build_val_loader
 from train.launch import EXIT_STOPPED
-from train.distributed import control_group, gather, identity, init, is_main, pick_device, teardown
+from train.distributed import (control_group, gather, identity, init, is_main, pick_device, teardown,
+                               watch_limit)
 from train.metrics import GpuTelemetry, MetricsWriter, build_manifest, process_start_time, write_manifest
 from train.models import build_model
+from train.watchdog import watchdog
 
 log = logging.getLogger("train")
 
@@ -86,25 +87,6 @@ class StopSignal:
         self._work = None
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-
-
-class Watchdog:
-    """A rank that makes no progress (no step, eval batch or save) for timeout_s plus a margin dumps every
-    thread's stack (faulthandler, so it works even when Python is stuck in C) and exits 1. A stuck
-    collective fails earlier, after timeout_s, with its own error; this catches hangs outside them."""
-
-    def __init__(self, timeout_s: int):
-        self.limit = timeout_s + min(timeout_s, 60)
-        self.armed_at = -math.inf
-
-    def progress(self) -> None:
-        now = time.monotonic()
-        if now - self.armed_at >= 1.0:  # re-arming starts a thread: at most once a second
-            faulthandler.dump_traceback_later(self.limit, exit=True, file=sys.__stderr__)
-            self.armed_at = now
-
-    def close(self) -> None:
-        faulthandler.cancel_dump_traceback_later()
 
 
 # ---------------------------------------------------------------- set-up pieces
@@ -193,7 +175,12 @@ def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool) -
 
 
 def resolve_run_dir(cfg: Config) -> Path:
-    run_dir = cfg.run_dir or (time.strftime("runs/%Y%m%d-%H%M%S") if is_main() else "")
+    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (the parent),
+    so the attempts it restarts after a failure resume the same run instead of starting new ones."""
+    run_dir = cfg.run_dir
+    if not run_dir and is_main():
+        started = process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else time.time()
+        run_dir = time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
     return Path(broadcast_from_main(run_dir))
 
 
@@ -215,7 +202,14 @@ def setup_logging(run_dir: Path | None) -> None:
 
 @torch.inference_mode()
 def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None) -> dict:
-    """Loss and accuracy over the whole validation set, each sample counted once across ranks."""
+    """Loss and accuracy over the whole validation set, each sample counted once across ranks.
+
+    Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
+    hold: a rank's own differ after its last training batch, and the figures would then depend on
+    whether the run was resumed. The next training step broadcasts rank 0's buffers anyway (DDP)."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     for x, y in loader:
@@ -238,27 +232,37 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
 def main(cfg: Config) -> int:
     """Train according to cfg in this process (one rank). Returns the exit code."""
     ident = identity()
+    watchdog.label = f"rank {ident.global_rank}"
     configure_runtime(cfg)
     device = pick_device(cfg.device, ident)
     autocast_dtype = resolve_precision(cfg, device)
     init(device, cfg.timeout_s)
     stop = StopSignal()
-    watchdog = Watchdog(cfg.timeout_s)
     clean = False
     try:
-        code = _run(cfg, device, autocast_dtype, stop, watchdog)
+        code = _run(cfg, device, autocast_dtype, stop)
         clean = True
         return code
     finally:
-        watchdog.close()
-        stop.close(wait=clean)
-        teardown(clean)
+        try:
+            stop.close(wait=clean)
+            teardown(clean, cfg.timeout_s)
+        finally:
+            watchdog.pause()
 
 
-def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, watchdog: Watchdog) -> int:
+def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal) -> int:
     ident = identity()
     rank, world = ident.global_rank, ident.world_size
     run_dir = resolve_run_dir(cfg)
+    finished = broadcast_from_main(ckpt.finished(run_dir, cfg.max_steps) if is_main() else None)
+    if finished:
+        # A restart after the run ended (a worker lost during shutdown), or the same command again: the
+        # run's figures stand; nothing is evaluated or written again.
+        if is_main():
+            print(f"trainbox: {run_dir} already finished at step {finished['step']} (model.pt written): nothing "
+                  f"to do; pass a larger --max-steps to train on, or a new --run-dir", file=sys.stderr)
+        return 0
     error = None
     if is_main():
         try:
@@ -299,7 +303,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     scaler = torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16)
 
     # Resume: rank 0 picks the newest checkpoint that verifies; every rank loads it.
-    step, epoch, step_in_epoch = 0, 0, 0
+    step, epoch, step_in_epoch, eval_owed = 0, 0, 0, False
     latest, error = None, None
     if is_main():
         try:
@@ -327,6 +331,8 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
         if state["scaler"] and scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             scaler.load_state_dict(state["scaler"])
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        # A stop at an evaluation step saves before evaluating: the evaluation is owed (older checkpoints: none).
+        eval_owed = state.get("eval_owed", False) and step < cfg.max_steps
         saved_layout = (state["world_size"], state["batch_size"], state["grad_accum"])
         if saved_layout != (world, cfg.batch_size, cfg.grad_accum):
             # Keep the epoch position as samples seen, rounded down to a whole step of the new layout.
@@ -365,11 +371,6 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
         except OSError as e:
             error = f"could not write to {run_dir} ({e.strerror or e}): check the disk and its permissions"
     raise_if_main_failed(error)
-    if is_main() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and \
-            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        log.warning("torchrun --max-restarts with its shared store: restarted workers may fail or hang reading "
-                    "the previous attempt's addresses (pytorch/pytorch#135712); set "
-                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (make train and slurm/ do)")
     if is_main():
         log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                  run_dir, world, ident.launcher, device.type, cfg.max_steps, steps_per_epoch,
@@ -377,7 +378,13 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=step if latest else 0)
     telemetry = GpuTelemetry(device)
 
+    last_eval = -1
+
+    def is_eval_step(at: int) -> bool:
+        return bool(cfg.eval_every) and at % cfg.eval_every == 0 and at < cfg.max_steps
+
     def save(reason: str) -> None:
+        watchdog.enter(f"the checkpoint save of step {step}", watch_limit(cfg.timeout_s))
         rng = gather({"cpu": torch.get_rng_state(),
                       "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
         error = None
@@ -386,7 +393,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
                      "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                      "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "world_size": world,
                      "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
-                     "config": cfg.to_dict()}
+                     "config": cfg.to_dict(), "eval_owed": is_eval_step(step) and last_eval != step}
             try:
                 path = ckpt.save_checkpoint(run_dir, step, state, cfg.keep_checkpoints)
                 log.info("saved %s (%s)", path, reason)
@@ -399,10 +406,14 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
                     ckpt.write_status(run_dir, "failed", step, error=error,
                                       needed_bytes=getattr(e, "needed", 0))
         raise_if_main_failed(error)
-        watchdog.progress()
+        watchdog.enter("training", watch_limit(cfg.timeout_s))
 
     def run_eval() -> dict:
+        nonlocal last_eval
+        last_eval = step
+        watchdog.enter(f"evaluation at step {step}", watch_limit(cfg.timeout_s))
         result = evaluate(raw_model, val_loader, device, autocast_dtype, cfg.channels_last, watchdog.progress)
+        watchdog.enter("training", watch_limit(cfg.timeout_s))
         log.info("eval step %d: loss %.4f, accuracy %.2f%% over %d samples",
                  step, result["loss"], 100 * result["accuracy"], result["samples"])
         metrics.write(step, "eval", result)
@@ -415,6 +426,9 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
     window_loss = torch.zeros(1, device=device)
     window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
     first_step = True
+    watchdog.enter("training", watch_limit(cfg.timeout_s))
+    if eval_owed:
+        run_eval()
     if cfg.stop_at and latest and cfg.stop_at <= step < cfg.max_steps:
         log.info("--stop-at %d: already at step %d, nothing to train (exit %d)", cfg.stop_at, step, EXIT_STOPPED)
         exit_code = EXIT_STOPPED
@@ -482,7 +496,7 @@ def _run(cfg: Config, device: torch.device, autocast_dtype, stop: StopSignal, wa
                 if is_main():
                     ckpt.write_status(run_dir, "stopped", step, max_steps=cfg.max_steps, exit_code=EXIT_STOPPED)
                 break
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+            if is_eval_step(step):
                 run_eval()
             if step % cfg.save_every == 0 and step < cfg.max_steps:
                 save("every %d steps" % cfg.save_every)

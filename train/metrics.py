@@ -23,10 +23,10 @@ from train.checkpoint import atomic_write
 log = logging.getLogger("train")
 
 
-def process_start_time() -> float:
-    """When this process started (Unix time), from /proc; the import of this module elsewhere."""
+def process_start_time(pid: int | str = "self") -> float:
+    """When this process (or pid) started (Unix time), from /proc; the import of this module elsewhere."""
     try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
@@ -183,4 +183,4 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
             previous = old.pop("previous", []) + [old]
         except (ValueError, OSError):
             previous = []
-    path.write_text(json.dumps({**manifest, "previous": previous}, indent=2) + "\n")
+    atomic_write(path, (json.dumps({**manifest, "previous": previous}, indent=2) + "\n").encode())

@@ -1,0 +1,75 @@
+"""No silent hangs: a worker that makes no progress within its limit names the phase it was in, prints
+every thread's stack and exits 1.
+
+Two layers. faulthandler's timer (C, works even when Python is stuck holding the GIL) dumps the stacks
+and exits 1 when the limit passes; a Python thread, half a second before that, prints the one line that
+says which phase was stuck. Collectives and store waits fail earlier on their own (--timeout-s) with
+a specific error; this catches what they do not: a connect that never completes, a hung file system,
+a deadlocked loader.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import math
+import sys
+import threading
+import time
+
+
+class Watchdog:
+    """One per process (`watchdog` below): `enter(phase, limit_s)` starts a bounded phase,
+    `progress()` re-arms it (cheap: the timers are re-armed at most once a second), `pause()` ends it."""
+
+    def __init__(self):
+        self.phase = "start-up"
+        self.label = "rank ?"
+        self.limit = math.inf
+        self.armed_at = -math.inf
+        self._thread: threading.Thread | None = None
+
+    def enter(self, phase: str, limit_s: float) -> None:
+        self.phase, self.limit = phase, limit_s
+        self._arm(time.monotonic())
+
+    def progress(self) -> None:
+        now = time.monotonic()
+        if now - self.armed_at >= 1.0:  # re-arming faulthandler starts a thread: at most once a second
+            self._arm(now)
+
+    def pause(self, phase: str | None = None) -> None:
+        """Work that may legitimately take long (a download, a big dataset's listing): no limit. The
+        phase keeps its name unless one is given (an error report still names where it happened)."""
+        self.phase, self.limit = phase or self.phase, math.inf
+        faulthandler.cancel_dump_traceback_later()
+
+    close = pause
+
+    def _arm(self, now: float) -> None:
+        if self.limit == math.inf:
+            return
+        faulthandler.dump_traceback_later(self.limit, exit=True, file=sys.__stderr__)
+        self.armed_at = now
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._announce, name="trainbox-watchdog", daemon=True)
+            self._thread.start()
+
+    def _announce(self) -> None:
+        """Print the phase line just before faulthandler prints the stacks and ends the process."""
+        while True:
+            limit, armed_at = self.limit, self.armed_at
+            due = armed_at + limit - 0.5
+            now = time.monotonic()
+            if limit == math.inf:
+                time.sleep(0.5)
+            elif now < due:
+                time.sleep(min(due - now, 1.0))
+            elif (self.limit, self.armed_at) == (limit, armed_at):  # not re-armed meanwhile
+                print(f"error: [{self.label}] no progress for {limit:.0f} s during {self.phase}: a peer died, "
+                      f"hangs or cannot be reached (or this process is stuck); every thread's stack follows "
+                      f"and the process exits 1", file=sys.__stderr__, flush=True)
+                while (self.limit, self.armed_at) == (limit, armed_at):
+                    time.sleep(0.1)  # faulthandler ends the process; a re-arm meanwhile starts over
+
+
+watchdog = Watchdog()
