@@ -24,6 +24,7 @@ SHELL := /bin/bash
 #   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (default 3; resumes from the
 #                newest checkpoint)
 #   BENCH_ARGS   flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
+#   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
@@ -44,6 +45,7 @@ DATA_DIR ?=
 RUNS_DIR ?=
 ENV_FILE ?= .env
 PYTEST_ARGS ?=
+CHAOS_ARGS ?=
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
 RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
@@ -65,7 +67,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS MAX_RESTARTS
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench build image shell tensorboard env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -96,6 +98,9 @@ test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
+
+chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
+	$(PY) -m train.chaos $(CHAOS_ARGS)
 
 build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \

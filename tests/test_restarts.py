@@ -1,9 +1,11 @@
 """Restarts under a plain `torchrun --max-restarts`, as the tutorials launch it: nothing an attempt puts
-in the rendezvous store can be taken for another attempt's, no start-up waits without bound. (A finished run
-stays finished: tests/test_run_outputs.py.)"""
+in the rendezvous store can be taken for another attempt's, no start-up waits without bound, and the
+chaos drill (python -m train.chaos) ends every trial bit-identical. (A finished run stays finished:
+tests/test_run_outputs.py.)"""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -12,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import DEBUG, env_for_tests, python_cmd, run
+from tests.conftest import DEBUG, PY, env_for_tests, python_cmd, run
 from train.distributed import agree_on_session
 
 
@@ -72,3 +74,27 @@ def test_a_start_up_that_cannot_reach_its_peers_ends_within_its_bound_naming_the
     assert len(errors) == 1, proc.stderr[-3000:]
     assert f"[rank {rank}]" in errors[0] and f"process-group set-up (rendezvous at 127.0.0.1:{port})" in errors[0]
     assert 'File "' in proc.stderr  # the stack at the failure
+
+
+# ---------------------------------------------------------------- the drill, short
+
+@pytest.mark.slow
+def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp_path):
+    """Five kills of a random worker under `torchrun --standalone --max-restarts=3`, without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE: mid-run, in a save, in an evaluation, at shutdown, mid-run."""
+    env = env_for_tests()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    out = tmp_path / "chaos"
+    proc = run([PY, "-m", "train.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
+                "--seed", "3", "--out", str(out)], env=env, expect=None, timeout=900)
+    assert proc.returncode == 0 and "torchrun: ok=5/5" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    trials = json.loads((out / "results.json").read_text())
+    moments = [t["moment"].split(" ")[0] for t in trials]
+    assert moments == ["mid-run", "during", "during", "during", "mid-run"]
+    assert trials[3]["moment"].startswith("during shutdown")
+    # The kills mid-run and at shutdown hit a live worker at that moment, and torchrun restarted the workers:
+    # after a kill mid-run they resumed from a checkpoint, after the kill at shutdown they found the run done.
+    assert all(trials[i]["landed"] for i in (0, 3, 4)), trials
+    logs = ["".join(open(p).read() for p in t["logs"]) for t in trials]
+    assert all("resumed from" in logs[i] for i in (0, 4)), logs[0][-3000:]
+    assert "already finished at step 24" in logs[3], logs[3][-3000:]

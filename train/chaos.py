@@ -1,0 +1,558 @@
+"""make chaos: a drill of real faults. Each trial starts a 2-worker run, hits it once at a random moment
+(mid-step, during a checkpoint save, during an evaluation, during shutdown) and checks that it still
+ends with model.pt and its final validation figures bit-identical to a run that was never hit.
+
+  python -m train.chaos                                  20 trials per launcher and fault
+  python -m train.chaos --trials 5 --launchers torchrun --faults kill
+  python -m train.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
+
+Faults:
+  kill    kill -9 of a random worker; the launcher's restarts must bring the run back
+  signal  SIGTERM or SIGUSR2 to a worker or the launcher (make: Ctrl-C's SIGINT to the whole process
+          group; Slurm: the preemption notice, USR2 to the batch shell): the run stops at a checkpoint,
+          then the same command resumes it (Slurm requeues a preempted job by itself)
+Launchers:
+  torchrun  `torchrun --standalone --max-restarts=3 --nproc-per-node=2 -m train ...` as the tutorials call
+            it: TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset, and no --run-dir in kill trials (the restarts
+            must find their own run directory)
+  make      `make train GPUS=2 RUNTIME=local ARGS=...`
+  slurm     `sbatch slurm/multinode.sh` on the 2-node test cluster (tests/cluster/up.sh; needs root and
+            slurm-wlm + munge, and no other test cluster running), one worker per node
+
+Prints every trial, then ok=N/N per launcher and fault with the recovery times, then the failures with
+the end of their logs. Exit 0 when every trial ended bit-identical, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 24, 3, 8
+# A short 2-worker run: 24 steps, a checkpoint every 3 and an evaluation every 8; one thread per worker
+# whatever the launcher gives it (2 workers on one node or one on each), so every launcher computes the same bits.
+ARGS = ["--preset", "debug", "--seed", "5", "--batch-size", "8", "--max-steps", str(MAX_STEPS),
+        "--save-every", str(SAVE_EVERY), "--eval-every", str(EVAL_EVERY), "--log-every", "1", "--timeout-s", "60",
+        "--threads", "1"]
+MOMENTS = ("step", "save", "eval", "shutdown")
+LAUNCHERS = ("torchrun", "make", "slurm")
+FAULTS = ("kill", "signal")
+TRIAL_TIMEOUT_S = {"torchrun": 300, "make": 300, "slurm": 900}
+
+
+# ---------------------------------------------------------------- processes
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    parents = {}
+    for pid in _pids():
+        try:
+            parents[pid] = int(_stat(pid)[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def in_session(sid: int) -> list[int]:
+    """Processes of a session (a launcher started with start_new_session), orphans included."""
+    out = []
+    for pid in _pids():
+        try:
+            if int(_stat(pid)[3]) == sid:
+                out.append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def environ(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return _stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+# ---------------------------------------------------------------- what the run directory says
+
+def records(run_dir: Path) -> list[dict]:
+    out = []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def steps(run_dir: Path, kind: str) -> list[int]:
+    return [r["step"] for r in records(run_dir) if r.get("kind") == kind]
+
+
+def status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def saving(run_dir: Path, at_least: int) -> bool:
+    return any(int(re.search(r"step_(\d+)", p.name).group(1)) >= at_least
+               for p in (run_dir / "checkpoints").glob(".step_*.pt.tmp.*"))
+
+
+def evaluating(run_dir: Path, at_least: int) -> bool:
+    """Between the train record of an evaluation step (and, at the last step, the final checkpoint)
+    and its eval record."""
+    trained, evaluated = steps(run_dir, "train"), set(steps(run_dir, "eval"))
+    for s in (s for s in trained if s >= at_least and s % EVAL_EVERY == 0 or s == MAX_STEPS):
+        if s not in evaluated and (s < MAX_STEPS or (run_dir / "checkpoints" / f"step_{s:08d}.pt.crc32").exists()):
+            return True
+    return False
+
+
+def check(run_dir: Path, reference: Path) -> str | None:
+    """None when the run ended as the reference did, else what differs."""
+    st, ref = status(run_dir), status(reference)
+    if st.get("state") != "done":
+        return f"status.json says {st.get('state')!r} at step {st.get('step')}, not done"
+    model = run_dir / "model.pt"
+    if not model.is_file() or model.read_bytes() != (reference / "model.pt").read_bytes():
+        return "model.pt differs from the uninterrupted run"
+    figures = {k: (st.get(k), ref[k]) for k in ref if k.startswith("val_") and st.get(k) != ref[k]}
+    if figures:
+        return f"final validation figures differ (this run, uninterrupted): {figures}"
+    logged = steps(run_dir, "train")
+    if logged != sorted(set(logged)) or not logged or logged[-1] != MAX_STEPS:
+        return "metrics.jsonl does not hold each step once"
+    return None
+
+
+# ---------------------------------------------------------------- launchers
+
+class Local:
+    """torchrun or make on this machine: the launcher and everything it starts are one session."""
+
+    def __init__(self, name: str, out: Path):
+        self.name, self.out = name, out
+
+    def command(self, trial: Path, run_dir: Path | None) -> list[str]:
+        args = [*ARGS, *(["--run-dir", str(run_dir)] if run_dir else [])]
+        if self.name == "torchrun":
+            return [PY, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3", "--nproc-per-node=2",
+                    "-m", "train", *args]
+        return ["make", "-C", str(REPO), "--no-print-directory", "train", "GPUS=2", "RUNTIME=local",
+                "ARGS=" + " ".join(args)]
+
+    def start(self, trial: Path, kind: str, run_dir: Path | None, log_name: str) -> dict:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        for key in [k for k in env if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GPUS", "ARGS", "MAX_RESTARTS")]:
+            env.pop(key)
+        log = open(trial / log_name, "w")
+        proc = subprocess.Popen(self.command(trial, run_dir), cwd=trial, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        return {"proc": proc, "log": log, "run_dir": run_dir, "trial": trial}
+
+    def run_dir(self, handle: dict) -> Path | None:
+        if handle["run_dir"] is None:  # plain torchrun names it runs/<its start time>
+            found = sorted((handle["trial"] / "runs").glob("*"))
+            return found[0] if found else None
+        return handle["run_dir"]
+
+    def worker(self, handle: dict, rank: int) -> int | None:
+        for pid in descendants(handle["proc"].pid):
+            env = environ(pid)
+            if env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env:
+                return pid
+        return None
+
+    def signal_target(self, handle: dict, rng: random.Random) -> tuple[str, int, signal.Signals]:
+        """(description, pid, signal): a negative pid is a process group."""
+        proc = handle["proc"]
+        if self.name == "torchrun":  # plain torchrun passes on SIGTERM only; SIGUSR2 would kill it alone
+            choice = rng.choice(["torchrun", "rank 0", "rank 1"])
+            sig = signal.SIGTERM if choice == "torchrun" else rng.choice([signal.SIGTERM, signal.SIGUSR2])
+            pid = proc.pid if choice == "torchrun" else self.worker(handle, int(choice[-1]))
+            return choice, pid, sig
+        choice = rng.choice(["launcher", "rank 0", "rank 1", "process group"])
+        if choice == "process group":  # Ctrl-C in the terminal of `make train`
+            return choice, -proc.pid, signal.SIGINT
+        sig = rng.choice([signal.SIGTERM, signal.SIGUSR2])
+        if choice == "launcher":
+            pid = next((p for p in descendants(proc.pid) if "train.launch" in cmdline(p)), None)
+            return "the launcher (python -m train.launch)", pid, sig
+        return choice, self.worker(handle, int(choice[-1])), sig
+
+    def running(self, handle: dict) -> bool:
+        return handle["proc"].poll() is None
+
+    def wait(self, handle: dict, timeout: float) -> str | None:
+        """None once the launcher and everything it started have ended, else why not."""
+        proc, deadline = handle["proc"], time.monotonic() + timeout
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop(handle)
+            return f"still running after {timeout:.0f} s (killed)"
+        finally:
+            handle["log"].close()
+        while in_session(proc.pid) and time.monotonic() < deadline:  # orphaned workers, if any
+            time.sleep(0.05)
+        if in_session(proc.pid):
+            self.stop(handle)
+            return f"{self.name} exited ({proc.returncode}) but its workers did not"
+        handle["code"] = proc.returncode
+        return None
+
+    def stop(self, handle: dict) -> None:
+        for pid in in_session(handle["proc"].pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        handle["proc"].wait()
+
+    def exit_ok(self, handle: dict) -> bool:
+        return handle.get("code") == 0
+
+
+class Slurm:
+    """sbatch slurm/multinode.sh on the 2-node test cluster, one worker per node."""
+
+    name = "slurm"
+    TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
+    def __init__(self, out: Path):
+        self.out, self.lab = out, Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-chaos-cluster"
+        self.env = {**os.environ, "LAB": str(self.lab), "SLURM_CONF": str(self.lab / "slurm.conf")}
+        self.runs = out / "slurm-runs"
+
+    def available(self) -> str | None:
+        missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if not shutil.which(t)]
+        if os.geteuid() != 0 or missing:
+            return "needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)"
+        return None
+
+    def up(self) -> None:
+        subprocess.run(["bash", str(REPO / "tests/cluster/down.sh")], env=self.env, capture_output=True)
+        up = subprocess.run(["bash", str(REPO / "tests/cluster/up.sh")], env=self.env, capture_output=True,
+                            text=True, timeout=300)
+        if up.returncode:
+            raise RuntimeError(f"the test cluster did not start: {(up.stdout + up.stderr)[-2000:]}")
+        self.runs.mkdir(parents=True, exist_ok=True)
+
+    def down(self) -> None:
+        subprocess.run(["bash", str(REPO / "tests/cluster/down.sh")], env=self.env, capture_output=True)
+
+    def start(self, trial: Path, kind: str, run_dir: Path | None, log_name: str) -> dict:
+        name = run_dir.name if run_dir is not None and run_dir.parent == self.runs else trial.name
+        env = {**self.env, "RUNS_DIR": str(self.runs), "RUN_NAME": name, "PYTHON": PY, "NPROC_PER_NODE": "1"}
+        log = trial / log_name
+        proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={log}", str(REPO / "slurm/multinode.sh"),
+                               *ARGS], cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
+        return {"job": proc.stdout.strip().split(";")[0], "run_dir": self.runs / name, "log_path": log}
+
+    def run_dir(self, handle: dict) -> Path:
+        return handle["run_dir"]
+
+    def worker(self, handle: dict, rank: int) -> int | None:
+        for pid in _pids():
+            env = environ(pid)
+            if env.get("SLURM_JOB_ID") == handle["job"] and env.get("RANK") == str(rank) and \
+                    "TORCHELASTIC_RUN_ID" in env:
+                return pid
+        return None
+
+    def signal_target(self, handle: dict, rng: random.Random) -> tuple[str, int | None, signal.Signals]:
+        if rng.random() < 0.5:
+            return "the batch shell (preemption notice)", None, signal.SIGUSR2
+        rank = rng.randrange(2)
+        return f"rank {rank}", self.worker(handle, rank), signal.SIGTERM
+
+    def job(self, handle: dict) -> dict:
+        out = subprocess.run(["scontrol", "show", "job", handle["job"]], env=self.env, capture_output=True,
+                             text=True).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def running(self, handle: dict) -> bool:
+        return self.job(handle).get("JobState") not in self.TERMINAL
+
+    def send(self, handle: dict, sig: signal.Signals) -> None:
+        subprocess.run(["scancel", f"--signal={sig.name[3:]}", "--batch", handle["job"]], env=self.env, check=True)
+
+    def wait(self, handle: dict, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(handle)
+            if info.get("JobState") in self.TERMINAL:
+                handle["info"] = info
+                return None
+            time.sleep(0.5)
+        subprocess.run(["scancel", handle["job"]], env=self.env)
+        return f"job {handle['job']} still {self.job(handle).get('JobState')} after {timeout:.0f} s (cancelled)"
+
+    def stop(self, handle: dict) -> None:
+        subprocess.run(["scancel", "--signal=KILL", handle["job"]], env=self.env)
+
+    def exit_ok(self, handle: dict) -> bool:
+        return handle.get("info", {}).get("JobState") == "COMPLETED"
+
+
+# ---------------------------------------------------------------- one trial
+
+@dataclass
+class Trial:
+    launcher: str
+    fault: str
+    index: int
+    moment: str
+    target: str = ""
+    landed: bool = False
+    ok: bool = False
+    problem: str = ""
+    recovery_s: float | None = None
+    folder: str = ""
+    logs: list[str] = field(default_factory=list)
+
+
+def wait_for_moment(launcher, handle: dict, moment: str, rng: random.Random, victim_pids: dict):
+    """Poll until the run is at `moment`; return its description and a check that the run still is there
+    (None, None: the run ended first)."""
+    after = rng.randrange(3, MAX_STEPS - 3)
+    first_save = rng.choice(range(2 * SAVE_EVERY, MAX_STEPS + 1, SAVE_EVERY))
+    first_eval = rng.choice(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
+    running = lambda d: status(d).get("state") == "running"  # noqa: E731
+    what, reached, still = {
+        "step": (f"mid-run after step {after}", lambda d: (steps(d, "train") or [0])[-1] >= after and running(d),
+                 running),
+        "save": (f"during a checkpoint save (step >= {first_save})", lambda d: saving(d, first_save),
+                 lambda d: saving(d, first_save)),
+        "eval": (f"during an evaluation (step >= {first_eval})", lambda d: evaluating(d, first_eval),
+                 lambda d: evaluating(d, first_eval)),
+        "shutdown": ("during shutdown (status.json done)", lambda d: status(d).get("state") == "done",
+                     lambda d: any(alive(p) for p in victim_pids.values() if p)),
+    }[moment]
+    asked = -1.0
+    while True:
+        if time.monotonic() - asked > 0.2:  # asking Slurm takes a while: not on every poll
+            if not launcher.running(handle):
+                return None, None
+            asked = time.monotonic()
+        run_dir = launcher.run_dir(handle)
+        if run_dir is None or not steps(run_dir, "train"):
+            time.sleep(0.002)
+            continue
+        if not victim_pids:
+            victim_pids.update({r: launcher.worker(handle, r) for r in (0, 1)})
+        if reached(run_dir):
+            if moment == "step":
+                time.sleep(rng.uniform(0, 0.005))
+            return what, functools.partial(still, run_dir)
+        time.sleep(0.001)
+
+
+def back_to_training(run_dir: Path, hit: float) -> float | None:
+    """When the attempt that resumed after the fault trained its first step (None: it had none to train).
+    Records of later steps from before the fault were dropped by the resume, so any step past the one
+    it resumed from is its own."""
+    try:
+        resumed = json.loads((run_dir / "manifest.json").read_text()).get("resumed_from_step") or 0
+    except (OSError, ValueError):
+        return None
+    return next((r["time"] for r in records(run_dir) if r.get("kind") == "train" and r["step"] > resumed
+                 and r["time"] > hit), None)
+
+
+def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, reference: Path) -> Trial:
+    moment = MOMENTS[index % len(MOMENTS)]
+    trial = Trial(launcher.name, fault, index, moment)
+    folder = out / f"{launcher.name}-{fault}-{index:02d}"
+    folder.mkdir(parents=True)
+    trial.folder = str(folder)
+    # Plain torchrun names the run directory itself in kill trials; a resume needs it named.
+    given = None if (launcher.name == "torchrun" and fault == "kill") else folder / "run"
+    timeout = TRIAL_TIMEOUT_S[launcher.name]
+    handle = launcher.start(folder, fault, given, "attempt-1.log")
+    trial.logs.append(str(folder / "attempt-1.log"))
+    victims: dict = {}
+    what, still = wait_for_moment(launcher, handle, moment, rng, victims)
+    if what is None:
+        launcher.wait(handle, timeout)
+        trial.problem = f"the run ended before the moment ({moment}) came: nothing was injected"
+        return trial
+    if fault == "kill":
+        rank = rng.randrange(2)
+        pid = victims.get(rank)
+        trial.target = f"kill -9 rank {rank}"
+        trial.landed = bool(pid) and alive(pid) and still()
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        description, pid, sig = launcher.signal_target(handle, rng)
+        trial.target = f"{sig.name} to {description}"
+        trial.landed = still()
+        if pid is None and launcher.name == "slurm" and sig == signal.SIGUSR2:
+            launcher.send(handle, sig)
+        elif pid and pid < 0:
+            os.killpg(-pid, sig)
+        elif pid:
+            os.kill(pid, sig)
+    hit = time.time()
+    trial.moment = what
+    problem = launcher.wait(handle, timeout)
+    run_dir = launcher.run_dir(handle)
+    resumed = fault == "signal" and not (launcher.name == "slurm" and "preemption" in trial.target)
+    if not problem and resumed:  # stopped at a checkpoint: the same command resumes it
+        if status(run_dir).get("state") not in ("stopped", "done"):
+            problem = f"after the signal status.json says {status(run_dir).get('state')!r}, not stopped"
+        else:
+            handle = launcher.start(folder, fault, run_dir, "attempt-2.log")
+            trial.logs.append(str(folder / "attempt-2.log"))
+            problem = launcher.wait(handle, timeout)
+    if not problem and not launcher.exit_ok(handle):
+        problem = f"the {'resumed ' if resumed else ''}run did not end cleanly " \
+                  f"({handle.get('code', handle.get('info', {}).get('JobState'))})"
+    ended = time.time()  # for a fault after the last step: the run ended instead of training again
+    trial.problem = problem or check(run_dir, reference) or ""
+    trial.ok = not trial.problem
+    back = back_to_training(run_dir, hit) if run_dir else None
+    trial.recovery_s = round((back or ended) - hit, 2)
+    return trial
+
+
+# ---------------------------------------------------------------- the drill
+
+def reference_run(out: Path) -> Path:
+    run_dir = out / "reference"
+    proc = subprocess.run([PY, "-m", "train", *ARGS, "--spawn", "2", "--run-dir", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode:
+        raise RuntimeError(f"the uninterrupted reference run failed:\n{proc.stderr[-3000:]}")
+    return run_dir
+
+
+def summary(trials: list[Trial], skipped: dict) -> list[str]:
+    lines = [f"{'launcher':<9} {'fault':<7} {'ok':>7} {'landed':>7}  training again after s (median, max)"]
+    for name in dict.fromkeys(t.launcher for t in trials):
+        for fault in dict.fromkeys(t.fault for t in trials if t.launcher == name):
+            group = [t for t in trials if t.launcher == name and t.fault == fault]
+            times = [t.recovery_s for t in group if t.recovery_s is not None]
+            spread = f"{statistics.median(times):.1f}, {max(times):.1f}" if times else "-"
+            lines.append(f"{name:<9} {fault:<7} {sum(t.ok for t in group):>3}/{len(group):<3} "
+                         f"{sum(t.landed for t in group):>3}/{len(group):<3}  {spread}")
+        group = [t for t in trials if t.launcher == name]
+        lines.append(f"{name}: ok={sum(t.ok for t in group)}/{len(group)}")
+    lines += [f"{name}: skipped ({why})" for name, why in skipped.items()]
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20, help="trials per launcher and fault (default 20)")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))
+    parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
+    parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
+    ns = parser.parse_args(argv)
+    launchers = [x for x in ns.launchers.split(",") if x]
+    faults = [x for x in ns.faults.split(",") if x]
+    bad = [x for x in launchers if x not in LAUNCHERS] + [x for x in faults if x not in FAULTS]
+    if bad or ns.trials < 1:
+        print(f"error: unknown launcher or fault {bad} (or --trials < 1): use --launchers "
+              f"{','.join(LAUNCHERS)} --faults {','.join(FAULTS)}", file=sys.stderr)
+        return 2
+    out = Path(ns.out).resolve()
+    if re.search(r"\s", str(out)):
+        print(f"error: --out {out} contains whitespace (make's ARGS would split it): choose another folder",
+              file=sys.stderr)
+        return 2
+    if out.exists() and any(out.iterdir()):
+        print(f"error: {out} is not empty: pass a new --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers}, seed {ns.seed}, in {out}", flush=True)
+    reference = reference_run(out)
+    rng = random.Random(ns.seed)
+    trials, skipped = [], {}
+    for name in launchers:
+        launcher = Slurm(out) if name == "slurm" else Local(name, out)
+        if name == "slurm":
+            why = launcher.available()
+            if why:
+                skipped[name] = why
+                print(f"{name}: skipped ({why})", flush=True)
+                continue
+            launcher.up()
+        try:
+            for fault in faults:
+                for index in range(ns.trials):
+                    trial = run_trial(launcher, fault, index, rng, out, reference)
+                    trials.append(trial)
+                    verdict = "ok" if trial.ok else f"FAILED: {trial.problem}"
+                    print(f"{name} {fault} #{index}: {trial.target or '-'} {trial.moment}"
+                          f"{'' if trial.landed else ' (landed after the moment)'}: {verdict}, "
+                          f"training again {trial.recovery_s} s after it", flush=True)
+        finally:
+            if name == "slurm":
+                launcher.down()
+    (out / "results.json").write_text(json.dumps([asdict(t) for t in trials], indent=1) + "\n")
+    print("\n".join(["", *summary(trials, skipped)]))
+    for t in (t for t in trials if not t.ok):
+        print(f"\n--- {t.launcher} {t.fault} #{t.index} failed: {t.problem}")
+        for log in t.logs:
+            text = Path(log).read_text(errors="replace") if Path(log).exists() else "(no log)"
+            print(f"--- {log} (last 40 lines)\n" + "\n".join(text.splitlines()[-40:]))
+    return 0 if trials and all(t.ok for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
