@@ -21,15 +21,15 @@ SHELL := /bin/bash
 #   HOST_UID/HOST_GID  the container user (default: yours; 1000 when you are root)
 #   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
-#   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (default 3; resumes from the
-#                newest checkpoint)
+#   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (empty: 3, slurm/plan.py;
+#                resumes from the newest checkpoint)
 #   BENCH_ARGS   flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
 #   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
 ARGS ?=
-MAX_RESTARTS ?= 3
+MAX_RESTARTS ?=
 PYTHON ?= python3
 VENV ?= .venv
 DOCKER ?= $(shell docker buildx version >/dev/null 2>&1 || ! test -x /usr/bin/docker && echo docker || echo /usr/bin/docker)
@@ -127,7 +127,7 @@ else
 endif
 
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
-	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
+	$(PYTHON) docker/hostenv.py --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
 
 $(ENV_FILE):
@@ -136,7 +136,7 @@ $(ENV_FILE):
 doctor: ## a report for bug reports: driver vs CUDA, GPUs, shm, port, NAS folders, all-reduce bandwidth
 ifeq ($(RUNTIME),docker)
 	@# On the host first: with a driver too old for the image's CUDA the container would not even start.
-	$(PYTHON) -m train.hostenv --check-driver $(CUDA_$(TORCH_FLAVOUR))
+	$(PYTHON) docker/hostenv.py --check-driver $(CUDA_$(TORCH_FLAVOUR))
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
 else
 	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))

@@ -33,41 +33,36 @@
 #   NCCL_DEBUG=INFO              what NCCL chose, in this job's log
 # A rank that stops participating fails the job after the trainer's --timeout-s (default 600 s).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-# A fresh rendezvous store for each torchrun attempt (the trainer namespaces its keys by attempt either
-# way, so a shared store works too; pytorch/pytorch#135712).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
-plan=$(python3 -m train.slurm plan) || exit 2   # NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH
+# NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN_FLAGS, and
+# the torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py.
+plan=$(python3 slurm/plan.py plan) || exit 2
 eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" --cpus-per-task="$CPUS_PER_TASK" "${LAUNCH[@]}" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    --max-restarts="${MAX_RESTARTS:-3}" --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 \
-    --shutdown-timeout=100 \
+    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" "${TORCHRUN_FLAGS[@]}" \
     -m train --run-dir "$RUN_DIR_ARG" "$@" &
 step=$!
 # The signal reaches this shell only (B:); pass it to the step's processes on every node. USR2 is the
 # preemption notice (requeue after the checkpoint); TERM is a cancel (`scancel`, a time limit): the run
 # still checkpoints, but the job is not brought back.
-preempted=0
+preempted=
 trap 'preempted=1; echo "trainbox: preemption signal: checkpointing"; scancel --signal=USR2 "$SLURM_JOB_ID"' USR2
 trap 'echo "trainbox: cancelled: checkpointing, no requeue"; scancel --signal=USR2 "$SLURM_JOB_ID"' TERM
 while kill -0 "$step" 2>/dev/null; do wait "$step"; done   # wait returns early when a trap runs
 wait "$step"; code=$?                                       # the step's own exit code
 
-case "$(python3 -m train.slurm after "$RUN_DIR")" in
+case "$(python3 slurm/plan.py after "$RUN_DIR" ${preempted:+--preempted})" in
   done)    echo "trainbox: finished: $RUN_DIR/model.pt"; exit 0 ;;
-  requeue) if [ "$preempted" = 1 ]; then
-             echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"
-             scontrol requeue "$SLURM_JOB_ID"; exit 0
-           fi
-           echo "trainbox: stopped at a checkpoint, not requeued (not a preemption): resubmit to resume"
+  requeue) echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"
+           scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
+  stopped) echo "trainbox: stopped at a checkpoint, not requeued (not a preemption): resubmit to resume"
            exit 75 ;;
   *)       echo "trainbox: the run failed (step exit code $code): not requeued; see the log above"
            exit "$(( code == 0 ? 1 : code ))" ;;

@@ -1,128 +1,38 @@
-"""Shared helpers: run the trainer exactly as a user would (python -m train, torchrun, make)."""
+"""Fixtures. Helpers are in tests/helpers.py; every test under tests/e2e/ (real processes) is marked slow."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-PY = sys.executable
-DEBUG = ["--preset", "debug"]
-
-
-def env_for_tests(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("MASTER_PORT", None)
-    for key in list(env):  # never inherit a launcher's identity from the shell running the tests
-        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") or key.startswith("SLURM_"):
-            env.pop(key)
-    env.update(extra)
-    return env
-
-
-def python_cmd(*args) -> list[str]:
-    return [PY, "-m", "train", *map(str, args)]
-
-
-def torchrun_cmd(nprocs: int, *args) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", "-m", "train",
-            *map(str, args)]
-
-
-def run(cmd: list[str], *, expect: int | None = 0, timeout: float = 300, env: dict | None = None,
-        cwd: Path = REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env or env_for_tests(), capture_output=True, text=True,
-                          timeout=timeout)
-    if expect is not None and proc.returncode != expect:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}, expected {expect}\n"
-                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def load_model(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def assert_bit_identical(a: Path, b: Path) -> None:
-    sa, sb = load_model(a), load_model(b)
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), f"{key} differs between {a} and {b}"
-    assert (a / "model.pt").read_bytes() == (b / "model.pt").read_bytes()
-
-
-def assert_same_final_figures(a: Path, b: Path) -> None:
-    """The final validation figures in status.json, bit for bit (runs of the same world size)."""
-    fa, fb = ({k: v for k, v in status(d).items() if k.startswith("val_")} for d in (a, b))
-    assert fa and fa == fb, f"final validation figures differ: {fa} vs {fb}"
-
-
-def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if kind is None or m["kind"] == kind]
-
-
-def status(run_dir: Path) -> dict:
-    return json.loads((run_dir / "status.json").read_text())
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"process ended ({proc.returncode}) before {what}\n{out[-3000:]}\n{err[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def reached_step(run_dir: Path, step: int):
-    def check() -> bool:
-        try:
-            return any(m["step"] >= step for m in metrics(run_dir, "train"))
-        except (OSError, ValueError):
-            return False
-    return check
-
-
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid, from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def process_env(pid: int) -> dict:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+from tests.helpers import python_cmd, run
 
 
 @pytest.fixture(scope="session")
-def reference_2ranks(tmp_path_factory) -> Path:
-    """The debug preset, 2 workers via --spawn, uninterrupted: the run other runs must equal."""
-    run_dir = tmp_path_factory.mktemp("ref2") / "run"
-    run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir))
-    return run_dir
+def reference_run(tmp_path_factory):
+    """reference_run(*ARGS, workers=2): the run directory of an uninterrupted run of the trainer with
+    ARGS (--spawn of that many workers), trained once per session and shared by every test that needs
+    it: what interrupted, resumed or relaunched runs must equal. Read it; never train in it."""
+    made: dict[tuple, Path] = {}
+
+    def get(*args, workers: int = 2) -> Path:
+        key = (tuple(map(str, args)), workers)
+        if key not in made:
+            run_dir = tmp_path_factory.mktemp("reference") / "run"
+            spawn = ["--spawn", workers] if workers > 1 else []
+            run(python_cmd(*args, *spawn, "--run-dir", run_dir), timeout=900)
+            made[key] = run_dir
+        return made[key]
+
+    return get
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "e2e" in item.path.parts:  # real processes, seconds each
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

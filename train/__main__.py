@@ -7,12 +7,27 @@
   srun python -m train                                 one Slurm task per rank
   python -m train.launch --gpus 2 -- ARGS              what `make train GPUS=2 ARGS=...` runs
 
-Exit codes: 0 done, 2 bad input (one line on stderr), 75 stopped by a signal after saving a checkpoint.
+Exit codes (train/errors.py): 0 done, 1 failed, 2 bad input (one line on stderr), 75 stopped by a
+signal after saving a checkpoint.
 """
 
 import sys
 
-from train.launch import main
+from train.config import parse_config
+from train.errors import ConfigError, fail
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        return fail(str(e))
+    # The project's one deferred import: everything that needs torch starts here, so that --help and a
+    # mistake in the flags or config file answer at once.
+    from train.launch import start  # noqa: PLC0415
+
+    return start(cfg)
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from train.errors import ConfigError
+
 log = logging.getLogger("train")
 
 _NAME = re.compile(r"step_(\d{8})\.pt$")
@@ -250,8 +252,6 @@ def newest_valid(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, device: torch.device) -> dict:
     """weights_only=True: a checkpoint is data, never code. Anything else is refused, not executed."""
-    from train.config import ConfigError  # noqa: PLC0415
-
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -285,21 +285,33 @@ def space_problem(run_dir: Path) -> str | None:
     return None
 
 
-def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
-    """RUN_DIR/status.json: starting | running | stopped | failed | done, for scripts that decide whether
-    to resume (the Slurm template requeues only 'stopped')."""
+STATES = ("starting", "running", "stopped", "failed", "done")
+
+
+def status_record(state: str, step: int, env, **extra) -> dict:
+    """What status.json says: starting (before the first step) | running | stopped (at a checkpoint, on a
+    signal) | failed | done, for scripts that decide whether to resume (the Slurm template requeues only
+    'stopped', and only what this attempt of the job wrote: see slurm/plan.py after)."""
+    if state not in STATES:
+        raise ValueError(f"status {state!r} is not one of {STATES}")
     record = {"state": state, "step": step, **extra}
-    if "SLURM_JOB_ID" in os.environ:  # which attempt of a requeued job wrote it (see train/slurm.py after)
-        record["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
-        record["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    atomic_write(run_dir / "status.json", (json.dumps(record) + "\n").encode())
+    if "SLURM_JOB_ID" in env:
+        record["slurm_job_id"] = env["SLURM_JOB_ID"]
+        record["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0"))
+    return record
 
 
-def finished(run_dir: Path, max_steps: int) -> dict | None:
-    """The status of a run that is done up to max_steps with its model.pt written, else None."""
+def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
+    atomic_write(run_dir / "status.json", (json.dumps(status_record(state, step, os.environ, **extra)) + "\n").encode())
+
+
+def read_status(run_dir: Path) -> dict:
     try:
-        status = json.loads((run_dir / "status.json").read_text())
+        return json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
-        return None
-    done = status.get("state") == "done" and status.get("step", -1) >= max_steps and (run_dir / "model.pt").is_file()
-    return status if done else None
+        return {}
+
+
+def finished(status: dict, max_steps: int, model_written: bool) -> bool:
+    """A run that is done up to max_steps with its model.pt written: nothing to train, evaluate or write."""
+    return status.get("state") == "done" and status.get("step", -1) >= max_steps and model_written

@@ -11,18 +11,20 @@ import argparse
 import dataclasses
 import difflib
 import json
-import sys
+import time
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from train.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user mistake in flags, a config file or a preset: one line, cause and fix."""
-
-
-class DataError(ConfigError):
-    """A dataset file that cannot be read, met by one rank while training: one line naming the file."""
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli where installed
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
 
 
 def _f(default, help: str, choices: tuple | None = None):
@@ -123,6 +125,11 @@ PRESETS: dict[str, dict] = {
 # Keys that define what the weights are; a checkpoint made with other values cannot be resumed.
 MODEL_KEYS = ("model", "width", "image_size", "dataset")
 
+
+def default_run_dir(started: float | None = None) -> str:
+    """runs/<start time>, the run directory when --run-dir is not given."""
+    return time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
+
 _TYPES = {f.name: f.type for f in fields(Config)}
 
 
@@ -160,11 +167,9 @@ def load_config_file(path: str) -> dict:
     text = p.read_text()
     try:
         if p.suffix == ".toml":
-            if sys.version_info < (3, 11):
-                import tomli as toml_reader  # noqa: PLC0415 - only on Python 3.10
-            else:
-                import tomllib as toml_reader  # noqa: PLC0415
-            data = toml_reader.loads(text)
+            if tomllib is None:
+                raise ConfigError(f"config file {path}: TOML needs Python >= 3.11 (or tomli): use a .json file")
+            data = tomllib.loads(text)
         elif p.suffix == ".json":
             data = json.loads(text)
         else:

@@ -8,19 +8,24 @@
 Training batches come from ShardSampler: every epoch one permutation drawn from (seed, epoch), shared
 by all ranks, rank r taking every world_size-th index. Each index travels with its own augmentation
 seed, so a run resumed mid-epoch, or with another number of loader workers, sees the same images.
+
+torchvision is imported only by the runs that use it (here and in train/models.py): the import costs
+about 1.5 s of every worker's start-up, and the built-in dataset and model need none of it.
 """
 
 from __future__ import annotations
 
 import math
-import os
+import signal
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from train.config import Config, ConfigError, DataError
-from train.distributed import gather, identity
+from train.config import Config
+from train.distributed import gather, identity, usable_cores
+from train.errors import ConfigError, DataError
 
 NUM_SHAPE_CLASSES = 10
 SYNTHETIC_CLASSES = 1000
@@ -160,8 +165,6 @@ class TensorLoader:
 
 def load_image(path: str):
     """ImageFolder's loader, failing with one line that names the file (a run stops on a bad image)."""
-    from PIL import Image  # noqa: PLC0415
-
     try:
         with open(path, "rb") as f:
             return Image.open(f).convert("RGB")
@@ -171,7 +174,7 @@ def load_image(path: str):
 
 
 def _imagefolder_split(root: Path, split: str):
-    from torchvision import datasets  # noqa: PLC0415
+    from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
 
     path = root / split
     try:
@@ -197,8 +200,13 @@ def check_imagefolder(root: Path) -> None:
                           f"give both the same class folders")
 
 
+def check_cifar(root: Path, download: bool) -> None:
+    if not download and not (root / "cifar-10-batches-py").is_dir():
+        raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
+
+
 def _transforms(cfg: Config, train: bool):
-    from torchvision.transforms import v2  # noqa: PLC0415
+    from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
     steps = [v2.ToImage(), v2.Resize(cfg.image_size, antialias=True), v2.CenterCrop(cfg.image_size)]
     if train:
@@ -216,11 +224,9 @@ def build_datasets(cfg: Config):
         return train, val, len(train.classes)
     root = Path(cfg.data_dir)
     if cfg.dataset == "cifar10":
-        from torchvision import datasets  # noqa: PLC0415
+        from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
 
-        present = (root / "cifar-10-batches-py").is_dir()
-        if not present and not cfg.download:
-            raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
+        check_cifar(root, cfg.download)
         error = None
         if identity().local_rank == 0 and cfg.download:  # once per node
             try:
@@ -248,15 +254,12 @@ def default_num_workers(cfg: Config) -> int:
         return cfg.num_workers
     if cfg.dataset in ("shapes", "synthetic"):
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, cores // max(1, identity().local_world_size) - 1))
+    return max(1, min(4, usable_cores() // max(1, identity().local_world_size) - 1))
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
     # A preemption signal sent to the whole process group must not kill loader workers before
     # the trainer has saved its checkpoint; the trainer shuts them down itself.
-    import signal  # noqa: PLC0415
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
 
@@ -288,3 +291,9 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
     return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
                       num_workers=workers, pin_memory=pin_memory,
                       worker_init_fn=_ignore_stop_signals if workers > 0 else None)
+
+
+def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """A batch of uint8 images onto the device (non-blocking from pinned memory), normalised there."""
+    x = x.to(device, non_blocking=True).float().div_(255).sub_(0.5).div_(0.25)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x

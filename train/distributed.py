@@ -12,16 +12,21 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 
-from train.slurm import expand_hostlist, master_port
+from slurm.plan import expand_hostlist, master_port
+from train.errors import ConfigError
 from train.watchdog import watchdog
 
 
@@ -91,16 +96,9 @@ def is_main() -> bool:
     return identity().global_rank == 0
 
 
-def pick_device(requested: str, ident: Identity) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but no CUDA GPU is visible: use --device cpu or check the driver")
-    count = torch.cuda.device_count()
-    if ident.local_rank >= count:
-        raise RuntimeError(f"local rank {ident.local_rank} needs GPU {ident.local_rank} but {count} are visible: "
-                           f"start at most {count} workers per node or set CUDA_VISIBLE_DEVICES")
-    return torch.device("cuda", ident.local_rank)
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a cgroup or taskset may give it fewer)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def watch_limit(timeout_s: float) -> float:
@@ -181,18 +179,19 @@ def destroy_and_leave_together(timeout_s: float = 30.0) -> None:
     """destroy_process_group, then wait (on the rendezvous store, which outlives the groups) until every
     rank has destroyed its own. A rank that exits while a peer's gloo group still exists can make that
     peer abort ("terminate called without an active exception"): 6 of 20 two-rank runs aborted so
-    without this wait, none of 20 with it (the bench's communication worker, 2 cores). Past timeout_s
-    a rank that never arrived is an error, not a silent wait."""
-    from torch.distributed.distributed_c10d import _get_default_store  # noqa: PLC0415
-
-    store, world = _session_store or _get_default_store(), dist.get_world_size()
+    without this wait, none of 20 with it (the bench's communication worker, 2 cores). Rank 0, which
+    hosts the store outside torchrun, leaves last, once every rank has seen the count complete (a rank
+    still reading it would otherwise meet a closed socket). Past timeout_s a rank that never arrived is
+    an error, not a silent wait."""
+    store, world, rank = _session_store or _get_default_store(), dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
     deadline = time.monotonic() + timeout_s
     try:
-        arrived = store.add("trainbox/left", 1)
-        while arrived < world and time.monotonic() < deadline:
-            time.sleep(0.01)
-            arrived = store.add("trainbox/left", 0)
+        arrived = _count_up(store, "trainbox/left", world, deadline)
+        if arrived == world and rank == 0:
+            arrived = _count_up(store, "trainbox/left-seen", world, deadline)
+        elif arrived == world:
+            store.add("trainbox/left-seen", 1)
     except (RuntimeError, OSError):  # the store's host left: it saw every rank arrive first
         return
     if arrived < world:
@@ -200,8 +199,13 @@ def destroy_and_leave_together(timeout_s: float = 30.0) -> None:
                             f"within {timeout_s} s")
 
 
-def control_group():
-    return _control_group
+def _count_up(store, key: str, world: int, deadline: float) -> int:
+    """Add this rank to the count under key, then wait until it reaches world (or the deadline)."""
+    arrived = store.add(key, 1)
+    while arrived < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+        arrived = store.add(key, 0)
+    return arrived
 
 
 def teardown(clean: bool, timeout_s: float) -> None:
@@ -216,6 +220,90 @@ def teardown(clean: bool, timeout_s: float) -> None:
     # After an error the group is left to the process's exit: destroying it with a collective still in
     # flight (a peer gone, a timeout) can abort the process before it has reported the error.
     _control_group = _session_store = None
+
+
+def broadcast_from_main(value):
+    """Rank 0's value on every rank (plain Python objects)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_control_group)
+    return box[0]
+
+
+T = TypeVar("T")
+
+
+def on_main(action: Callable[[], T], failed: Callable[[OSError], str]) -> T | None:
+    """Rank 0 does the file I/O (`action`); every rank learns whether it failed and raises the same
+    one-line ConfigError (`failed` turns the OSError into it, on rank 0), so none waits for a rank that
+    gave up. Rank 0's result, or None on the other ranks."""
+    result, error = None, None
+    if is_main():
+        try:
+            result = action()
+        except OSError as e:
+            error = failed(e)
+    error = broadcast_from_main(error)
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+class StopSignal:
+    """SIGTERM, SIGUSR2 or a first Ctrl-C on any rank stops every rank after the same step.
+
+    Each step starts an async all-reduce (MAX, on the gloo control group, so no device sync) of the
+    local flag and reads the previous step's result: all ranks see the same answer on the same step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._work = None
+        self._buffer = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        if not dist.is_initialized():
+            return self.received is not None
+        stop = False
+        if self._work is not None:
+            self._work.wait()
+            stop = self._buffer.item() > 0
+        self._buffer = torch.tensor([1.0 if self.received else 0.0])
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=_control_group, async_op=True)
+        return stop
+
+    def close(self, wait: bool) -> None:
+        if self._work is not None and wait:  # after an error the peers may be gone: do not wait
+            self._work.wait()
+        self._work = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def ordered_allreduce_hook(group, bucket):
+    """Gradient averaging whose summation order is rank 0 + rank 1 + ... for every element, whatever
+    DDP's bucket layout: results stay bit-identical when buckets are rebuilt after a restart."""
+    tensor = bucket.buffer()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    future = dist.all_gather(parts, tensor, group=group, async_op=True).get_future()
+
+    def combine(_):
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.div_(world)
+
+    return future.then(combine)
 
 
 def gather(value) -> list:

@@ -10,21 +10,38 @@ all-reduce across N local workers with its bandwidth. Exit code 1 if any check f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import queue as queue_module
 import shutil
-import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
+import pynvml
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import destroy_and_leave_together
-from train.hostenv import MIN_DRIVER, driver_problem
+from train.checks import port_free
+from train.distributed import destroy_and_leave_together, free_port
+from train.metrics import nvml
+
+
+def _hostenv():
+    """docker/hostenv.py: standard library only, run by the host's python3 for `make env`; its table of the
+    oldest driver for each CUDA version is the one this report checks against too. Loaded by its path,
+    not as a package named `docker` (which the Docker SDK would shadow)."""
+    path = Path(__file__).resolve().parents[1] / "docker" / "hostenv.py"
+    spec = importlib.util.spec_from_file_location("trainbox_hostenv", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hostenv = _hostenv()
 
 ALLREDUCE_TIMEOUT_S = 120  # the all-reduce check gives up after this
 
@@ -37,12 +54,10 @@ def report(status: str, check: str, detail: str) -> None:
 
 
 def driver_version() -> str | None:
+    lib = nvml()
     try:
-        import pynvml  # noqa: PLC0415
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlSystemGetDriverVersion()
-    except Exception:  # noqa: BLE001 - no driver or no NVML
+        return lib.nvmlSystemGetDriverVersion() if lib else None
+    except pynvml.NVMLError:
         return None
 
 
@@ -63,8 +78,8 @@ def check_gpus() -> int:
         visible = "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         report("info", "gpu", f"no NVIDIA driver reachable: CPU only (gloo) ({visible})")
         return 0
-    need = MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
-    problem = driver_problem(driver, cuda_build) if cuda_build else None
+    need = hostenv.MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
+    problem = hostenv.driver_problem(driver, cuda_build) if cuda_build else None
     if problem:
         report("FAIL", "driver", problem)
     else:
@@ -96,12 +111,9 @@ def check_shm() -> None:
 
 def check_port() -> int:
     port = int(os.environ.get("MASTER_PORT", "29500"))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            report("FAIL", "port", f"rendezvous port {port} is in use: set MASTER_PORT to a free port")
-            return 0
+    if not port_free(port):
+        report("FAIL", "port", f"rendezvous port {port} is in use: set MASTER_PORT to a free port")
+        return 0
     report("ok", "port", f"rendezvous port {port} is free")
     return port
 
@@ -160,8 +172,6 @@ def check_allreduce(workers: int, gpus: int) -> None:
     if workers < 2:
         report("info", "all-reduce", "1 worker: nothing to reduce (GPUS=N or --workers N to test N)")
         return
-    from train.distributed import free_port  # noqa: PLC0415
-
     queue = mp.get_context("spawn").Queue()
     context = None
     try:

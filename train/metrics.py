@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import pynvml
 import torch
 import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
 
 from train.checkpoint import atomic_write
 
@@ -59,8 +61,6 @@ class MetricsWriter:
             atomic_write(path, "".join(line + "\n" for line in kept).encode())
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-
             # purge_step drops events logged after the checkpoint we resumed from (a stop after it).
             # Its own thread writes the events to disk every 5 s: nothing waits on the file in the loop.
             self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None, flush_secs=5)
@@ -81,26 +81,31 @@ class MetricsWriter:
             self._tb.close()
 
 
+def nvml():
+    """pynvml, initialised, or None where no NVIDIA driver answers (a CPU host, a container without it)."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    return pynvml
+
+
 class GpuTelemetry:
     """Utilisation, memory and power of this process's GPU through NVML; absent without a driver."""
 
     def __init__(self, device: torch.device):
         self.handle = None
-        if device.type != "cuda":
+        lib = nvml() if device.type == "cuda" else None
+        if lib is None:
             return
+        # NVML numbers GPUs physically; map through CUDA_VISIBLE_DEVICES when it lists indices.
+        ids = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        index = device.index or 0
         try:
-            import pynvml  # noqa: PLC0415
-
-            pynvml.nvmlInit()
-            # NVML numbers GPUs physically; map through CUDA_VISIBLE_DEVICES when it lists indices.
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            ids = [v for v in visible.split(",") if v.strip()]
-            index = device.index or 0
             if ids and all(i.strip().isdigit() for i in ids):
                 index = int(ids[index])
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no driver, no NVML, or a container without it: stay silent
+            self.handle = lib.nvmlDeviceGetHandleByIndex(index)
+        except (pynvml.NVMLError, IndexError):  # a container without the GPU's NVML view: stay silent
             self.handle = None
 
     def read(self) -> list[float]:
@@ -108,12 +113,45 @@ class GpuTelemetry:
         if self.handle is None:
             return []
         try:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**20
-            power = self._nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000
+            util = pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu
+            mem = pynvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**20
+            power = pynvml.nvmlDeviceGetPowerUsage(self.handle) / 1000
             return [float(util), float(mem), float(power)]
-        except Exception:  # noqa: BLE001
+        except pynvml.NVMLError:
             return []
+
+
+class LogWindow:
+    """What a log line reports: the mean loss, speed, step time and the fraction of it spent waiting for
+    data, over the steps since the last line, averaged over the ranks."""
+
+    def __init__(self, device: torch.device, samples_per_step: int):
+        self.device, self.samples_per_step = device, samples_per_step
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros(1, device=self.device)  # summed on the device: no sync per step
+        self.steps, self.wait, self.start = 0, 0.0, time.perf_counter()
+
+    def add(self, losses: list[torch.Tensor]) -> None:
+        """One optimizer step: the losses of its micro-batches."""
+        for loss in losses:
+            self.loss += loss
+        self.steps += 1
+
+    def report(self, world: int) -> dict:
+        """The window's figures (every rank calls it on the same step: an all-reduce); starts a new one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self.start
+        totals = torch.cat([self.loss, torch.tensor([self.wait], device=self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        loss_mean, wait_mean = (totals / world).tolist()
+        values = {"loss": loss_mean / self.steps, "samples_per_s": self.steps * self.samples_per_step / elapsed,
+                  "step_time_s": elapsed / self.steps, "data_wait_frac": wait_mean / elapsed}
+        self.reset()
+        return values
 
 
 def _git(*args: str) -> str | None:
@@ -126,14 +164,11 @@ def _git(*args: str) -> str | None:
 
 
 def gpu_facts() -> dict:
+    lib = nvml()
     try:
-        import pynvml  # noqa: PLC0415
-
-        pynvml.nvmlInit()
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                 for i in range(pynvml.nvmlDeviceGetCount())]
-        return {"driver": pynvml.nvmlSystemGetDriverVersion(), "gpus": names}
-    except Exception:  # noqa: BLE001
+        names = [lib.nvmlDeviceGetName(lib.nvmlDeviceGetHandleByIndex(i)) for i in range(lib.nvmlDeviceGetCount())]
+        return {"driver": lib.nvmlSystemGetDriverVersion(), "gpus": names}
+    except (AttributeError, pynvml.NVMLError):  # no driver (lib is None), or NVML refused a query
         return {"driver": None, "gpus": []}
 
 

@@ -7,7 +7,8 @@ import importlib
 import torch
 from torch import nn
 
-from train.config import Config, ConfigError
+from train.config import Config
+from train.errors import ConfigError
 
 
 class SmallCNN(nn.Module):
@@ -53,7 +54,7 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not an nn.Module")
         return model
-    import torchvision  # noqa: PLC0415
+    import torchvision  # noqa: PLC0415 - only the runs that use it pay its import (see train/data.py)
 
     names = torchvision.models.list_models(module=torchvision.models)
     if cfg.model not in names:
@@ -69,7 +70,7 @@ def check_model_spec(cfg: Config) -> None:
     if ":" in cfg.model:
         _user_factory(cfg.model)
         return
-    import torchvision  # noqa: PLC0415
+    import torchvision  # noqa: PLC0415 - only the runs that use it pay its import (see train/data.py)
 
     if cfg.model not in torchvision.models.list_models(module=torchvision.models):
         build_model(cfg, 10)

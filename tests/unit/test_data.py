@@ -1,9 +1,8 @@
 """The built-in dataset, sharding across ranks, resumable positions and the file datasets."""
 
 import torch
-from PIL import Image
 
-from tests.conftest import DEBUG, metrics, python_cmd, run
+from tests.helpers import DEBUG
 from train.config import parse_config
 from train.data import SeededSample, ShardSampler, build_val_loader, make_shapes
 
@@ -78,22 +77,5 @@ def test_validation_counts_every_sample_once_across_ranks():
     assert len(seen) == 101
 
 
-def _image_folder(root, classes=("cat", "dog", "eel"), per_class=12, size=20):
-    g = torch.Generator().manual_seed(0)
-    for split in ("train", "val"):
-        for c, name in enumerate(classes):
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                pixels = (torch.rand(size, size, 3, generator=g) * 60 + c * 80).to(torch.uint8).numpy()
-                Image.fromarray(pixels).save(folder / f"{i}.png")
 
 
-def test_imagefolder_trains_with_loader_workers(tmp_path):
-    _image_folder(tmp_path / "data")
-    run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--batch-size", 4,
-                   "--num-workers", 2, "--max-steps", 12, "--run-dir", run_dir))
-    evals = metrics(run_dir, "eval")
-    assert evals[-1]["samples"] == 36  # 3 classes x 12 val images, each counted once
-    assert (run_dir / "model.pt").is_file()

@@ -1,12 +1,17 @@
 """The decisions behind slurm/*.sh, in Python (standard library only: the batch shell's python3 runs it).
 
-  python3 -m train.slurm plan            shell assignments: NNODES, NPROC_PER_NODE, CPUS_PER_TASK,
-                                         MASTER_ADDR, MASTER_PORT, RUN_DIR_ARG and LAUNCH (the runtime's command prefix)
-  python3 -m train.slurm after RUN_DIR   what the batch shell does once the step ended:
-                                         requeue | done | failed (from RUN_DIR/status.json)
+  python3 slurm/plan.py plan                     shell assignments: NNODES, NPROC_PER_NODE, CPUS_PER_TASK,
+                                                 MASTER_ADDR, MASTER_PORT, RUN_DIR, RUN_DIR_ARG, LAUNCH (the
+                                                 runtime's command prefix) and TORCHRUN_FLAGS
+  python3 slurm/plan.py after RUN_DIR [--preempted]
+                                                 what the batch shell does once the step ended:
+                                                 done | requeue | stopped | failed (from RUN_DIR/status.json)
 
 Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE) is one line on stderr
 and exit code 2, so the job log says what to fix before any process starts.
+
+The trainer imports the same hostlist and port rules (train/distributed.py: a srun task per rank) and
+torchrun flags (train/launch.py: `make train`) from here, so both launch paths share one copy.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ from pathlib import Path
 
 RUNTIMES = ("local", "pyxis", "apptainer")
 WORKDIR = "/opt/trainbox"  # the image's checkout; the NAS folders are mounted under it
+DEFAULT_MAX_RESTARTS = 3  # torchrun restarts of the workers after one fails (MAX_RESTARTS overrides)
+# A fresh rendezvous store for each torchrun attempt. The trainer namespaces its keys by attempt either
+# way (train/distributed.py), so torchrun's shared store works too (pytorch/pytorch#135712).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun_flags(max_restarts: int | str | None = None) -> list[str]:
+    """The torchrun flags of every multi-worker launch (make train, compose, the Slurm template)."""
+    restarts = int(max_restarts) if str(max_restarts or "").strip() else DEFAULT_MAX_RESTARTS
+    return [f"--max-restarts={restarts}",
+            # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+            "--shutdown-timeout=100"]  # time for the workers to agree on a step and save before SIGKILL
 
 
 class SlurmInputError(ValueError):
@@ -98,6 +116,7 @@ def plan(env) -> dict[str, str | list[str]]:
         "MASTER_ADDR": nodes[0],
         "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"])),
         "RUN_DIR": str(runs_dir / run_name),
+        "TORCHRUN_FLAGS": torchrun_flags(env.get("MAX_RESTARTS")),
     }
     if runtime == "local":
         python = Path(env.get("PYTHON") or trainbox_dir / ".venv" / "bin" / "python")
@@ -125,8 +144,10 @@ def plan(env) -> dict[str, str | list[str]]:
     return out
 
 
-def after(run_dir: Path, env) -> str:
-    """requeue: stopped on a signal with a checkpoint (and requeues left); done; or failed."""
+def after(run_dir: Path, env, preempted: bool) -> str:
+    """What the batch shell does once the step ended: requeue (stopped at a checkpoint on a preemption
+    notice, requeues left), done, stopped (at a checkpoint, on a cancel or a signal of the user's: not
+    requeued), or failed."""
     try:
         status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
@@ -135,12 +156,11 @@ def after(run_dir: Path, env) -> str:
     if state == "done":
         return "done"
     attempt = int(env.get("SLURM_RESTART_COUNT", "0"))
-    if state == "stopped" and status.get("slurm_restart_count", attempt) != attempt:
-        return "failed"  # an earlier attempt's status: this one never started training (launch failure)
-    if state == "stopped":
-        limit = int(env.get("MAX_REQUEUES", "10"))
-        return "requeue" if int(env.get("SLURM_RESTART_COUNT", "0")) < limit else "failed"
-    return "failed"
+    if state != "stopped" or status.get("slurm_restart_count", attempt) != attempt:
+        return "failed"  # a crash, or an earlier attempt's status: this one never started training
+    if not preempted:
+        return "stopped"
+    return "requeue" if attempt < int(env.get("MAX_REQUEUES", "10")) else "failed"
 
 
 def main(argv: list[str]) -> int:
@@ -151,14 +171,16 @@ def main(argv: list[str]) -> int:
                     print(f"{key}=({' '.join(shlex.quote(v) for v in value)})")
                 else:
                     print(f"{key}={shlex.quote(value)}")
+            for key, value in TORCHRUN_ENV.items():
+                print(f"export {key}={shlex.quote(os.environ.get(key, value))}")
             return 0
-        if argv[:1] == ["after"] and len(argv) == 2:
-            print(after(Path(argv[1]), os.environ))
+        if argv[:1] == ["after"] and len(argv) in (2, 3) and argv[2:] in ([], ["--preempted"]):
+            print(after(Path(argv[1]), os.environ, preempted=argv[2:] == ["--preempted"]))
             return 0
     except SlurmInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("usage: python3 -m train.slurm plan | after RUN_DIR", file=sys.stderr)
+    print("usage: python3 slurm/plan.py plan | after RUN_DIR [--preempted]", file=sys.stderr)
     return 2
 
 

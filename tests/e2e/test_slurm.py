@@ -1,7 +1,7 @@
 """slurm/*.sh on a real 2-node Slurm cluster (tests/cluster/up.sh: slurmd n1, n2 in network namespaces).
 
 Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
-The unit tests of train.slurm at the top run everywhere.
+The decisions of slurm/plan.py are unit-tested in tests/unit/test_slurm_plan.py.
 """
 
 import json
@@ -15,86 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG, PY, REPO, assert_bit_identical, metrics, reached_step, run, torchrun_cmd, wait_for
-from train import slurm
-from train.checkpoint import write_status
+from tests.helpers import DEBUG, REPO, assert_bit_identical, metrics, reached_step, run, torchrun_cmd, wait_for
 
 CLUSTER = REPO / "tests" / "cluster"
 LAB = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-slurm-cluster"
-
-
-# ------------------------------------------------------------ train.slurm, no cluster needed
-
-def _job_env(tmp_path, **extra):
-    (tmp_path / "runs").mkdir(exist_ok=True)
-    return {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_SUBMIT_DIR": str(REPO),
-            "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": PY, **extra}
-
-
-def test_plan_local_runtime(tmp_path):
-    out = slurm.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
-    assert (out["NNODES"], out["NPROC_PER_NODE"], out["MASTER_ADDR"]) == ("2", "4", "gpu07")
-    assert out["MASTER_PORT"] == str(20000 + 777) and out["LAUNCH"] == [PY]
-    assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(tmp_path / "runs" / "slurm-777")
-    assert slurm.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
-    assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
-
-
-@pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
-                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
-                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
-def test_plan_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
-    assert slurm.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
-
-
-def test_plan_container_runtimes_mount_the_nas(tmp_path):
-    (tmp_path / "data").mkdir()
-    image = tmp_path / "trainbox.sqsh"
-    image.write_text("x")
-    env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "data"), IMAGE=str(image))
-    pyxis = slurm.plan({**env, "RUNTIME": "pyxis"})
-    assert pyxis["LAUNCH"][0] == f"--container-image={image}"
-    assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
-    assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
-    assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
-    apptainer = slurm.plan({**env, "RUNTIME": "apptainer"})
-    assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
-
-
-@pytest.mark.parametrize("extra, message", [
-    ({"RUNTIME": "docker"}, "RUNTIME='docker': use one of local, pyxis, apptainer"),
-    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0'"),
-    ({"RUNS_DIR": "/nonexistent/runs"}, "RUNS_DIR=/nonexistent/runs does not exist"),
-    ({"DATA_DIR": "/nonexistent/data"}, "DATA_DIR=/nonexistent/data does not exist"),
-    ({"RUNTIME": "pyxis"}, "RUNTIME=pyxis needs IMAGE="),
-    ({"RUNTIME": "apptainer", "IMAGE": "/nonexistent/t.sif"}, "RUNTIME=apptainer needs IMAGE="),
-    ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
-])
-def test_plan_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(slurm.SlurmInputError) as e:
-        slurm.plan({**_job_env(tmp_path), **extra})
-    assert message in str(e.value)
-
-
-@pytest.mark.parametrize("state, restarts, decision", [
-    ("done", "0", "done"), ("stopped", "0", "requeue"), ("stopped", "10", "failed"), ("running", "0", "failed"),
-    (None, "0", "failed"),
-])
-def test_after_the_step(tmp_path, state, restarts, decision):
-    if state:
-        (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}) == decision
-
-
-def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    # Attempt 0 stopped and was requeued; attempt 1 failed to launch before training wrote a status.
-    write_status(tmp_path, "stopped", 30)  # what attempt 0 wrote, under Slurm
-    status = json.loads((tmp_path / "status.json").read_text())
-    assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}) == "requeue"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}) == "failed"
 
 
 # ------------------------------------------------------------ a real cluster
@@ -152,7 +76,6 @@ def local_4_workers(tmp_path_factory):
     return run_dir
 
 
-@pytest.mark.slow
 def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_workers):
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
@@ -169,7 +92,6 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_worker
     assert_bit_identical(run_dir, local_4_workers)
 
 
-@pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path):
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
@@ -193,7 +115,6 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     assert_bit_identical(run_dir, local)
 
 
-@pytest.mark.slow
 def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path):
     env, runs = nas(tmp_path)
     jobs = [sbatch(cluster, "singlenode.sh", *DEBUG, "--max-steps", 20,
@@ -212,7 +133,6 @@ def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path
         assert (runs / f"slurm-{job}" / "model.pt").is_file()
 
 
-@pytest.mark.slow
 def test_a_cancelled_job_checkpoints_and_is_not_requeued(cluster, tmp_path):
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
@@ -232,14 +152,12 @@ def test_a_cancelled_job_checkpoints_and_is_not_requeued(cluster, tmp_path):
     assert any((run_dir / "checkpoints").glob("step_*.pt"))
 
 
-@pytest.mark.slow
 def test_more_nodes_than_the_partition_has_is_refused(cluster, tmp_path):
     proc = sbatch(cluster, "multinode.sh", sbatch_args=("--nodes=3", f"--output={tmp_path}/x.out"), expect=None)
     assert proc.returncode != 0
     assert "Node count specification invalid" in proc.stderr  # EnforcePartLimits=ALL, as clusters set it
 
 
-@pytest.mark.slow
 def test_missing_nas_folder_is_one_line_in_the_job_log(cluster, tmp_path):
     log = tmp_path / "job.out"
     job = sbatch(cluster, "multinode.sh", *DEBUG, sbatch_args=(f"--output={log}",),

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run
+from tests.helpers import REPO, run
 
-pytestmark = pytest.mark.slow
 
 STANDIN = "trainbox-standin-base:bookworm"
 IMAGE = "trainbox:test"
@@ -275,7 +274,7 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
     import time
     import urllib.request
 
-    from tests.conftest import python_cmd
+    from tests.helpers import python_cmd
     from train.distributed import free_port
 
     root, env_file = nas

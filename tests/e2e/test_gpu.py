@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from tests.conftest import DEBUG, REPO, metrics, python_cmd, run, torchrun_cmd
+from tests.helpers import DEBUG, REPO, metrics, python_cmd, run, torchrun_cmd
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 
 def test_single_gpu_bf16_channels_last(tmp_path):

@@ -5,10 +5,14 @@ import subprocess
 
 import pytest
 
-from tests.conftest import (DEBUG, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
+from tests.helpers import (DEBUG, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
                             python_cmd, run, status, torchrun_cmd)
 
-pytestmark = pytest.mark.slow
+
+@pytest.fixture
+def reference_2ranks(reference_run):
+    """The debug preset, 2 workers via --spawn, uninterrupted: the run other runs must equal."""
+    return reference_run(*DEBUG)
 
 
 def test_torchrun_and_spawn_give_bit_identical_models(reference_2ranks, tmp_path):

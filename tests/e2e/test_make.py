@@ -6,13 +6,9 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO, metrics, run, status
+from tests.helpers import REPO, make, metrics, status
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
-
-
-def make(*args, expect=0, timeout=600):
-    return run(["make", "--no-print-directory", *args], expect=expect, timeout=timeout, cwd=REPO)
+pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="needs make")]
 
 
 def test_help_lists_every_target_with_a_description():

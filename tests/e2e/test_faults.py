@@ -17,14 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, children, env_for_tests,
-                            metrics, process_env, python_cmd, reached_step, run, status, wait_for)
+from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, children, env_for_tests,
+                           metrics, python_cmd, reached_step, run, status, wait_for, worker_pid)
 from train import checkpoint as ckpt
 
-pytestmark = pytest.mark.slow
-
-# A few seconds on 2 cores; a checkpoint every 20 steps, so a fault lands between two of them.
-FAULT = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-every", 20, "--eval-every", 0]
+FAULT = LONG
 
 
 def launch_cmd(workers: int, run_dir: Path, *extra, restarts: int | None = None) -> list[str]:
@@ -70,29 +67,15 @@ def _kill_tree(proc: subprocess.Popen) -> tuple[str, str]:
     return proc.communicate()
 
 
-def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
-    """The torchrun worker with this RANK among the launcher's descendants."""
-    for agent in children(launcher.pid):
-        for pid in [agent, *children(agent)]:
-            try:
-                if process_env(pid).get("RANK") == str(rank):
-                    return pid
-            except OSError:
-                continue
-    raise AssertionError(f"no worker with RANK={rank} under {launcher.pid}")
-
-
 def assert_logged_once(run_dir: Path) -> None:
     steps = [m["step"] for m in metrics(run_dir, "train")]
     assert steps == sorted(set(steps)), "a step was logged twice after the resume"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+@pytest.fixture
+def reference(reference_run) -> Path:
     """FAULT with 2 workers, never interrupted: what every faulted 2-worker run must end equal to."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run(python_cmd(*FAULT, "--spawn", 2, "--run-dir", run_dir))
-    return run_dir
+    return reference_run(*FAULT)
 
 
 def manual_ranks(world: int, run_dir: Path, *extra) -> list[subprocess.Popen]:
@@ -129,10 +112,9 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, 
     assert_same_final_figures(run_dir, reference)
 
 
-def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(tmp_path):
+def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(reference_run, tmp_path):
     extra = ["--deterministic"]
-    straight = tmp_path / "straight"
-    run(python_cmd(*FAULT, *extra, "--spawn", 3, "--run-dir", straight))
+    straight = reference_run(*FAULT, *extra, workers=3)
     run_dir = tmp_path / "run"
     proc = start(launch_cmd(3, run_dir, *extra))
     wait_for(reached_step(run_dir, 90), 180, "step 90", proc)
@@ -156,7 +138,7 @@ def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "[rank 0] lost contact with the other workers" in errors[0], err[-3000:]
     assert "run the same command to resume" in errors[0]
-    assert 'File "' in err and "train/loop.py" in err  # where it was when the peer died
+    assert 'File "' in err and "train/trainer.py" in err  # where it was when the peer died
 
 
 def test_without_restarts_torchrun_ends_the_job(tmp_path):
@@ -209,15 +191,14 @@ def _imagefolder(root: Path) -> None:
                 Image.new("RGB", (20, 20), jitter).save(folder / f"{i}.png")
 
 
-def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path):
+def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(reference_run, tmp_path):
     """Ctrl-C in a terminal or a scheduler signalling every process: the DataLoader workers get it too,
     and must not die before the trainer has saved."""
     data = tmp_path / "data"
     _imagefolder(data)
     args = [*DEBUG, "--dataset", "imagefolder", "--data-dir", data, "--image-size", 16, "--num-workers", 2,
             "--max-steps", 60, "--log-every", 2, "--save-every", 1000, "--eval-every", 0]
-    straight = tmp_path / "straight"
-    run(python_cmd(*args, "--spawn", 2, "--run-dir", straight))
+    straight = reference_run(*args)
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, args), "--run-dir", str(run_dir)]
     proc = start(cmd, start_new_session=True)
@@ -257,10 +238,9 @@ def test_killed_while_writing_a_checkpoint_the_previous_one_is_used(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(tmp_path, damage):
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(reference_run, tmp_path, damage):
     single = [*FAULT, "--save-every", 40]
-    straight = tmp_path / "straight"
-    run(python_cmd(*single, "--run-dir", straight))
+    straight = reference_run(*FAULT, workers=1)  # checkpoints do not change the weights: any --save-every
     run_dir = tmp_path / "run"
     run(python_cmd(*single, "--stop-at", 120, "--run-dir", run_dir), expect=75)
     newest = run_dir / "checkpoints" / "step_00000120.pt"
@@ -339,7 +319,7 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp
     assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and \
         ("Timed out" in errors[0] or "timeout" in errors[0]), \
         err[-5000:]
-    assert "train/loop.py" in err and ("Thread 0x" in err or "Current thread" in err), err[-5000:]  # the stacks
+    assert "train/trainer.py" in err and ("Thread 0x" in err or "Current thread" in err), err[-5000:]  # the stacks
 
 
 def test_a_rank_stuck_outside_collectives_dumps_its_stack_and_exits(tmp_path):
@@ -369,6 +349,6 @@ def test_resume_with_another_model_is_refused_and_nothing_changes(tmp_path):
     before = {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
     proc = run(python_cmd(*FAULT, "--width", 32, "--run-dir", run_dir), expect=2)
     assert proc.stderr.strip().splitlines() == [
-        f"error: {run_dir} holds a run with width=16, this one has width=32: use a new --run-dir or the same width"]
+        f"error: {run_dir} was made with width=16, this run has width=32: use a new --run-dir or the same width"]
     assert {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
     assert torch.load(ckpt.newest_valid(run_dir), weights_only=True)["step"] == 40

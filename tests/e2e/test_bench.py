@@ -9,9 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_make import make
+from tests.helpers import make
 
-pytestmark = pytest.mark.slow
 
 CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction per step, built-in",
             "time to first step", "DDP wrapper", "gradient_as_bucket_view",
@@ -58,7 +57,7 @@ def test_bench_gpu_only_without_a_gpu_is_one_line(tmp_path):
 
 def test_a_bench_arm_run_twice_in_one_folder_measures_the_second_run(tmp_path):
     """A reused --out must not resume the first run and hand back its metrics."""
-    from train.bench import trainer_arm
+    from train.bench.arms import trainer_arm
 
     args = ["--preset", "debug", "--max-steps", 4, "--log-every", 1, "--eval-every", 0]
     for _ in range(2):
@@ -71,7 +70,7 @@ def test_a_bench_arm_run_twice_in_one_folder_measures_the_second_run(tmp_path):
 
 def test_the_pinned_memory_row_counts_every_batch_it_delivers():
     """The GPU row's loader arm, run on the CPU: the trainer's loader and copy deliver every batch asked for."""
-    from train.bench import host_to_device
+    from train.bench.gpu import host_to_device
 
     images, seconds = host_to_device(False, batch=8, batches=3, size=32, device=torch.device("cpu"))
     assert images == 24 and seconds > 0

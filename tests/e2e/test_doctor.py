@@ -1,7 +1,7 @@
 """`python -m train.doctor` (what `make doctor` runs locally): a real all-reduce, and a failing one that
 must be reported, not hang the report."""
 
-from tests.conftest import PY, env_for_tests, run
+from tests.helpers import PY, env_for_tests, run
 
 
 def doctor(tmp_path, **env):

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
+from tests.helpers import Evil
 from train import checkpoint as ckpt
-from train.config import ConfigError
+from train.errors import ConfigError
 
 
 def _state(step):
@@ -82,14 +83,6 @@ def test_failed_write_leaves_nothing_behind(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
 
 
-class Evil:
-    """Unpickling this runs a shell command: what a weights-only load must never do."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def test_a_pickle_with_code_is_refused_not_executed(tmp_path):
@@ -109,13 +102,13 @@ def test_every_load_in_the_trainer_is_weights_only():
     from pathlib import Path
 
     calls = []
-    for source in (Path(__file__).resolve().parents[1] / "train").glob("*.py"):
+    for source in (Path(__file__).resolve().parents[2] / "train").rglob("*.py"):
         for match in re.finditer(r"torch\.load\((.*?)\)", source.read_text(), flags=re.S):
             calls.append((source.name, match.group(1)))
     assert calls, "no torch.load found: the scan is looking in the wrong place"
     for name, args in calls:
         assert "weights_only=True" in args, f"{name}: torch.load({args}) without weights_only=True"
-    assert not [p for p in (Path(__file__).resolve().parents[1] / "train").glob("*.py")
+    assert not [p for p in (Path(__file__).resolve().parents[2] / "train").rglob("*.py")
                 if re.search(r"\bpickle\.loads?\(", p.read_text())], "pickle.load in train/"
 
 
@@ -124,7 +117,7 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
     from train.config import parse_config
-    from train.loop import build_optimizer
+    from train.optim import build_optimizer
     from train.models import SmallCNN
 
     torch.manual_seed(0)
@@ -153,7 +146,7 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
 def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
     """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
     from train.config import parse_config
-    from train.loop import build_optimizer
+    from train.optim import build_optimizer
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])

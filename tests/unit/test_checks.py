@@ -1,0 +1,34 @@
+"""The user-facing checks that need no run: GPUS, CUDA_VISIBLE_DEVICES."""
+
+import pytest
+
+from train.checks import visible_devices_problem
+from train.errors import ConfigError
+from train.launch import workers_for
+
+
+@pytest.mark.parametrize("value, host, problem", [
+    ("0,7", 2, "CUDA_VISIBLE_DEVICES=0,7 names GPU 7 but this host has 2 (0-1)"), ("1", 2, None), ("", 2, None),
+    ("GPU-5d1c9b9a", 2, None), ("3", None, None),
+])
+def test_visible_devices_check(value, host, problem):
+    found = visible_devices_problem(value, host)
+    assert found == problem or problem in found
+
+
+@pytest.mark.parametrize("gpus, visible, expected", [
+    ("", 0, (1, True)), ("", 4, (4, False)), ("0", 4, (1, True)), ("2", 0, (2, True)), ("3", 4, (3, False)),
+])
+def test_gpus_knob(gpus, visible, expected):
+    assert workers_for(gpus, visible) == expected
+
+
+@pytest.mark.parametrize("gpus, visible, message", [
+    ("8", 2, "GPUS=8 but 2 GPU(s) visible: set GPUS<=2 or CUDA_VISIBLE_DEVICES"),
+    ("four", 2, "GPUS='four' is not a number"),
+    ("-1", 2, "is not a number"),
+])
+def test_gpus_knob_errors(gpus, visible, message):
+    with pytest.raises(ConfigError) as e:
+        workers_for(gpus, visible)
+    assert message in str(e.value)

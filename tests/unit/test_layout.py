@@ -1,0 +1,36 @@
+"""The layout: the host helpers run on a host's bare python3, and the worker package has no import cycle."""
+
+import ast
+import sys
+
+from tests.helpers import REPO
+
+HOST_HELPERS = ("slurm/plan.py", "docker/hostenv.py")  # run before any environment exists
+
+
+def _imports(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:  # `from train import checkpoint` too
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return names
+
+
+def test_the_host_helpers_import_only_the_standard_library():
+    for helper in HOST_HELPERS:
+        third_party = {n for n in _imports(REPO / helper) if n.split(".")[0] not in sys.stdlib_module_names}
+        assert not third_party, f"{helper} imports {sorted(third_party)}: it must run on the host's bare python3"
+
+
+def test_the_worker_package_has_no_import_cycle():
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (REPO / "train").rglob("*.py")}
+    edges = {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in edges[start])
+
+    cycles = sorted(m for m in modules if reaches(m, m))
+    assert not cycles, f"modules in an import cycle: {cycles}"

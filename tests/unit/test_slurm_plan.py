@@ -1,0 +1,96 @@
+"""slurm/plan.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
+
+import json
+
+import pytest
+
+import slurm.plan as slurm
+from tests.helpers import PY, REPO
+from train.checkpoint import write_status
+
+
+def _job_env(tmp_path, **extra):
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    return {"SLURM_JOB_ID": "777", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_SUBMIT_DIR": str(REPO),
+            "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": PY, **extra}
+
+
+def test_plan_local_runtime(tmp_path):
+    out = slurm.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
+    assert (out["NNODES"], out["NPROC_PER_NODE"], out["MASTER_ADDR"]) == ("2", "4", "gpu07")
+    assert out["MASTER_PORT"] == str(20000 + 777) and out["LAUNCH"] == [PY]
+    assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(tmp_path / "runs" / "slurm-777")
+    assert slurm.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
+    assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
+
+
+@pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
+                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
+                                         ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
+def test_plan_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
+    assert slurm.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
+
+
+def test_plan_container_runtimes_mount_the_nas(tmp_path):
+    (tmp_path / "data").mkdir()
+    image = tmp_path / "trainbox.sqsh"
+    image.write_text("x")
+    env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "data"), IMAGE=str(image))
+    pyxis = slurm.plan({**env, "RUNTIME": "pyxis"})
+    assert pyxis["LAUNCH"][0] == f"--container-image={image}"
+    assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
+    assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
+    assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
+    apptainer = slurm.plan({**env, "RUNTIME": "apptainer"})
+    assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"RUNTIME": "docker"}, "RUNTIME='docker': use one of local, pyxis, apptainer"),
+    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0'"),
+    ({"RUNS_DIR": "/nonexistent/runs"}, "RUNS_DIR=/nonexistent/runs does not exist"),
+    ({"DATA_DIR": "/nonexistent/data"}, "DATA_DIR=/nonexistent/data does not exist"),
+    ({"RUNTIME": "pyxis"}, "RUNTIME=pyxis needs IMAGE="),
+    ({"RUNTIME": "apptainer", "IMAGE": "/nonexistent/t.sif"}, "RUNTIME=apptainer needs IMAGE="),
+    ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
+])
+def test_plan_refuses_bad_input(tmp_path, extra, message):
+    with pytest.raises(slurm.SlurmInputError) as e:
+        slurm.plan({**_job_env(tmp_path), **extra})
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("state, restarts, preempted, decision", [
+    ("done", "0", False, "done"), ("done", "0", True, "done"),
+    ("stopped", "0", True, "requeue"),  # a preemption notice: the checkpoint is made, the job comes back
+    ("stopped", "0", False, "stopped"),  # a cancel or the user's own signal: stopped, not requeued
+    ("stopped", "10", True, "failed"),  # MAX_REQUEUES used up
+    ("running", "0", True, "failed"), ("failed", "0", False, "failed"), (None, "0", True, "failed"),
+])
+def test_after_the_step(tmp_path, state, restarts, preempted, decision):
+    if state:
+        (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
+    env = {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}
+    assert slurm.after(tmp_path, env, preempted=preempted) == decision
+
+
+def test_make_train_and_the_slurm_template_take_their_torchrun_flags_from_here(tmp_path):
+    import slurm.plan
+    from train import launch
+
+    assert launch.torchrun_flags is slurm.plan.torchrun_flags and launch.TORCHRUN_ENV is slurm.plan.TORCHRUN_ENV
+    assert slurm.plan.torchrun_flags("") == slurm.plan.torchrun_flags(None) == slurm.plan.torchrun_flags(3)
+    assert "--max-restarts=3" in slurm.plan.torchrun_flags("") and "--max-restarts=0" in slurm.plan.torchrun_flags("0")
+    planned = slurm.plan.plan(_job_env(tmp_path, MAX_RESTARTS="5"))
+    assert planned["TORCHRUN_FLAGS"] == slurm.plan.torchrun_flags("5")
+
+
+def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    # Attempt 0 stopped and was requeued; attempt 1 failed to launch before training wrote a status.
+    write_status(tmp_path, "stopped", 30)  # what attempt 0 wrote, under Slurm
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True) == "requeue"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True) == "failed"

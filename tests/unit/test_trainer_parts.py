@@ -1,0 +1,54 @@
+"""The Trainer's pure parts: the resume re-layout, the logging window, status records, a finished run."""
+
+import pytest
+import torch
+
+from train.checkpoint import finished, status_record
+from train.metrics import LogWindow
+from train.trainer import relayout
+
+
+@pytest.mark.parametrize("position, saved, now, expected", [
+    (7, (2, 16, 1), (2, 16, 1), 7),  # the same layout: the same position
+    (7, (2, 16, 1), (4, 16, 1), 3),  # 224 samples seen, 64 per step: 3 whole steps
+    (7, (2, 16, 1), (1, 16, 2), 7),  # 224 samples, 32 per step
+    (5, (4, 8, 2), (2, 8, 1), 20),
+    (0, (2, 16, 1), (3, 5, 7), 0),
+])
+def test_a_resume_with_another_layout_keeps_the_samples_seen_rounded_down_to_a_whole_step(position, saved, now,
+                                                                                          expected):
+    assert relayout(position, saved, now) == expected
+
+
+def test_the_logging_window_averages_over_its_steps_and_starts_anew():
+    window = LogWindow(torch.device("cpu"), samples_per_step=32)
+    window.add([torch.tensor([1.0]), torch.tensor([0.5])])  # two micro-batches: the step's loss is 1.5
+    window.add([torch.tensor([0.25]), torch.tensor([0.25])])
+    window.wait += 0.01
+    values = window.report(world=1)
+    assert values["loss"] == pytest.approx(1.0)  # (1.5 + 0.5) / 2 steps
+    assert values["samples_per_s"] * values["step_time_s"] == pytest.approx(32)
+    assert values["data_wait_frac"] == pytest.approx(0.01 / (2 * values["step_time_s"]))
+    assert (window.steps, window.wait, window.loss.item()) == (0, 0.0, 0.0)
+    window.add([torch.tensor([2.0])])
+    assert window.report(world=1)["loss"] == pytest.approx(2.0)
+
+
+def test_a_status_record_says_which_attempt_of_a_slurm_job_wrote_it():
+    assert status_record("running", 3, {}, max_steps=10) == {"state": "running", "step": 3, "max_steps": 10}
+    stopped = status_record("stopped", 30, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "2"}, exit_code=75)
+    assert stopped == {"state": "stopped", "step": 30, "exit_code": 75, "slurm_job_id": "42", "slurm_restart_count": 2}
+    with pytest.raises(ValueError, match="not one of"):
+        status_record("paused", 1, {})
+
+
+@pytest.mark.parametrize("status, max_steps, model, done", [
+    ({"state": "done", "step": 40}, 40, True, True),
+    ({"state": "done", "step": 40}, 50, True, False),  # more steps asked for: train on
+    ({"state": "done", "step": 40}, 40, False, False),  # model.pt missing: evaluate and write it again
+    ({"state": "stopped", "step": 40}, 40, True, False),
+    ({"state": "running", "step": 40}, 40, True, False),  # lost between model.pt and the status
+    ({}, 40, False, False),
+])
+def test_a_run_counts_as_finished_only_when_done_at_max_steps_with_its_model(status, max_steps, model, done):
+    assert finished(status, max_steps, model) is done

@@ -1,0 +1,113 @@
+"""python -m train.bench: the rows, the table, bench.json and the scaling chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+from train.bench.arms import bare_main
+from train.bench.cpu import checkpoint_rows, comm_rows, loop_rows, pipeline_rows
+from train.bench.gpu import GPU_KNOBS, gpu_rows
+from train.distributed import usable_cores
+
+
+# ---------------------------------------------------------------- report
+
+def chart(path: Path, bars: dict[str, float]) -> None:
+    """A PNG bar chart of the scaling arms (samples/s), with the ideal 2-rank line."""
+    width, height, left, bottom = 720, 360, 60, 300
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    top_value = max(max(bars.values()), 2 * bars["1 rank x 1 thread"]) * 1.1
+    scale = (bottom - 40) / top_value
+    draw.text((left, 10), "trainbox weak scaling on this machine (samples/s, CPU)", fill="black")
+    draw.line([(left, bottom), (width - 20, bottom)], fill="black")
+    slot = (width - left - 40) // len(bars)
+    for i, (label, value) in enumerate(bars.items()):
+        x0 = left + i * slot + 15
+        draw.rectangle([x0, bottom - value * scale, x0 + slot - 30, bottom],
+                       fill=(70, 110, 180) if "bare" not in label else (160, 160, 160))
+        draw.text((x0, bottom - value * scale - 14), f"{value:.0f}", fill="black")
+        draw.text((x0, bottom + 8), label, fill="black")
+    ideal = bottom - 2 * bars["1 rank x 1 thread"] * scale
+    draw.line([(left, ideal), (width - 20, ideal)], fill=(200, 60, 60))
+    draw.text((width - 230, ideal - 14), "ideal 2 ranks = 2 x (1 rank x 1 thread)", fill=(200, 60, 60))
+    image.save(path)
+
+
+def table(rows: list[dict], header: str) -> str:
+    lines = [header, "", f"{'ratio':>6} {'spread':>13} {'target':>7}  row", "-" * 100]
+    for r in rows:
+        mark = "" if r["meets_target"] is None else (" ok" if r["meets_target"] else " MISSED")
+        lines.append(f"{r['ratio']:6.3f} {r['low']:6.3f}-{r['high']:<6.3f} {r['target']:>7}  {r['row']}{mark}")
+        lines.append(f"{'':29}{r['detail']}")
+    return "\n".join(lines)
+
+
+SIZES = {
+    "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
+             "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80, "quick": False},
+    "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
+              "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8, "quick": True},
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=time.strftime("runs/bench-%Y%m%d-%H%M%S"), help="output folder")
+    parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds per comparison")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every row runs")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (needs CUDA)")
+    parser.add_argument("--gpu-knobs", default=",".join(GPU_KNOBS),
+                        help=f"GPU knobs to measure, comma-separated from {','.join(GPU_KNOBS)} (default: all)")
+    parser.add_argument("--bare", help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    if ns.bare:
+        bare_main(ns.bare)
+        return 0
+    if ns.rounds < 2:
+        print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more", file=sys.stderr)
+        return 2
+    if ns.gpu_only and not torch.cuda.is_available():
+        print("error: --gpu-only needs a CUDA GPU and none is visible: drop --gpu-only or check nvidia-smi",
+              file=sys.stderr)
+        return 2
+    knobs = [k for k in ns.gpu_knobs.split(",") if k]
+    if unknown := sorted(set(knobs) - set(GPU_KNOBS)):
+        print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
+        return 2
+    size = SIZES["quick" if ns.quick else "full"]
+    out = Path(ns.out).resolve()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    cores = usable_cores()
+    started = time.monotonic()
+    header = (f"trainbox bench: torch {torch.__version__}, {cores} CPU cores, "
+              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
+              f"{ns.rounds} interleaved rounds; ratio = median, spread = lowest-highest round")
+    print(f"bench: measuring into {out}{'' if ns.gpu_only else ' (7 to 8 minutes on 2 cores)'}", file=sys.stderr,
+          flush=True)
+    rows, bars = [], {}
+    if not ns.gpu_only:
+        rows, bars = loop_rows(out, size, ns.rounds)
+        rows += comm_rows(out, size)
+        rows += pipeline_rows(out, size, ns.rounds)
+        rows += checkpoint_rows(out, size, ns.rounds)
+        chart(out / "scaling.png", bars)
+    if torch.cuda.is_available():
+        rows += gpu_rows(out, size, ns.rounds, knobs)
+    text = table(rows, header) + f"\n\n{time.monotonic() - started:.0f} s; written to {out}"
+    (out / "bench.txt").write_text(text + "\n")
+    (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows, "scaling_samples_per_s": bars,
+                                                "sizes": size, "rounds": ns.rounds}, indent=2) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""The arms every row compares: the trainer itself (python -m train, timed by its own metrics) and the
+bare loop of the PyTorch DDP tutorial on the same model, data, batch, threads and world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.data import make_shapes, prepare_inputs
+from train.distributed import destroy_and_leave_together, free_port
+from train.models import SmallCNN
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- the bare loop (the reference arm)
+
+def _init(rank: int, world: int, port: int, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _bare_worker(rank: int, spec: dict) -> None:
+    """The tutorial's DDP loop on the trainer's model and in-memory data; per-window step times."""
+
+    world, started = spec["world"], spec["launched"]
+    _init(rank, world, spec["port"], spec["threads"])
+    torch.manual_seed(0)
+    images, labels = make_shapes(spec["samples"], spec["image_size"], seed=1)
+    model = DDP(SmallCNN(10, spec["width"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=True)
+    loss_fn = nn.CrossEntropyLoss()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))[rank::world]
+    per_step = len(order) // spec["batch"]
+    times, first, window = [], None, time.perf_counter()
+    for step in range(spec["steps"]):
+        idx = order[(step % per_step) * spec["batch"]:(step % per_step + 1) * spec["batch"]]
+        x, y = images[idx].float().div_(255).sub_(0.5).div_(0.25), labels[idx]
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if first is None:
+            first = time.time() - started
+        if (step + 1) % spec["window"] == 0:
+            times.append((time.perf_counter() - window) / spec["window"])
+            window = time.perf_counter()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
+    destroy_and_leave_together()
+
+
+def _bare_gpu(spec: dict) -> None:
+    """The same loop on one GPU: ResNet-50, synthetic data already on the device, bf16, channels_last."""
+    started = spec["launched"]
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    size, batch = spec["image_size"], spec["batch"]
+    images = torch.randint(0, 256, (spec["samples"], 3, size, size), dtype=torch.uint8, device=device, generator=g)
+    labels = torch.randint(0, 1000, (spec["samples"],), device=device, generator=g)
+    model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
+    model = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=spec.get("fused", True))
+    loss_fn = nn.CrossEntropyLoss()
+    times, first, window = [], None, time.perf_counter()
+    for step in range(spec["steps"]):
+        idx = torch.randint(0, spec["samples"], (batch,), device=device, generator=g)
+        x = images[idx].float().div_(255).sub_(0.5).div_(0.25).contiguous(memory_format=torch.channels_last)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), labels[idx])
+        loss.backward()
+        optimizer.step()
+        if first is None:
+            torch.cuda.synchronize()
+            first = time.time() - started
+        if (step + 1) % spec["window"] == 0:
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - window) / spec["window"])
+            window = time.perf_counter()
+    Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
+    dist.destroy_process_group()
+
+
+def bare_main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    if spec.get("gpu"):
+        _bare_gpu(spec)
+    else:
+        mp.start_processes(_bare_worker, args=(spec,), nprocs=spec["world"], start_method="spawn")
+
+
+# ---------------------------------------------------------------- running arms
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _run(cmd: list[str], what: str) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: {what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"bench: {time.monotonic() - started:5.1f} s  {what}", file=sys.stderr, flush=True)
+
+
+def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
+    """Run the trainer in an empty run dir; its own metrics give per-window step time, data wait and GPU use."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a reused --out would resume the old run and read its metrics
+    launched = time.time()
+    _run([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if m["kind"] == "train"][warmup:]
+    first = next(m for m in lines if m["kind"] == "first_step")
+    return {"step_times": [m["step_time_s"] for m in train], "data_wait": [m["data_wait_frac"] for m in train],
+            "gpu_util": [m["gpu0_util"] for m in train if "gpu0_util" in m],
+            "first_step_s": first["time"] - launched}
+
+
+def bare_arm(out: Path, spec: dict, warmup: int) -> dict:
+    spec = {**spec, "out": str(out), "port": free_port(), "launched": time.time()}
+    _run([PY, "-m", "train.bench", "--bare", json.dumps(spec)], "the bare loop")
+    result = json.loads(out.read_text())
+    result["step_times"] = result["step_times"][warmup:]
+    return result
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def row(name: str, ratio_per_round: list[float], detail: str, target: str = "", ok: bool | None = None) -> dict:
+    return {"row": name, "ratio": median(ratio_per_round), "low": min(ratio_per_round),
+            "high": max(ratio_per_round), "rounds": len(ratio_per_round), "detail": detail, "target": target,
+            "meets_target": ok}
+
+
+def drain(loader, sampler, batches: int, device: torch.device | None = None) -> tuple[int, float]:
+    """(images, seconds) for `batches` batches of a train loader after its first (the workers' start);
+    with a device, each batch is copied onto it as the trainer copies it, and the time includes the copies."""
+    sampler.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    start, count = time.perf_counter(), 0
+    for _ in range(batches):
+        x, y = next(it)
+        if device is not None:
+            x, y = prepare_inputs(x, device, channels_last=True), y.to(device, non_blocking=True)
+        count += len(x)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return count, time.perf_counter() - start

@@ -1,0 +1,316 @@
+"""The CPU rows: trainer overhead and scaling, DDP and communication, the input pipeline, checkpoints."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from PIL import Image
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import checkpoint as ckpt
+from train.bench.arms import _init, bare_arm, drain, median, row, trainer_arm
+from train.config import parse_config
+from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes
+from train.distributed import destroy_and_leave_together, free_port
+from train.models import SmallCNN
+
+
+# ---------------------------------------------------------------- CPU rows
+
+def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
+    """Trainer vs bare loop (2 ranks), and the trainer at 1 rank x 1 thread, 1 x 2, 2 x 1 (weak scaling)."""
+    w = size["window"]
+    common = ["--max-steps", size["steps"], "--log-every", w, "--eval-every", 0, "--save-every", 10**6,
+              "--grad-clip", 0, "--train-samples", size["samples"], "--val-samples", 256, "--width", size["width"],
+              "--batch-size", size["batch"]]
+    bare = {"world": 2, "threads": 1, "samples": size["samples"], "image_size": 32, "width": size["width"],
+            "batch": size["batch"], "steps": size["steps"], "window": w}
+    arms = {"trainer 2x1": ["--spawn", 2, "--threads", 1], "bare 2x1": None,
+            "trainer 1x1": ["--threads", 1], "trainer 1x2": ["--threads", 2]}
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, extra in arms.items():
+            tag = name.replace(" ", "-")
+            if extra is None:
+                results[name].append(bare_arm(out / f"{tag}-{r}.json", bare, size["warmup"]))
+            else:
+                results[name].append(trainer_arm(out / "runs" / f"{tag}-{r}", [*common, *extra], size["warmup"]))
+    step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
+    b = size["batch"]
+    overhead = [bare / tb for bare, tb in zip(step["bare 2x1"], step["trainer 2x1"], strict=True)]
+    scaling = [2 * one / two for one, two in zip(step["trainer 1x1"], step["trainer 2x1"], strict=True)]
+    threads = [one / two for one, two in zip(step["trainer 1x1"], step["trainer 1x2"], strict=True)]
+    waits = [median(res["data_wait"]) for res in results["trainer 1x2"]]
+    ttfs = [tb["first_step_s"] / bare["first_step_s"]
+            for tb, bare in zip(results["trainer 2x1"], results["bare 2x1"], strict=True)]
+    ms = {name: 1000 * median(v) for name, v in step.items()}
+    rows = [
+        row("trainer overhead: bare loop step / trainbox step (2 ranks x 1 thread)", overhead,
+            f"bare {ms['bare 2x1']:.1f} ms, trainbox {ms['trainer 2x1']:.1f} ms per step of 2x{b}",
+            ">= 0.97", median(overhead) >= 0.97),
+        row("weak scaling: samples/s 2 ranks x 1 thread / 1 rank x 1 thread", scaling,
+            f"1x1 {b / median(step['trainer 1x1']):.0f}/s, 2x1 {2 * b / median(step['trainer 2x1']):.0f}/s; "
+            f"efficiency {median(scaling) / 2:.0%} (ideal ratio 2.0)"),
+        row("threads: samples/s 1 rank x 2 threads / 1 rank x 1 thread", threads,
+            f"1x2 {b / median(step['trainer 1x2']):.0f}/s"),
+        row("data wait fraction per step, built-in dataset (1 rank x 2 threads)", waits,
+            "time in next(batch) / step time, trainer's own metric", "< 0.05", median(waits) < 0.05),
+        row("time to first step: trainbox / bare loop (2 ranks, from launch)", ttfs,
+            f"trainbox {median([r['first_step_s'] for r in results['trainer 2x1']]):.1f} s, bare "
+            f"{median([r['first_step_s'] for r in results['bare 2x1']]):.1f} s"),
+    ]
+    chart = {"1 rank x 1 thread": b / median(step["trainer 1x1"]),
+             "1 rank x 2 threads": b / median(step["trainer 1x2"]),
+             "2 ranks x 1 thread": 2 * b / median(step["trainer 2x1"]),
+             "bare 2 ranks x 1 thread": 2 * b / median(step["bare 2x1"])}
+    return rows, chart
+
+
+def _comm_worker(rank: int, spec: dict) -> None:
+    """DDP wrapper cost (1 rank) or exposed communication (2 ranks), blocks interleaved in-process."""
+    _init(rank, spec["world"], spec["port"], spec["threads"])
+    times = _comm_blocks(spec)  # returns with every DDP reducer gone, before its group is destroyed
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(times))
+    destroy_and_leave_together()
+
+
+def _comm_blocks(spec: dict) -> dict[str, list[float]]:
+    world = spec["world"]
+    torch.manual_seed(0)
+    x = torch.randn(spec["batch"], 3, 32, 32)
+    y = torch.randint(0, 10, (spec["batch"],))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def stepper(model, fused=True):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)  # fused, as the trainer's
+
+        def step():
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        return step
+
+    ddp = DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True)  # as the trainer wraps it
+    arms = {"ddp": stepper(ddp)}
+    if world == 1:
+        arms["plain"] = stepper(SmallCNN(10, spec["width"]))
+        arms["ddp_copy"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=False))
+        # torch's default AdamW on CPU: a loop over the parameters (its for-each kernels are for GPUs)
+        arms["loop"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True), fused=None)
+        for fused in (True, None):  # the optimizer step alone, 20 per call, on gradients that stay put
+            model = SmallCNN(10, spec["width"])
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+            arms[f"opt_{'fused' if fused else 'loop'}"] = lambda opt=opt: [opt.step() for _ in range(20)]
+    else:
+        sync_free = stepper(ddp)
+
+        def no_sync():
+            with ddp.no_sync():
+                sync_free()
+        arms["no_sync"] = no_sync
+        arms["static"] = stepper(DDP(SmallCNN(10, spec["width"]), gradient_as_bucket_view=True, static_graph=True))
+        flat = torch.zeros(sum(p.numel() for p in ddp.parameters()))
+        arms["allreduce"] = lambda: dist.all_reduce(flat)
+    times = {name: [] for name in arms}
+    for block in range(spec["blocks"]):
+        for name, fn in arms.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(spec["per_block"]):
+                fn()
+            if block >= 1:  # the first block of each arm is warm-up
+                times[name].append((time.perf_counter() - start) / spec["per_block"])
+    return times
+
+
+def comm_rows(out: Path, size: dict) -> list[dict]:
+    results = {}
+    for world, threads in ((1, 2), (2, 1)):
+        spec = {"world": world, "threads": threads, "batch": size["batch"], "width": size["width"],
+                "blocks": size["blocks"], "per_block": size["per_block"], "port": free_port(),
+                "out": str(out / f"comm-{world}.json")}
+        mp.start_processes(_comm_worker, args=(spec,), nprocs=world, start_method="spawn")
+        results[world] = json.loads(Path(spec["out"]).read_text())
+    one, two = results[1], results[2]
+    wrapper = [p / d for p, d in zip(one["plain"], one["ddp"], strict=True)]
+    view = [c / d for c, d in zip(one["ddp_copy"], one["ddp"], strict=True)]
+    fused = [lp / d for lp, d in zip(one["loop"], one["ddp"], strict=True)]
+    fused_alone = [lp / f for lp, f in zip(one["opt_loop"], one["opt_fused"], strict=True)]
+    compute = [n / s for n, s in zip(two["no_sync"], two["ddp"], strict=True)]
+    static = [d / g for d, g in zip(two["ddp"], two["static"], strict=True)]
+    exposed = [max(0.0, s - n) / a for s, n, a in zip(two["ddp"], two["no_sync"], two["allreduce"], strict=True)]
+    ms = lambda v: 1000 * median(v)  # noqa: E731
+    params = sum(p.numel() for p in SmallCNN(10, size["width"]).parameters())
+    return [
+        row("DDP wrapper: plain module step / 1-rank DDP step (CPU, 2 threads)", wrapper,
+            f"plain {ms(one['plain']):.1f} ms, DDP {ms(one['ddp']):.1f} ms", ">= 0.95", median(wrapper) >= 0.95),
+        row("gradient_as_bucket_view: 1-rank DDP step without it / with it (the trainer's setting)", view,
+            f"without {ms(one['ddp_copy']):.1f} ms, with {ms(one['ddp']):.1f} ms; > 1: the bucket view saves time"),
+        row("fused AdamW: 1-rank DDP step with torch's default AdamW (a loop over the parameters on CPU) / "
+            "with fused (the trainer's)", fused, f"default {ms(one['loop']):.1f} ms, fused {ms(one['ddp']):.1f} ms"),
+        row("fused AdamW: the optimizer step alone, torch's default on CPU / fused (same model, 2 threads)",
+            fused_alone, f"default {ms(one['opt_loop']) / 20:.2f} ms, fused {ms(one['opt_fused']) / 20:.2f} ms per "
+            f"optimizer step of {params:,} parameters"),
+        row("communication: step without sync (no_sync) / step with sync (2 ranks x 1 thread)", compute,
+            f"with sync {ms(two['ddp']):.1f} ms, without {ms(two['no_sync']):.1f} ms"),
+        row("static_graph: 2-rank DDP step without it / with it (--static-graph, off by default)", static,
+            f"without {ms(two['ddp']):.1f} ms, with {ms(two['static']):.1f} ms; > 1: static_graph saves time"),
+        row("exposed communication / raw all_reduce of the same gradient bytes", exposed,
+            f"all_reduce alone {ms(two['allreduce']):.1f} ms; 0 = fully overlapped with backward, "
+            f"1 = none overlapped"),
+    ]
+
+
+def _cifar_like(root: Path, train: int, val: int) -> None:
+    """A CIFAR-sized ImageFolder: 10 classes of 32x32 PNGs (the shapes, written as files)."""
+
+    if (root / ".complete").exists():
+        return
+    for split, n, seed in (("train", train, 1), ("val", val, 2)):
+        images, labels = make_shapes(n, 32, seed)
+        for c in SHAPE_CLASSES:
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+        for i, (img, label) in enumerate(zip(images, labels, strict=True)):
+            Image.fromarray(img.permute(1, 2, 0).numpy()).save(root / split / SHAPE_CLASSES[label] / f"{i}.png")
+    (root / ".complete").write_text("")
+
+
+def loader_alone(cfg_args: list, batches: int) -> float:
+    """Samples/s of the trainer's own train loader with nothing consuming it (first batch dropped)."""
+
+    cfg = parse_config(list(map(str, cfg_args)))
+    train_set, _, _ = build_datasets(cfg)
+    count, seconds = drain(*build_train_loader(cfg, train_set, 0, 1, pin_memory=False), batches)
+    return count / seconds
+
+
+def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
+    """Median wait from iter() to the first batch of epochs 2.. of the trainer's train loader, with
+    persistent DataLoader workers (the trainer's default) or workers started anew every epoch."""
+
+    cfg = parse_config(list(map(str, cfg_args)))
+    train_set, _, _ = build_datasets(cfg)
+    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False, persistent=persistent)
+    waits = []
+    for epoch in range(epochs + 1):
+        sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        if epoch:
+            waits.append(time.perf_counter() - start)
+        for _ in it:  # the whole epoch, so no batch is still in flight when the next one starts
+            pass
+        del it
+    del loader
+    return median(waits)
+
+
+def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    model = ["--width", size["width"], "--batch-size", size["batch"]]
+    _cifar_like(out / "cifar-like", size["files"], 200)
+    folder = ["--dataset", "imagefolder", "--data-dir", out / "cifar-like", *model]
+    # The wait at an epoch's start does not grow with the epoch: a short one will do.
+    _cifar_like(out / "cifar-small", max(size["files"] // 6, 4 * size["batch"]), 100)
+    short = ["--dataset", "imagefolder", "--data-dir", out / "cifar-small", *model]
+    builtin = ["--train-samples", size["samples"], *model]
+    run = ["--max-steps", size["steps"], "--log-every", size["window"], "--eval-every", 0, "--save-every", 10**6]
+    headroom = {"imagefolder": [], "shapes": []}
+    waits, restart = [], []
+    for r in range(rounds):
+        fresh, kept = epoch_start(short, False, 2), epoch_start(short, True, 2)
+        restart.append(fresh / kept)
+        for name, args in (("imagefolder", folder), ("shapes", builtin)):
+            alone = loader_alone(args, size["loader_batches"])
+            trained = trainer_arm(out / "runs" / f"pipeline-{name}-{r}", [*args, *run], size["warmup"])
+            consumed = size["batch"] / median(trained["step_times"])
+            headroom[name].append(alone / consumed)
+            if name == "imagefolder":
+                waits.append(median(trained["data_wait"]))
+
+    workers = default_num_workers(parse_config(list(map(str, folder))))
+    return [
+        row("input headroom, built-in: loader alone / model consumption (samples/s)", headroom["shapes"],
+            "in-memory batches cut on the training device"),
+        row(f"input headroom, CIFAR-sized ImageFolder ({workers} loader worker(s), default): loader / model",
+            headroom["imagefolder"], "PNG decode + augmentation vs the default CNN's training speed"),
+        row("data wait fraction per step, CIFAR-sized ImageFolder, defaults", waits,
+            "time in next(batch) / step time", "< 0.05", median(waits) < 0.05),
+        row("persistent workers: epoch-start wait with workers started anew / kept (CIFAR-sized ImageFolder)",
+            restart, f"iter() to the first batch of an epoch ({size['batch']} PNGs); > 1: persistent workers save it"),
+    ]
+
+
+def checkpoint_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    """The trainer's save (stream + CRC32 + fsync + sidecar + rename + prune) vs writing the same bytes raw."""
+
+    model = torchvision.models.resnet18() if not size["quick"] else nn.Linear(512, 512)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3, 64, 64) if not size["quick"] else torch.randn(2, 512)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1, "config": {}}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    raw = buffer.getvalue()
+    folder = out / "checkpoint-bench"
+    raw_dir = ckpt.checkpoint_dir(folder)  # the very folder the checkpoints go to
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    saves, raws, loads, reads = [], [], [], []
+
+    def timed_save(r: int) -> float:
+        start = time.perf_counter()
+        ckpt.save_checkpoint(folder, r, state, keep=1)
+        elapsed = time.perf_counter() - start
+        ckpt.list_checkpoints(folder)  # waits for the old checkpoint's deletion, untimed (it overlaps training)
+        return elapsed
+
+    def timed_raw(r: int) -> float:
+        start = time.perf_counter()
+        with open(raw_dir / f"raw-{r}.bin", "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        return time.perf_counter() - start
+
+    # Disk write-back here is bursty: many short rounds, the arms' order alternating (A B, B A, ...).
+    for r in range(4 * rounds + 1):
+        if r % 2:
+            raw_s, save_s = timed_raw(r), timed_save(r)
+        else:
+            save_s, raw_s = timed_save(r), timed_raw(r)
+        path = ckpt.list_checkpoints(folder)[-1]
+        start = time.perf_counter()
+        if ckpt.verify(path) is not None:
+            raise SystemExit(f"bench: {path} does not verify: {ckpt.verify(path)}")
+        ckpt.load_checkpoint(path, torch.device("cpu"))
+        load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        (raw_dir / f"raw-{r}.bin").read_bytes()
+        read_s = time.perf_counter() - start
+        (raw_dir / f"raw-{r}.bin").unlink()
+        if r:  # round 0 warms the page cache and allocator
+            saves.append(save_s), raws.append(raw_s), loads.append(load_s), reads.append(read_s)
+    mb = len(raw) / 2**20
+    save = [w / s for w, s in zip(raws, saves, strict=True)]
+    load = [rd / ld for rd, ld in zip(reads, loads, strict=True)]
+    return [
+        row("checkpoint save: raw write+fsync / trainbox save (same bytes, same folder)", save,
+            f"{mb:.0f} MiB: raw {mb / median(raws):.0f} MiB/s, save {mb / median(saves):.0f} MiB/s", ">= 0.7",
+            median(save) >= 0.7),
+        row("checkpoint load: raw read / trainbox load (size + CRC32 check, then weights_only load)", load,
+            f"raw {mb / median(reads):.0f} MiB/s, load {mb / median(loads):.0f} MiB/s"),
+    ]
+
+

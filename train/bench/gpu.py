@@ -1,0 +1,102 @@
+"""The GPU rows (where CUDA is visible): ResNet-50 through the trainer against the bare loop, and one knob
+changed at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from train.bench.arms import bare_arm, drain, median, row, trainer_arm
+from train.config import parse_config
+from train.data import build_train_loader
+
+
+# ---------------------------------------------------------------- GPU rows
+
+GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory")
+
+
+class _HostImages(torch.utils.data.Dataset):
+    """`distinct` random uint8 images held in host memory, read `repeat` times: a loader with no decode cost."""
+
+    def __init__(self, distinct: int, repeat: int, size: int):
+        self.images = torch.randint(0, 256, (distinct, 3, size, size), dtype=torch.uint8)
+        self.labels = torch.randint(0, 1000, (distinct,))
+        self.repeat = repeat
+
+    def __len__(self) -> int:
+        return len(self.labels) * self.repeat
+
+    def __getitem__(self, i: int):
+        return self.images[i % len(self.labels)], self.labels[i % len(self.labels)]
+
+
+def host_to_device(pin: bool, batch: int, batches: int, size: int, device: torch.device) -> tuple[int, float]:
+    """Images delivered onto the device by the trainer's own train loader (its default workers for an
+    image dataset) and its own copy (`prepare_inputs`, non_blocking), with or without pinned memory.
+    Returns (images, seconds); the first batch (worker start) is not counted."""
+
+    cfg = parse_config(["--dataset", "imagefolder", "--batch-size", str(batch)])
+    return drain(*build_train_loader(cfg, _HostImages(batch, batches + 1, size), 0, 1, pin_memory=pin), batches,
+                 device)
+
+
+def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) -> list[dict]:
+    """ResNet-50, 224 px, synthetic data on the device, bf16 + channels_last, 1 GPU (DDP of 1)."""
+    base = ["--spawn", 1, "--dataset", "synthetic", "--model", "resnet50", "--image-size", 224,
+            "--batch-size", size["gpu_batch"], "--train-samples", 1024, "--val-samples", 128,
+            "--max-steps", size["gpu_steps"], "--log-every", size["window"], "--eval-every", 0,
+            "--save-every", 10**6, "--grad-clip", 0, "--precision", "bf16", "--channels-last"]
+    knobs = {"fp32 instead of bf16": ("fp32", ["--precision", "fp32"]),
+             "without channels_last": ("no-channels-last", None),
+             "torch.compile": ("compile", ["--compile"]),
+             "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
+             "static_graph": ("static-graph", ["--static-graph"])}
+    knobs = {name: extra for name, (key, extra) in knobs.items() if key in only}
+    foreach, pinned = [], []
+    bare = {"gpu": True, "samples": 1024, "image_size": 224, "batch": size["gpu_batch"],
+            "steps": size["gpu_steps"], "window": size["window"]}
+    vs_bare, util, trainer_ips, bare_ips = [], [], [], []
+    knob_ratio = {name: [] for name in knobs}
+    for r in range(rounds):
+        tb = trainer_arm(out / "runs" / f"gpu-trainer-{r}", base, size["warmup"])
+        bb = bare_arm(out / f"gpu-bare-{r}.json", bare, size["warmup"])
+        vs_bare.append(median(bb["step_times"]) / median(tb["step_times"]))
+        util += tb["gpu_util"]
+        trainer_ips.append(size["gpu_batch"] / median(tb["step_times"]))
+        bare_ips.append(size["gpu_batch"] / median(bb["step_times"]))
+        for name, extra in knobs.items():
+            args = [a for a in base if a != "--channels-last"] if extra is None else [*base, *extra]
+            kb = trainer_arm(out / "runs" / f"gpu-{name.replace(' ', '-')}-{r}", args, size["warmup"] + 1)
+            knob_ratio[name].append(median(tb["step_times"]) / median(kb["step_times"]))
+        if "foreach-adamw" in only:
+            fb = bare_arm(out / f"gpu-bare-foreach-{r}.json", {**bare, "fused": False}, size["warmup"])
+            foreach.append(median(bb["step_times"]) / median(fb["step_times"]))
+        if "no-pin-memory" in only:
+            rates = {}
+            for pin in (True, False) if r % 2 else (False, True):  # alternate which goes first
+                if r == 0:  # warm-up: pinned host blocks and device memory are allocated once, not timed
+                    host_to_device(pin, size["gpu_batch"], 2, 224, torch.device("cuda", 0))
+                images, seconds = host_to_device(pin, size["gpu_batch"], size["loader_batches"], 224,
+                                                 torch.device("cuda", 0))
+                rates[pin] = images / seconds
+            pinned.append(rates[False] / rates[True])
+            torch.cuda.empty_cache()  # leave the GPU's memory to the trainer runs that follow
+    name = torch.cuda.get_device_name(0)
+    rows = [row(f"GPU images/s: trainbox / bare loop (ResNet-50, 224 px, bf16, channels_last, {name})", vs_bare,
+                f"trainbox {median(trainer_ips):.0f} img/s, bare {median(bare_ips):.0f} img/s, batch "
+                f"{size['gpu_batch']}; NVML busy {median(util) if util else float('nan'):.0f}%", ">= 0.97",
+                median(vs_bare) >= 0.97)]
+    rows += [row(f"GPU knob: images/s with {knob} / the row above", ratios, "one setting changed")
+             for knob, ratios in knob_ratio.items()]
+    if foreach:
+        rows.append(row("GPU knob: bare loop images/s with the for-each AdamW / with fused AdamW (the trainer's)",
+                        foreach, "the bare loop of the first row, its optimizer changed"))
+    if pinned:
+        rows.append(row("GPU knob: images/s onto the GPU from the trainer's loader without pinned memory / with it",
+                        pinned, f"224 px uint8 held on the host, batch {size['gpu_batch']}, no model: the "
+                        f"loader and the non_blocking copy alone"))
+    return rows
+
+

@@ -1,0 +1,150 @@
+"""Every user-facing check, written once. `preflight` runs them all before any worker or process group
+starts (python -m train, --spawn, make train, and every torchrun worker on its own); the worker calls
+the few that need what only it knows (the dataset's size, a checkpoint's config).
+
+Each raises ConfigError with one line: the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pynvml
+import torch
+
+from train import checkpoint
+from train.config import MODEL_KEYS, Config
+from train.data import check_cifar, check_imagefolder
+from train.distributed import resolve_identity
+from train.errors import ConfigError
+from train.metrics import nvml
+from train.models import check_model_spec
+
+
+def preflight(cfg: Config, world: int | None = None) -> None:
+    """All checks that need no process group. world: the workers about to start, when the caller knows
+    (the launcher); else from the launch environment."""
+    ident = resolve_identity()
+    check_devices(cfg)
+    if cfg.spawn and ("RANK" in os.environ or "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ):
+        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if cfg.dataset == "cifar10":
+        check_cifar(Path(cfg.data_dir), cfg.download)
+    if cfg.dataset == "imagefolder":
+        check_imagefolder(Path(cfg.data_dir))
+    check_model_spec(cfg)
+    if cfg.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
+        check_steps(cfg.train_samples, world or cfg.spawn or ident.world_size, cfg)
+    # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
+    port = os.environ.get("MASTER_PORT") if cfg.spawn else \
+        str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
+    if port is not None:
+        check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.spawn else
+                   "set MASTER_PORT to a free port")
+    if cfg.run_dir:
+        check_run_dir(cfg, Path(cfg.run_dir))
+
+
+def check_devices(cfg: Config) -> None:
+    problem = visible_devices_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), host_gpu_count())
+    if problem:
+        raise ConfigError(problem)
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ConfigError(no_cuda_message())
+    check_precision(cfg, on_cpu=cfg.device == "cpu" or not cuda)
+
+
+def no_cuda_message() -> str:
+    shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
+        if "CUDA_VISIBLE_DEVICES" in os.environ else ""
+    return (f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver and "
+            f"CUDA_VISIBLE_DEVICES")
+
+
+def check_precision(cfg: Config, on_cpu: bool) -> None:
+    if on_cpu and cfg.precision in ("fp16", "bf16"):
+        raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
+    if on_cpu and cfg.sync_bn:
+        raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
+
+
+def check_steps(train_samples: int, world: int, cfg: Config) -> int:
+    """The optimizer steps in one epoch, which must be at least one."""
+    steps = (train_samples // world) // cfg.batch_size // cfg.grad_accum
+    if steps == 0:
+        raise ConfigError(f"{train_samples} training samples are fewer than one step needs "
+                          f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): "
+                          f"lower --batch-size or --grad-accum")
+    return steps
+
+
+def check_same_model(saved: dict, cfg: Config, source: Path | str) -> None:
+    """A run directory or checkpoint (`source`) made with other MODEL_KEYS cannot be resumed by this config."""
+    for key in MODEL_KEYS:
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise ConfigError(f"{source} was made with {key}={saved[key]!r}, this run has {key}={getattr(cfg, key)!r}: "
+                              f"use a new --run-dir or the same {key}")
+
+
+def check_port(port: str, fix: str) -> None:
+    if not port.isdigit() or not port_free(int(port)):
+        raise ConfigError(f"rendezvous port {port} is in use on this host (or not a port number): {fix}, "
+                          f"or choose another")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    if run_dir.is_absolute() and not run_dir.parent.exists():
+        raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
+                          f"--run-dir inside an existing folder")
+    if not _writable_or_creatable(run_dir):
+        raise ConfigError(f"run directory {run_dir} is not writable: pass a writable --run-dir")
+    saved = run_dir / "config.json"
+    if saved.is_file():
+        try:
+            previous = json.loads(saved.read_text())
+        except ValueError:
+            previous = {}
+        check_same_model(previous, cfg, run_dir)
+    problem = checkpoint.space_problem(run_dir)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _writable_or_creatable(path: Path) -> bool:
+    while not path.exists():
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def host_gpu_count() -> int | None:
+    """GPUs the driver has, whatever CUDA_VISIBLE_DEVICES says (NVML); None without an NVIDIA driver."""
+    lib = nvml()
+    try:
+        return lib.nvmlDeviceGetCount() if lib else None
+    except pynvml.NVMLError:
+        return None
+
+
+def visible_devices_problem(value: str | None, host_gpus: int | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES naming a GPU index the host does not have (CUDA would silently drop it and
+    every GPU after it). An empty value hides all GPUs on purpose; UUIDs are left to CUDA."""
+    if not value or host_gpus is None:
+        return None
+    for item in (v.strip() for v in value.split(",")):
+        if item.isdigit() and int(item) >= host_gpus:
+            return (f"CUDA_VISIBLE_DEVICES={value} names GPU {item} but this host has {host_gpus} "
+                    f"(0-{host_gpus - 1}): fix CUDA_VISIBLE_DEVICES or unset it")
+    return None

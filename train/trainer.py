@@ -1,0 +1,477 @@
+"""The Trainer: one rank's run. Read `Trainer.train()` first: it is the whole loop, top to bottom.
+
+  run(cfg)                  a worker's life: runtime, process group, the Trainer, leaving together
+  Trainer(cfg, ...)         builds data, model, optimizer; resumes from the newest checkpoint; wraps in DDP
+  Trainer.train()           step, log, then a stop, an evaluation or a checkpoint when one is due
+  Trainer.train_step()      forward, backward, clip, optimizer step: nothing else
+  Trainer.state_dict()      the checkpoint's layout, in one place (load_state_dict reads it back)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import checkpoint as ckpt
+from train.checks import check_precision, check_same_model, check_steps, no_cuda_message
+from train.config import Config, default_run_dir
+from train.data import build_datasets, build_train_loader, build_val_loader, prepare_inputs
+from train.distributed import (StopSignal, broadcast_from_main, gather, identity, init, is_main, on_main,
+                               Identity, ordered_allreduce_hook, teardown, usable_cores, watch_limit)
+from train.errors import EXIT_DONE, EXIT_STOPPED, ConfigError
+from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, write_manifest
+from train.models import build_model
+from train.optim import build_optimizer, lr_factor
+from train.watchdog import watchdog
+
+log = logging.getLogger("train")
+
+
+def run(cfg: Config) -> int:
+    """Train according to cfg as the rank the environment says this process is. Returns the exit code."""
+    ident = identity()
+    watchdog.label = f"rank {ident.global_rank}"
+    configure_runtime(cfg)
+    device = pick_device(cfg.device, ident)
+    init(device, cfg.timeout_s)
+    stop = StopSignal()
+    clean = False
+    try:
+        run_dir = resolve_run_dir(cfg)
+        code = EXIT_DONE if already_finished(run_dir, cfg) else Trainer(cfg, run_dir, device, stop).train()
+        clean = True
+        return code
+    finally:
+        try:
+            stop.close(wait=clean)
+            teardown(clean, cfg.timeout_s)
+        finally:
+            watchdog.pause()
+
+
+class Trainer:
+    """One rank's run: its data, model, optimizer and position (step, epoch, step in epoch)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, stop: StopSignal):
+        ident = identity()
+        self.cfg, self.run_dir, self.device, self.stop = cfg, run_dir, device, stop
+        self.rank, self.world, self.launcher = ident.global_rank, ident.world_size, ident.launcher
+        self.autocast_dtype = resolve_precision(cfg, device)
+        self.limit = watch_limit(cfg.timeout_s)
+        self.step = self.epoch = self.step_in_epoch = 0
+        self.resumed_from: int | None = None
+        self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
+        self._prepare_run_dir()
+        # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
+        torch.manual_seed(cfg.seed)
+        self._build_data()
+        self._build_model()
+        self._resume()
+        self.model = self._wrap(self.raw_model)
+        self._write_run_files()
+        self.last_saved = self.step if self.resumed_from is not None else -1
+        self.metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=self.step)
+        self.telemetry = GpuTelemetry(device)
+        self.window = LogWindow(device, self.world * cfg.batch_size * cfg.grad_accum)
+        self.criterion = torch.nn.CrossEntropyLoss()
+
+    # ------------------------------------------------------------ the loop
+
+    def train(self) -> int:
+        """The run from where it stands to max_steps. Returns the exit code (0 done, 75 stopped)."""
+        cfg = self.cfg
+        watchdog.enter("training", self.limit)
+        try:
+            if self.eval_owed:  # stopped at an evaluation step before evaluating
+                self.evaluate()
+            if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < cfg.max_steps:
+                return self.stop_here(f"--stop-at {cfg.stop_at}: already at step {self.step}", save=False)
+            self.model.train()
+            batches = self.batches()
+            while self.step < cfg.max_steps:
+                losses = self.train_step(batches)
+                self.after_step(losses)
+                if self.stop.agreed() or self.step == cfg.stop_at:
+                    return self.stop_here("--stop-at" if self.step == cfg.stop_at else
+                                          self.stop.received or "a stop signal on another rank")
+                if self.is_eval_step(self.step):
+                    self.evaluate()
+                if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save(f"every {cfg.save_every} steps")
+            return self.finish()
+        finally:
+            self.metrics.close()
+
+    def train_step(self, batches: Iterator) -> list[torch.Tensor]:
+        """One optimizer step: forward and backward over --grad-accum micro-batches (gradients synchronised
+        on the last only), clip, optimizer and schedule. Returns the micro-batches' losses."""
+        cfg, model, scaler = self.cfg, self.model, self.scaler
+        losses = []
+        for micro in range(cfg.grad_accum):
+            x, y = next(batches)
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                    enabled=self.autocast_dtype is not None):
+                    loss = self.criterion(model(x), y) / cfg.grad_accum
+                scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        if cfg.grad_clip > 0:
+            scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.step_in_epoch += 1
+        return losses
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
+        spent waiting for each goes into the logging window."""
+        cfg = self.cfg
+        while True:
+            self.sampler.set_epoch(self.epoch, start=self.step_in_epoch * cfg.grad_accum * cfg.batch_size)
+            loader = iter(self.train_loader)
+            while self.step_in_epoch < self.steps_per_epoch:
+                waiting = time.perf_counter()
+                x, y = next(loader)
+                self.window.wait += time.perf_counter() - waiting
+                yield prepare_inputs(x, self.device, cfg.channels_last), y.to(self.device, non_blocking=True)
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def after_step(self, losses: list[torch.Tensor]) -> None:
+        """The watchdog, the logging window and, once, the time from launch to the first step."""
+        watchdog.progress()
+        self.window.add(losses)
+        if not self.first_step_logged:  # launch to first optimizer step, start-up included (no sync)
+            self.first_step_logged = True
+            self.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time()})
+        if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+            self.log_window()
+
+    def log_window(self) -> None:
+        """One log line and metrics record: the window's means over every rank, with GPU telemetry."""
+        cfg = self.cfg
+        window = self.window.report(self.world)
+        values = {"loss": window["loss"], "lr": self.scheduler.get_last_lr()[0],
+                  **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")}, "epoch": self.epoch}
+        for r, reading in enumerate(gather(self.telemetry.read()) if self.device.type == "cuda" else []):
+            # A rank without NVML reads []: it adds nothing.
+            names = ("util", "mem_mib", "power_w")
+            values.update({f"gpu{r}_{k}": v for k, v in zip(names, reading, strict=False)})
+        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, cfg.max_steps,
+                 values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
+        self.metrics.write(self.step, "train", values)
+
+    def is_eval_step(self, step: int) -> bool:
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and step < self.cfg.max_steps
+
+    def evaluate(self) -> dict:
+        watchdog.enter(f"evaluation at step {self.step}", self.limit)
+        self.last_eval = self.step
+        result = evaluate(self.raw_model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
+                          watchdog.progress)
+        watchdog.enter("training", self.limit)
+        log.info("eval step %d: loss %.4f, accuracy %.2f%% over %d samples",
+                 self.step, result["loss"], 100 * result["accuracy"], result["samples"])
+        self.metrics.write(self.step, "eval", result)
+        return result
+
+    def stop_here(self, reason: str, save: bool = True) -> int:
+        """A stop signal (agreed by every rank), or --stop-at: checkpoint, status 'stopped', exit 75."""
+        if save:
+            log.info("%s: saving at step %d and exiting with code %d (run again to resume)",
+                     reason, self.step, EXIT_STOPPED)
+            self.save(reason)
+        else:
+            log.info("%s, nothing to train (exit %d)", reason, EXIT_STOPPED)
+        self.write_status("stopped", exit_code=EXIT_STOPPED)
+        return EXIT_STOPPED
+
+    def finish(self) -> int:
+        """At max_steps: the last checkpoint, the final evaluation, model.pt and status 'done'."""
+        if self.last_saved != self.step:
+            self.save("end of run")
+        final = self.evaluate()
+        if is_main():
+            ckpt.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
+            self.write_status("done", **{f"val_{k}": v for k, v in final.items()})
+            log.info("done: %s", self.run_dir / "model.pt")
+        return EXIT_DONE
+
+    def write_status(self, state: str, **extra) -> None:
+        if is_main():
+            ckpt.write_status(self.run_dir, state, self.step, max_steps=self.cfg.max_steps, **extra)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, reason: str) -> None:
+        """Every rank's RNG state to rank 0, which writes the checkpoint; every rank learns if that failed."""
+        watchdog.enter(f"the checkpoint save of step {self.step}", self.limit)
+        rng = gather({"cpu": torch.get_rng_state(),
+                      "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None})
+
+        def write() -> None:
+            path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(rng), self.cfg.keep_checkpoints)
+            log.info("saved %s (%s)", path, reason)
+
+        on_main(write, self._save_failed)
+        self.last_saved = self.step
+        watchdog.enter("training", self.limit)
+
+    def _save_failed(self, e: OSError) -> str:
+        previous = ckpt.list_checkpoints(self.run_dir)[-1:]
+        error = (f"could not save the checkpoint of step {self.step} in {self.run_dir} ({e.strerror or e}); "
+                 f"{'kept ' + previous[0].name if previous else 'no earlier checkpoint'}: "
+                 f"free space or fix permissions, then run the same command to resume")
+        with contextlib.suppress(OSError):  # best effort: the disk may be full
+            ckpt.write_status(self.run_dir, "failed", self.step, error=error, needed_bytes=getattr(e, "needed", 0))
+        return error
+
+    def state_dict(self, rng: list[dict]) -> dict:
+        """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position, every rank's
+        RNG state (`rng`, gathered), the layout the position counts in, and the config."""
+        cfg = self.cfg
+        return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "world_size": self.world, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
+                "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step}
+
+    def load_state_dict(self, state: dict, source: Path) -> None:
+        """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included."""
+        cfg = self.cfg
+        if not isinstance(state, dict) or not {"model", "optimizer", "step", "config"} <= state.keys():
+            raise ConfigError(f"{source} is not a trainbox checkpoint (no model/optimizer/step/config): "
+                              f"move it out of the run directory")
+        check_same_model(state["config"], cfg, source)
+        try:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ConfigError(f"{source} does not fit this model ({str(e).splitlines()[0][:160]}): "
+                              f"use a new --run-dir, or the code that made the checkpoint") from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        self.eval_owed = state.get("eval_owed", False) and self.step < cfg.max_steps  # older checkpoints: none
+        saved = (state["world_size"], state["batch_size"], state["grad_accum"])
+        self.step_in_epoch = relayout(state["step_in_epoch"], saved, (self.world, cfg.batch_size, cfg.grad_accum))
+        if saved != (self.world, cfg.batch_size, cfg.grad_accum):
+            log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
+                        "same data order, but results will differ from an uninterrupted run",
+                        *saved, self.world, cfg.batch_size, cfg.grad_accum)
+        if state["world_size"] != self.world:  # per-rank RNG streams cannot carry over
+            torch.manual_seed(cfg.seed * 7919 + self.rank + self.step)
+        else:
+            torch.set_rng_state(state["rng"][self.rank]["cpu"].cpu())
+            if self.device.type == "cuda" and state["rng"][self.rank]["cuda"] is not None:
+                torch.cuda.set_rng_state(state["rng"][self.rank]["cuda"].cpu(), self.device)
+
+    # ------------------------------------------------------------ set-up
+
+    def _prepare_run_dir(self) -> None:
+        def prepare() -> None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / f".write-test-{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+            ckpt.write_status(self.run_dir, "starting", -1)  # a crash before training must not look "stopped"
+            freed = ckpt.remove_partial(self.run_dir)
+            if freed:
+                print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
+
+        on_main(prepare, lambda e: f"run directory {self.run_dir} is not writable ({e.strerror}): "
+                                   f"pass a writable --run-dir")
+        setup_logging(self.run_dir if is_main() else None)
+
+    def _build_data(self) -> None:
+        cfg, pin = self.cfg, self.device.type == "cuda"
+        train_set, val_set, self.num_classes = build_datasets(cfg)
+        self.train_loader, self.sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
+        self.val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
+        self.steps_per_epoch = check_steps(len(train_set), self.world, cfg)
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        model = build_model(cfg, self.num_classes)
+        if cfg.sync_bn and self.world > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(self.device)
+        if cfg.channels_last:
+            model.to(memory_format=torch.channels_last)
+        self.raw_model = model
+        self.optimizer = build_optimizer(cfg, model)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
+
+    def _resume(self) -> None:
+        """Rank 0 picks the newest checkpoint that verifies; every rank loads it. Without one, a fresh
+        per-rank random stream (dropout and the like)."""
+        newest = on_main(lambda: ckpt.newest_valid(self.run_dir),
+                         lambda e: f"cannot read the checkpoints in {self.run_dir} ({e.strerror or e}): check the "
+                                   f"disk and permissions")
+        newest = broadcast_from_main(str(newest) if newest else None)
+        if newest is None:
+            torch.manual_seed(self.cfg.seed * 7919 + self.rank)
+            return
+        state = ckpt.load_checkpoint(Path(newest), self.device)
+        self.load_state_dict(state, Path(newest))
+        self.resumed_from = self.step
+        log.info("resumed from %s (step %d of %d)", newest, self.step, self.cfg.max_steps)
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        cfg = self.cfg
+        if cfg.compile:
+            model = torch.compile(model)
+        if dist.is_initialized():
+            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph)
+            if cfg.deterministic and self.world > 1:
+                model.register_comm_hook(None, ordered_allreduce_hook)
+        return model
+
+    def _write_run_files(self) -> None:
+        cfg, run_dir = self.cfg, self.run_dir
+        hostnames = gather(socket.gethostname())
+
+        def write() -> None:
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            write_manifest(run_dir, build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from))
+            ckpt.write_status(run_dir, "running", self.step, max_steps=cfg.max_steps)
+
+        on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
+                                 f"permissions")
+        if is_main():
+            log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
+                     run_dir, self.world, self.launcher, self.device.type, cfg.max_steps, self.steps_per_epoch,
+                     self.world * cfg.batch_size * cfg.grad_accum,
+                     str(self.autocast_dtype or "fp32").replace("torch.", ""))
+
+
+# ---------------------------------------------------------------- pieces the Trainer uses
+
+def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
+    """A position inside the epoch saved with (workers, batch, accumulation) `saved`, in steps of `now`:
+    the samples seen, rounded down to a whole step of the new layout (the data order is kept)."""
+    if saved == now:
+        return step_in_epoch
+    return step_in_epoch * saved[0] * saved[1] * saved[2] // (now[0] * now[1] * now[2])
+
+
+@torch.inference_mode()
+def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None) -> dict:
+    """Loss and accuracy over the whole validation set, each sample counted once across ranks.
+
+    Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
+    hold: a rank's own differ after its last training batch, and the figures would then depend on
+    whether the run was resumed. The next training step broadcasts rank 0's buffers anyway (DDP)."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in loader:
+        x, y = prepare_inputs(x, device, channels_last), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += y.numel()
+        progress()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    loss, correct, count = totals.tolist()
+    model.train()
+    return {"loss": loss / count, "accuracy": correct / count, "samples": int(count)}
+
+
+def pick_device(requested: str, ident: Identity) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(no_cuda_message())
+    count = torch.cuda.device_count()
+    if ident.local_rank >= count:
+        raise RuntimeError(f"local rank {ident.local_rank} needs GPU {ident.local_rank} but {count} are visible: "
+                          f"start at most {count} workers per node or set CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", ident.local_rank)
+
+
+def configure_runtime(cfg: Config) -> None:
+    """Threads and determinism, before any tensor work."""
+    threads = cfg.threads
+    if threads == 0:
+        threads = 1 if cfg.deterministic else max(1, usable_cores() // identity().local_world_size)
+    torch.set_num_threads(threads)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32."""
+    check_precision(cfg, on_cpu=device.type != "cuda")
+    if cfg.precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (the parent),
+    so the attempts it restarts after a failure resume the same run instead of starting new ones."""
+    run_dir = cfg.run_dir
+    if not run_dir and is_main():
+        run_dir = default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
+    return Path(broadcast_from_main(run_dir))
+
+
+def already_finished(run_dir: Path, cfg: Config) -> bool:
+    """A restart after the run ended (a worker lost during shutdown), or the same command again: the run's
+    figures stand, and nothing is evaluated or written again (rank 0 decides for all)."""
+    status = ckpt.read_status(run_dir) if is_main() else {}
+    done = broadcast_from_main(ckpt.finished(status, cfg.max_steps, (run_dir / "model.pt").is_file())
+                               if is_main() else None)
+    if done and is_main():
+        print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
+              f"do; pass a larger --max-steps to train on, or a new --run-dir", file=sys.stderr)
+    return done
+
+
+def setup_logging(run_dir: Path | None) -> None:
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if is_main() else logging.WARNING)
+    console = logging.StreamHandler()
+    prefix = "" if is_main() else f"[rank {identity().global_rank}] "
+    console.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(console)
+    if run_dir is not None:
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+
+
+def _serialise(state_dict: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return buffer.getvalue()
