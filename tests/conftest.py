@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import python_cmd, run
+from tests.helpers import make, python_cmd, run
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,15 @@ def reference_run(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """The quickstart's run: `make train` with no flags but a run directory, in the local environment,
+    trained once per session. The tests of what it learns and of the container's default share it."""
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    make("train", "RUNTIME=local", f"ARGS=--run-dir {run_dir}", timeout=900)
+    return run_dir
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,7 @@ signal after saving a checkpoint.
 import sys
 
 from train.config import parse_config
-from train.errors import ConfigError, fail
+from train.errors import ConfigError, exit_quickly, fail
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +26,9 @@ def main(argv: list[str]) -> int:
     # mistake in the flags or config file answer at once.
     from train.launch import start  # noqa: PLC0415
 
-    return start(cfg)
+    code = start(cfg)
+    exit_quickly()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """How a run can end: the exit codes, and the errors that carry one line (the cause and the fix)."""
 
+import gc
 import sys
 
 EXIT_DONE = 0  # finished (or already finished): model.pt written
@@ -20,3 +21,10 @@ def fail(message: str) -> int:
     """A user's mistake, before anything started: one line on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def exit_quickly() -> None:
+    """Called just before a process exits: Python's last garbage collection walks every object torch made,
+    0.5 to 1 s of each process's exit. Frozen, they are skipped; atexit handlers still run, and files and
+    everything else are released as usual."""
+    gc.freeze()

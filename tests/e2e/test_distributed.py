@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import free_port
-from train.distributed import ordered_allreduce_hook
+from train.distributed import destroy_and_leave_together, free_port, ordered_allreduce_hook
 
 
 # ------------------------------------------------------------ real process groups
@@ -41,8 +40,7 @@ def _worker(rank, world, port, bucket_cap_mb, use_hook, queue):
     dist.all_gather(gathered, grads)
     if rank == 0:
         queue.put((grads.tolist(), [g.tolist() for g in gathered], expected.tolist()))  # plain data: exact
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_and_leave_together()  # a rank exiting while a peer's gloo group lives can abort that peer
 
 
 def _ddp_gradients(world, bucket_cap_mb, use_hook):

@@ -41,11 +41,9 @@ def test_make_train_bad_gpus_is_one_line():
     assert "error: GPUS='two' is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ..." in proc.stderr
 
 
-def test_default_make_train_learns(tmp_path):
+def test_default_make_train_learns(default_run):
     """The quickstart: no flags but a run directory. Chance is 10%; the README states the figure."""
-    run_dir = tmp_path / "run"
-    make("train", "RUNTIME=local", f"ARGS=--run-dir {run_dir}", timeout=900)
-    final = metrics(run_dir, "eval")[-1]
+    final = metrics(default_run, "eval")[-1]
     assert final["samples"] == 2000
     assert final["accuracy"] > 0.9, final
 
