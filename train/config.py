@@ -56,7 +56,10 @@ class Config:
     train_samples: int = _f(12000, "shapes/synthetic: number of training images")
     val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
     num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
-                              "else 1-4 by cores per worker")
+                              "else every core of the process's share but one")
+    augment: str = _f("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
+                              "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); "
+                              "auto: imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
     # --- model ---
     model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
     width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")

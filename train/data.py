@@ -3,7 +3,8 @@
 - shapes: built-in, generated from the seed in memory (no download): 10 classes of procedurally drawn
   shapes and textures with random position, size, colours and noise. It needs a real model to learn.
 - cifar10: torchvision's CIFAR10 under --data-dir (downloaded only with --download, by local rank 0).
-- imagefolder: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*.
+- imagefolder: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*, decoded by torchvision.io into uint8
+  tensors (PIL for the formats it does not read) and augmented on tensors by the recipe (see recipe()).
 
 Training batches come from ShardSampler: every epoch one permutation drawn from (seed, epoch), shared
 by all ranks, rank r taking every world_size-th index. Each index travels with its own augmentation
@@ -163,11 +164,26 @@ class TensorLoader:
             yield self.dataset.images[idx], self.dataset.labels[idx]
 
 
-def load_image(path: str):
-    """ImageFolder's loader, failing with one line that names the file (a run stops on a bad image)."""
+def load_image(path: str) -> torch.Tensor:
+    """ImageFolder's loader: the file decoded by torchvision.io (libjpeg-turbo, libpng, libwebp) into a uint8
+    tensor (3 x H x W), PIL for what it cannot decode; failing with one line that names the file (a run
+    stops on a bad image)."""
+    from torchvision.io import ImageReadMode, decode_image  # noqa: PLC0415 - torchvision: see the module docstring
+    from torchvision.transforms.v2.functional import pil_to_tensor  # noqa: PLC0415 - as above
+
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
+                        f"same command to resume") from None
+    try:
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except RuntimeError:
+        pass  # a format torchvision.io does not decode (or a damaged file): PIL has the last word
+    try:
+        with Image.open(path) as image:
+            return pil_to_tensor(image.convert("RGB"))
     except (OSError, SyntaxError, ValueError) as e:  # PIL raises all three for damaged files
         raise DataError(f"cannot read image {path} ({e}): delete or replace the file, then run the same "
                         f"command to resume") from None
@@ -205,14 +221,35 @@ def check_cifar(root: Path, download: bool) -> None:
         raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
 
 
+IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
+
+
+def recipe(cfg: Config) -> str:
+    """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
+    if cfg.augment != "auto":
+        return cfg.augment
+    return "imagenet" if cfg.image_size >= IMAGENET_FROM else "cifar"
+
+
+def eval_resize(size: int) -> int:
+    """The evaluation's resize before its centre crop: size / 0.875 (256 for 224, as torchvision's references)."""
+    return int(size / 0.875)
+
+
 def _transforms(cfg: Config, train: bool):
+    """uint8 tensors (or PIL images) in, uint8 tensors out: normalisation happens on the training device.
+    imagenet: torchvision's reference classification presets; cifar: resize, padded random crop, flip."""
     from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
-    steps = [v2.ToImage(), v2.Resize(cfg.image_size, antialias=True), v2.CenterCrop(cfg.image_size)]
-    if train:
-        steps += [v2.RandomCrop(cfg.image_size, padding=cfg.image_size // 8), v2.RandomHorizontalFlip()]
-    steps += [v2.ToDtype(torch.uint8, scale=True)]
-    return v2.Compose(steps)
+    size = cfg.image_size
+    if recipe(cfg) == "imagenet":
+        steps = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if train else \
+            [v2.Resize(eval_resize(size), antialias=True), v2.CenterCrop(size)]
+    else:
+        steps = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        if train:
+            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip()]
+    return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
 
 
 def build_datasets(cfg: Config):
@@ -254,7 +291,9 @@ def default_num_workers(cfg: Config) -> int:
         return cfg.num_workers
     if cfg.dataset in ("shapes", "synthetic"):
         return 0
-    return max(1, min(4, usable_cores() // max(1, identity().local_world_size) - 1))
+    # Every core of this process's share but one (the one that runs the training loop itself), no cap:
+    # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).
+    return max(1, usable_cores() // max(1, identity().local_world_size) - 1)
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:

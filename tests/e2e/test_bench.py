@@ -16,7 +16,8 @@ CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction p
             "time to first step", "DDP wrapper", "gradient_as_bucket_view",
             "fused AdamW", "communication: step without sync", "static_graph", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
-            "persistent workers", "checkpoint save", "checkpoint load")
+            "persistent workers", "checkpoint save", "checkpoint load",
+            "train pipeline, one loader worker", "eval pipeline, one loader worker")
 
 
 def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
@@ -32,6 +33,11 @@ def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
         assert r["row"] in proc.stdout  # the printed table carries every row
     targets = {r["row"].split(":")[0]: r["target"] for r in report["rows"] if r["target"]}
     assert targets["trainer overhead"] == ">= 0.97" and targets["checkpoint save"] == ">= 0.7"
+    assert targets["train pipeline, one loader worker"] == ">= 1.8"
+    photos = sorted((out / "photos").rglob("*.jpg"))
+    assert len(photos) == 24
+    with Image.open(photos[0]) as photo:  # ImageNet-sized JPEGs, cut from real photographs
+        assert photo.format == "JPEG" and sorted(photo.size) == [375, 500]
     with Image.open(out / "scaling.png") as chart:
         assert chart.format == "PNG" and chart.size[0] > 300
     assert set(report["scaling_samples_per_s"]) >= {"1 rank x 1 thread", "2 ranks x 1 thread"}

@@ -14,7 +14,9 @@ from PIL import Image, ImageDraw
 from train.bench.arms import bare_main
 from train.bench.cpu import checkpoint_rows, comm_rows, loop_rows, pipeline_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows
+from train.bench.photos import photo_rows, sample_photos
 from train.distributed import usable_cores
+from train.errors import ConfigError, fail
 
 
 # ---------------------------------------------------------------- report
@@ -52,9 +54,11 @@ def table(rows: list[dict], header: str) -> str:
 
 SIZES = {
     "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
-             "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80, "quick": False},
+             "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80,
+             "photos": 600, "quick": False},
     "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
-              "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8, "quick": True},
+              "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
+              "photos": 24, "quick": True},
 }
 
 
@@ -82,6 +86,11 @@ def main(argv: list[str]) -> int:
     if unknown := sorted(set(knobs) - set(GPU_KNOBS)):
         print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
         return 2
+    if not ns.gpu_only:
+        try:
+            sample_photos()
+        except ConfigError as e:
+            return fail(str(e))
     size = SIZES["quick" if ns.quick else "full"]
     out = Path(ns.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -97,6 +106,7 @@ def main(argv: list[str]) -> int:
         rows, bars = loop_rows(out, size, ns.rounds)
         rows += comm_rows(out, size)
         rows += pipeline_rows(out, size, ns.rounds)
+        rows += photo_rows(out, size, ns.rounds)
         rows += checkpoint_rows(out, size, ns.rounds)
         chart(out / "scaling.png", bars)
     if torch.cuda.is_available():

@@ -1,0 +1,75 @@
+"""The augmentation recipes against torchvision's own: the reference classification presets (ImageNet
+sizes) and today's padded-crop recipe (CIFAR sizes), on the uint8 tensors the loader decodes."""
+
+import inspect
+
+import pytest
+import torch
+from torchvision import models
+from torchvision import transforms as v1
+from torchvision.transforms import v2
+
+from train.config import parse_config
+from train.data import _transforms, eval_resize, recipe
+
+
+def photo(h: int, w: int) -> torch.Tensor:
+    """A smooth, non-symmetric uint8 image (a flip or an off-by-one crop changes it)."""
+    y, x = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+    return (torch.stack([x, y, (x * 3 + y * 5) % 1]) * 255).round().to(torch.uint8)
+
+
+def cfg(*args):
+    return parse_config(["--dataset", "imagefolder", *map(str, args)])
+
+
+@pytest.mark.parametrize("size, expected", [(16, "cifar"), (32, "cifar"), (96, "cifar"), (128, "imagenet"),
+                                            (224, "imagenet")])
+def test_auto_picks_the_recipe_by_image_size_and_the_flag_overrides_it(size, expected):
+    assert recipe(cfg("--image-size", size)) == expected
+    other = "cifar" if expected == "imagenet" else "imagenet"
+    assert recipe(cfg("--image-size", size, "--augment", other)) == other
+
+
+def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():
+    ours = _transforms(cfg("--image-size", 224), train=True)
+    crop = next(t for t in ours.transforms if isinstance(t, v2.RandomResizedCrop))
+    defaults = inspect.signature(v1.RandomResizedCrop).parameters  # the reference recipe keeps them
+    assert (crop.scale, crop.ratio) == (defaults["scale"].default, defaults["ratio"].default) == \
+        ((0.08, 1.0), (3 / 4, 4 / 3))
+    # torchvision's references/classification/presets.py, ClassificationPresetTrain with its defaults
+    reference = v2.Compose([v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip(0.5)])
+    image = photo(375, 500)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        mine = ours(image)
+        torch.manual_seed(seed)
+        theirs = reference(image)
+        assert mine.shape == (3, 224, 224) and mine.dtype == torch.uint8
+        assert torch.equal(mine, theirs), seed
+    assert len({tuple(ours(image).flatten()[:50].tolist()) for _ in range(4)}) > 1  # it is random
+
+
+def test_imagenet_evaluation_equals_torchvisions_packaged_preset():
+    """ResNet-50's IMAGENET1K_V1 weights carry torchvision's eval preset: resize 256, centre crop 224."""
+    preset = models.ResNet50_Weights.IMAGENET1K_V1.transforms()
+    assert (preset.resize_size, preset.crop_size) == ([eval_resize(224)], [224]) == ([256], [224])
+    image = photo(375, 500)
+    ours = _transforms(cfg("--image-size", 224), train=False)(image)
+    mean, std = torch.tensor(preset.mean).view(3, 1, 1), torch.tensor(preset.std).view(3, 1, 1)
+    theirs = ((preset(image) * std + mean) * 255).round()  # back to the uint8 levels it started from
+    # The same geometry; the uint8 kernel (ours) and the float one (theirs) may round one level apart.
+    difference = (ours.float() - theirs).abs()
+    assert difference.max() <= 1 and difference.mean() < 0.1, (difference.max(), difference.mean())
+
+
+def test_cifar_sizes_keep_the_padded_crop_recipe():
+    ours = _transforms(cfg("--image-size", 32), train=True)
+    kinds = [type(t) for t in ours.transforms]
+    assert v2.RandomResizedCrop not in kinds and v2.RandomCrop in kinds and v2.RandomHorizontalFlip in kinds
+    crop = next(t for t in ours.transforms if isinstance(t, v2.RandomCrop))
+    assert crop.padding == [4, 4, 4, 4]
+    out = ours(photo(40, 48))
+    assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+    evaluation = _transforms(cfg("--image-size", 32), train=False)(photo(40, 48))
+    assert torch.equal(evaluation, v2.functional.center_crop(v2.functional.resize(photo(40, 48), 32), 32))
