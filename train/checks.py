@@ -70,6 +70,11 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and cfg.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
+    if cfg.decode == "gpu" and cfg.dataset != "imagefolder":
+        raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.dataset} has none: use it with "
+                          f"--dataset imagefolder, or drop it")
+    if cfg.decode == "gpu" and on_cpu:
+        raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 
 
 def check_steps(train_samples: int, world: int, cfg: Config) -> int:

@@ -57,6 +57,9 @@ class Config:
     val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
     num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
                               "else every core of the process's share but one")
+    decode: str = _f("cpu", "imagefolder: cpu (loader workers decode and augment) or gpu (workers only read the "
+                            "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
+                            "there, each sample with its own seed)", choices=("cpu", "gpu"))
     augment: str = _f("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
                               "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); "
                               "auto: imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))

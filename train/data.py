@@ -164,21 +164,25 @@ class TensorLoader:
             yield self.dataset.images[idx], self.dataset.labels[idx]
 
 
-def load_image(path: str) -> torch.Tensor:
-    """ImageFolder's loader: the file decoded by torchvision.io (libjpeg-turbo, libpng, libwebp) into a uint8
-    tensor (3 x H x W), PIL for what it cannot decode; failing with one line that names the file (a run
-    stops on a bad image)."""
-    from torchvision.io import ImageReadMode, decode_image  # noqa: PLC0415 - torchvision: see the module docstring
-    from torchvision.transforms.v2.functional import pil_to_tensor  # noqa: PLC0415 - as above
-
+def read_bytes(path: str) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor, failing with one line that names the file."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
                         f"same command to resume") from None
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode(data: torch.Tensor, path: str) -> torch.Tensor:
+    """Encoded bytes to a uint8 RGB tensor (3 x H x W): torchvision.io (libjpeg-turbo, libpng, libwebp), PIL
+    for what it cannot decode; a file neither reads stops the run with one line that names it."""
+    from torchvision.io import ImageReadMode, decode_image  # noqa: PLC0415 - torchvision: see the module docstring
+    from torchvision.transforms.v2.functional import pil_to_tensor  # noqa: PLC0415 - as above
+
     try:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return decode_image(data, mode=ImageReadMode.RGB)
     except RuntimeError:
         pass  # a format torchvision.io does not decode (or a damaged file): PIL has the last word
     try:
@@ -189,12 +193,86 @@ def load_image(path: str) -> torch.Tensor:
                         f"command to resume") from None
 
 
-def _imagefolder_split(root: Path, split: str):
+def load_image(path: str) -> torch.Tensor:
+    """ImageFolder's loader for --decode cpu: the file decoded in the loader worker."""
+    return decode(read_bytes(path), path)
+
+
+JPEG_START = (0xFF, 0xD8)
+
+
+def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], transform,
+                 device: torch.device) -> torch.Tensor:
+    """--decode gpu, in the training process: a batch of encoded files to augmented uint8 images on the
+    device. JPEGs are decoded together on the device (nvJPEG on CUDA), other formats on the CPU; each
+    sample is then augmented on the device under its own seed, so a batch equals what the loader workers
+    would have made of it, whatever the worker count or the resume point."""
+    from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415 - torchvision: see the module docstring
+
+    images: list[torch.Tensor | None] = [None] * len(data)
+    jpegs = [i for i, d in enumerate(data) if len(d) > 2 and tuple(d[:2].tolist()) == JPEG_START]
+    if jpegs:
+        try:
+            decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # one damaged file fails the batch: find it, and name it
+            decoded = [decode(data[i], paths[i]).to(device) for i in jpegs]
+        for i, image in zip(jpegs, decoded, strict=True):
+            images[i] = image
+    for i, image in enumerate(images):
+        if image is None:
+            images[i] = decode(data[i], paths[i]).to(device, non_blocking=True)
+    out = []
+    for image, seed in zip(images, seeds, strict=True):
+        with torch.random.fork_rng(devices=[]):  # the draws come from the CPU generator, as in a worker
+            torch.manual_seed(seed)
+            out.append(transform(image))
+    return torch.stack(out)
+
+
+class FileBytes(Dataset):
+    """--decode gpu: items are (bytes, label, seed, index); decoding and the transform wait for the training
+    process (DeviceDecoder)."""
+
+    def __init__(self, folder, transform):
+        self.folder, self.transform = folder, transform  # folder: an ImageFolder whose loader is read_bytes
+        self.paths = [path for path, _ in folder.samples]
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, item):
+        index, seed = item if isinstance(item, tuple) else (item, 0)
+        data, label = self.folder[index]
+        return data, label, seed, index
+
+
+def _collate_files(batch):
+    data, labels, seeds, indices = zip(*batch, strict=True)
+    return list(data), torch.tensor(labels), list(seeds), list(indices)
+
+
+class DeviceDecoder:
+    """A loader of FileBytes batches that yields (images on the device, labels), as the CPU path's loader
+    yields (images, labels): the trainer's prepare_inputs then normalises them where they already are."""
+
+    def __init__(self, loader: DataLoader, files: FileBytes, device: torch.device):
+        self.loader, self.files, self.device = loader, files, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for data, labels, seeds, indices in self.loader:
+            paths = [self.files.paths[i] for i in indices]
+            yield decode_batch(data, paths, seeds, self.files.transform, self.device), labels
+
+
+def _imagefolder_split(root: Path, split: str, loader=load_image):
     from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
 
     path = root / split
     try:
-        return datasets.ImageFolder(str(path), loader=load_image)
+        return datasets.ImageFolder(str(path), loader=loader)
     except (FileNotFoundError, RuntimeError) as e:
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
 
@@ -281,6 +359,9 @@ def build_datasets(cfg: Config):
                               f"{root / 'cifar-10-batches-py'} and pass --download") from None
         return train, val, 10
     check_imagefolder(root)
+    if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
+        train, val = (_imagefolder_split(root, split, loader=read_bytes) for split in ("train", "val"))
+        return FileBytes(train, _transforms(cfg, True)), FileBytes(val, _transforms(cfg, False)), len(train.classes)
     train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
     train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
     return train, val, len(train.classes)
@@ -310,12 +391,14 @@ def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_mem
         return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
     sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True)
     workers = default_num_workers(cfg)
-    loader = DataLoader(SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        num_workers=workers, pin_memory=pin_memory, persistent_workers=persistent and workers > 0,
+    files = isinstance(dataset, FileBytes)
+    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler,
+                        drop_last=True, num_workers=workers, pin_memory=pin_memory and not files,
+                        persistent_workers=persistent and workers > 0,
                         worker_init_fn=_ignore_stop_signals if workers > 0 else None,
-                        prefetch_factor=4 if workers > 0 else None,
+                        prefetch_factor=4 if workers > 0 else None, collate_fn=_collate_files if files else None,
                         generator=torch.Generator().manual_seed(cfg.seed))  # iter() must not draw global RNG
-    return loader, sampler
+    return (DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader), sampler
 
 
 def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
@@ -327,9 +410,12 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
         idx = torch.tensor(indices, dtype=torch.long, device=dataset.images.device)
         return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
     workers = default_num_workers(cfg)
-    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
-                      num_workers=workers, pin_memory=pin_memory,
-                      worker_init_fn=_ignore_stop_signals if workers > 0 else None)
+    files = isinstance(dataset, FileBytes)
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
+                        num_workers=workers, pin_memory=pin_memory and not files,
+                        worker_init_fn=_ignore_stop_signals if workers > 0 else None,
+                        collate_fn=_collate_files if files else None)
+    return DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader
 
 
 def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
