@@ -26,6 +26,7 @@ SHELL := /bin/bash
 #   BENCH_ARGS   flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
 #   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
+#   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 GPUS ?=
 ARGS ?=
@@ -45,6 +46,8 @@ DATA_DIR ?=
 RUNS_DIR ?=
 ENV_FILE ?= .env
 PYTEST_ARGS ?=
+SRC ?=
+DST ?=
 CHAOS_ARGS ?=
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
@@ -98,6 +101,10 @@ test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
+
+pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index): SRC=folder DST=folder
+	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards" >&2; exit 2; }
+	$(PY) -m train.pack "$(SRC)" "$(DST)"
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
 	$(PY) -m train.chaos $(CHAOS_ARGS)

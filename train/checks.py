@@ -17,11 +17,12 @@ import torch
 
 from train import checkpoint
 from train.config import MODEL_KEYS, Config
-from train.data import check_cifar, check_imagefolder
+from train.data import check_cifar, check_imagefolder, read_index
 from train.distributed import resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import check_model_spec
+
 
 
 def preflight(cfg: Config, world: int | None = None) -> None:
@@ -35,6 +36,8 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         check_cifar(Path(cfg.data_dir), cfg.download)
     if cfg.dataset == "imagefolder":
         check_imagefolder(Path(cfg.data_dir))
+    if cfg.dataset == "shards":
+        read_index(Path(cfg.data_dir))
     check_model_spec(cfg)
     if cfg.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
         check_steps(cfg.train_samples, world or cfg.spawn or ident.world_size, cfg)
@@ -70,9 +73,9 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and cfg.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if cfg.decode == "gpu" and cfg.dataset != "imagefolder":
+    if cfg.decode == "gpu" and cfg.dataset not in ("imagefolder", "shards"):
         raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.dataset} has none: use it with "
-                          f"--dataset imagefolder, or drop it")
+                          f"--dataset imagefolder or shards, or drop it")
     if cfg.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 

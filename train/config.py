@@ -48,16 +48,17 @@ class Config:
     timeout_s: int = _f(600, "collective timeout in seconds; a stuck rank fails the job after this long")
     # --- data ---
     dataset: str = _f("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, DATA_DIR/val); "
+                                "shards (an ImageFolder packed by make pack); "
                                 "synthetic: random images for benchmarks (learns nothing)",
-                      choices=("shapes", "cifar10", "imagefolder", "synthetic"))
-    data_dir: str = _f("data", "dataset root for cifar10 and imagefolder")
+                      choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
+    data_dir: str = _f("data", "dataset root for cifar10, imagefolder and shards")
     download: bool = _f(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
     image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
     train_samples: int = _f(12000, "shapes/synthetic: number of training images")
     val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
     num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
                               "else every core of the process's share but one")
-    decode: str = _f("cpu", "imagefolder: cpu (loader workers decode and augment) or gpu (workers only read the "
+    decode: str = _f("cpu", "image files: cpu (loader workers decode and augment) or gpu (workers only read the "
                             "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
                             "there, each sample with its own seed)", choices=("cpu", "gpu"))
     augment: str = _f("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "

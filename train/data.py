@@ -16,12 +16,15 @@ about 1.5 s of every worker's start-up, and the built-in dataset and model need 
 
 from __future__ import annotations
 
+import bisect
+import io
+import json
 import math
 import signal
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from train.config import Config
@@ -186,11 +189,14 @@ def decode(data: torch.Tensor, path: str) -> torch.Tensor:
     except RuntimeError:
         pass  # a format torchvision.io does not decode (or a damaged file): PIL has the last word
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             return pil_to_tensor(image.convert("RGB"))
+    except UnidentifiedImageError:
+        reason = "not an image torchvision.io or PIL can read"
     except (OSError, SyntaxError, ValueError) as e:  # PIL raises all three for damaged files
-        raise DataError(f"cannot read image {path} ({e}): delete or replace the file, then run the same "
-                        f"command to resume") from None
+        reason = str(e)
+    raise DataError(f"cannot read image {path} ({reason}): delete or replace the file, then run the same command "
+                    f"to resume")
 
 
 def load_image(path: str) -> torch.Tensor:
@@ -231,19 +237,32 @@ def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], t
 
 class FileBytes(Dataset):
     """--decode gpu: items are (bytes, label, seed, index); decoding and the transform wait for the training
-    process (DeviceDecoder)."""
+    process (DeviceDecoder). source yields (bytes, label); name(index) says which file a sample is."""
 
-    def __init__(self, folder, transform):
-        self.folder, self.transform = folder, transform  # folder: an ImageFolder whose loader is read_bytes
-        self.paths = [path for path, _ in folder.samples]
+    def __init__(self, source, transform, name):
+        self.source, self.transform, self.name = source, transform, name
 
     def __len__(self) -> int:
-        return len(self.folder)
+        return len(self.source)
 
     def __getitem__(self, item):
         index, seed = item if isinstance(item, tuple) else (item, 0)
-        data, label = self.folder[index]
+        data, label = self.source[index]
         return data, label, seed, index
+
+
+class Decoded(Dataset):
+    """--decode cpu over a source of (bytes, label), such as a pack's split: decoded and transformed here."""
+
+    def __init__(self, source, transform, name):
+        self.source, self.transform, self.name = source, transform, name
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        data, label = self.source[index]
+        return self.transform(decode(data, self.name(index))), label
 
 
 def _collate_files(batch):
@@ -263,8 +282,8 @@ class DeviceDecoder:
 
     def __iter__(self):
         for data, labels, seeds, indices in self.loader:
-            paths = [self.files.paths[i] for i in indices]
-            yield decode_batch(data, paths, seeds, self.files.transform, self.device), labels
+            names = [self.files.name(i) for i in indices]
+            yield decode_batch(data, names, seeds, self.files.transform, self.device), labels
 
 
 def _imagefolder_split(root: Path, split: str, loader=load_image):
@@ -292,6 +311,72 @@ def check_imagefolder(root: Path) -> None:
         only = sorted(set(classes["train"]) ^ set(classes["val"]))
         raise ConfigError(f"{root}: train and val hold different classes (only in one: {', '.join(only[:5])}): "
                           f"give both the same class folders")
+
+
+# ---------------------------------------------------------------- packed shards (train/pack.py writes them)
+
+def read_index(root: Path) -> dict:
+    try:
+        return json.loads((root / "index.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{root}/index.json is missing: pack an ImageFolder with `make pack SRC=... DST={root}` "
+                          f"(a folder without it is an unfinished pack)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{root}/index.json cannot be read ({e}): pack the dataset again") from None
+
+
+def read_idx(shard: Path) -> torch.Tensor:
+    data = (shard.parent / f"{shard.name}.idx").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 3)
+
+
+class ShardSplit(Dataset):
+    """One split of a pack, read by offset: item i is (bytes, label); files stay open per loader worker."""
+
+    def __init__(self, root: Path, split: str):
+        info = read_index(root)["splits"][split]
+        self.root, self.classes = root, info["classes"]
+        self.shards = [root / s["name"] for s in info["shards"]]
+        try:
+            self.rows = [read_idx(shard) for shard in self.shards]
+        except OSError as e:
+            raise ConfigError(f"{root}: {e}: the pack is incomplete: pack it again, or run "
+                              f"`python -m train.pack --verify {root}`") from None
+        self.starts = [0]
+        for rows in self.rows:
+            self.starts.append(self.starts[-1] + len(rows))
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self):  # loader workers open their own files
+        return {**self.__dict__, "_open": {}}
+
+    def locate(self, index: int) -> tuple[int, int]:
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return shard, index - self.starts[shard]
+
+    def name(self, index: int) -> str:
+        shard, row = self.locate(index)
+        return f"sample {index:09d} of {self.shards[shard]}"
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        shard, row = self.locate(index)
+        offset, size, label = self.rows[shard][row].tolist()
+        try:
+            f = self._open.get(shard)
+            if f is None:
+                f = self._open[shard] = open(self.shards[shard], "rb")
+            f.seek(offset)
+            data = f.read(size)
+        except OSError as e:
+            raise DataError(f"cannot read {self.name(index)} ({e}): check the storage, or pack the dataset again") \
+                from None
+        if len(data) != size:
+            raise DataError(f"{self.shards[shard]} is damaged: {self.name(index)} is cut short: run `python -m "
+                            f"train.pack --verify {self.root}`, then pack the dataset again")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
 
 
 def check_cifar(root: Path, download: bool) -> None:
@@ -358,10 +443,16 @@ def build_datasets(cfg: Config):
             raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
                               f"{root / 'cifar-10-batches-py'} and pass --download") from None
         return train, val, 10
+    if cfg.dataset == "shards":
+        train, val = ShardSplit(root, "train"), ShardSplit(root, "val")
+        kind = FileBytes if cfg.decode == "gpu" else Decoded
+        return (kind(train, _transforms(cfg, True), train.name), kind(val, _transforms(cfg, False), val.name),
+                len(train.classes))
     check_imagefolder(root)
     if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
         train, val = (_imagefolder_split(root, split, loader=read_bytes) for split in ("train", "val"))
-        return FileBytes(train, _transforms(cfg, True)), FileBytes(val, _transforms(cfg, False)), len(train.classes)
+        return (FileBytes(train, _transforms(cfg, True), lambda i: train.samples[i][0]),
+                FileBytes(val, _transforms(cfg, False), lambda i: val.samples[i][0]), len(train.classes))
     train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
     train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
     return train, val, len(train.classes)

@@ -39,3 +39,28 @@ def test_make_gpus_above_visible_is_one_line():
     proc = run(["make", "--no-print-directory", "train", "RUNTIME=local", f"GPUS={visible + 1}"], expect=2, cwd=REPO)
     expected = f"GPUS={visible + 1} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES"
     assert expected in proc.stderr
+
+
+def test_gpu_decode_trains_and_matches_the_cpu_decode_within_a_level(tmp_path):
+    """nvJPEG and libjpeg-turbo may round a level apart; the crops and flips are the same draws."""
+    from train.bench.photos import make_photos
+    from train.config import parse_config
+    from train.data import build_datasets, build_train_loader
+
+    for split, count in (("train", 64), ("val", 16)):
+        make_photos(tmp_path / "data" / split, count, classes=4, seed=len(split))
+    common = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "128",
+              "--batch-size", "8", "--num-workers", "2"]
+    loaded = {}
+    for decode in ("cpu", "gpu"):
+        cfg = parse_config([*common, "--decode", decode])
+        train_set, _, _ = build_datasets(cfg)
+        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
+        sampler.set_epoch(0)
+        loaded[decode] = next(iter(loader))[0].to("cuda")
+    assert loaded["gpu"].device.type == "cuda" and loaded["gpu"].shape == loaded["cpu"].shape
+    difference = (loaded["gpu"].float() - loaded["cpu"].float()).abs()
+    assert difference.mean() < 2, difference.mean()
+    run_dir = tmp_path / "run"
+    run(python_cmd(*common, "--decode", "gpu", "--max-steps", 20, "--model", "resnet18", "--run-dir", run_dir))
+    assert metrics(run_dir, "eval")[-1]["samples"] == 16
