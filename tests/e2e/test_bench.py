@@ -17,7 +17,8 @@ CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction p
             "fused AdamW", "communication: step without sync", "static_graph", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
             "persistent workers", "checkpoint save", "checkpoint load",
-            "train pipeline, one loader worker", "eval pipeline, one loader worker")
+            "train pipeline, one loader worker", "eval pipeline, one loader worker",
+            "packed shards: time to the first batch", "packed shards: samples/s over an epoch")
 
 
 def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from train.config import parse_config
 from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes
 from train.distributed import destroy_and_leave_together, free_port
 from train.models import SmallCNN
+from train.pack import pack
 
 
 # ---------------------------------------------------------------- CPU rows
@@ -178,12 +180,14 @@ def _cifar_like(root: Path, train: int, val: int) -> None:
 
     if (root / ".complete").exists():
         return
+    chunk = 5000  # make_shapes holds every mask of its images at once: bounded memory for big folders
     for split, n, seed in (("train", train, 1), ("val", val, 2)):
-        images, labels = make_shapes(n, 32, seed)
         for c in SHAPE_CLASSES:
             (root / split / c).mkdir(parents=True, exist_ok=True)
-        for i, (img, label) in enumerate(zip(images, labels, strict=True)):
-            Image.fromarray(img.permute(1, 2, 0).numpy()).save(root / split / SHAPE_CLASSES[label] / f"{i}.png")
+        for first in range(0, n, chunk):
+            images, labels = make_shapes(min(chunk, n - first), 32, seed + 1000 * (first // chunk))
+            for i, (img, label) in enumerate(zip(images, labels, strict=True), start=first):
+                Image.fromarray(img.permute(1, 2, 0).numpy()).save(root / split / SHAPE_CLASSES[label] / f"{i}.png")
     (root / ".complete").write_text("")
 
 
@@ -250,6 +254,49 @@ def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             "time in next(batch) / step time", "< 0.05", median(waits) < 0.05),
         row("persistent workers: epoch-start wait with workers started anew / kept (CIFAR-sized ImageFolder)",
             restart, f"iter() to the first batch of an epoch ({size['batch']} PNGs); > 1: persistent workers save it"),
+    ]
+
+
+def first_batch_and_epoch(cfg_args: list) -> tuple[float, float]:
+    """(seconds from nothing to the first batch, samples/s over the rest of the epoch) of the trainer's own
+    train loader: the dataset's listing (or index), the workers' start and every file read included."""
+    cfg = parse_config(list(map(str, cfg_args)))
+    start = time.perf_counter()
+    train_set, _, _ = build_datasets(cfg)
+    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False, persistent=False)
+    sampler.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - start
+    count, start = 0, time.perf_counter()
+    for x, _ in it:
+        count += len(x)
+    return first, count / (time.perf_counter() - start)
+
+
+def shard_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    """Packed shards vs the same loose files (CIFAR-sized PNGs), through the trainer's loader."""
+    loose, packed = out / "many-files", out / "many-files-shards"
+    _cifar_like(loose, size["many_files"], 1000)
+    if not (packed / "index.json").exists():
+        shutil.rmtree(packed, ignore_errors=True)
+        pack(loose, packed)
+    common = ["--width", size["width"], "--batch-size", 256, "--image-size", 32]
+    folder = ["--dataset", "imagefolder", "--data-dir", loose, *common]
+    shards = ["--dataset", "shards", "--data-dir", packed, *common]
+    firsts, speeds, seen = [], [], {}
+    for _ in range(rounds):
+        (f_first, f_speed), (s_first, s_speed) = first_batch_and_epoch(folder), first_batch_and_epoch(shards)
+        firsts.append(f_first / s_first)
+        speeds.append(s_speed / f_speed)
+        seen = {"files": (f_first, f_speed), "shards": (s_first, s_speed)}
+    workers = default_num_workers(parse_config(list(map(str, folder))))
+    detail = (f"{size['many_files']:,} PNGs of 32 px, {workers} loader worker(s), page cache warm (a NAS adds a "
+              f"round trip per file): files {seen['files'][0]:.1f} s, shards {seen['shards'][0]:.1f} s")
+    return [
+        row("packed shards: time to the first batch, loose ImageFolder / shards", firsts, detail),
+        row("packed shards: samples/s over an epoch, shards / loose ImageFolder", speeds,
+            f"files {seen['files'][1]:.0f}/s, shards {seen['shards'][1]:.0f}/s"),
     ]
 
 
