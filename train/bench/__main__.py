@@ -55,10 +55,12 @@ def table(rows: list[dict], header: str) -> str:
 SIZES = {
     "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
              "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80,
-             "photos": 600, "many_files": 50_000, "quick": False},
+             "photos": 600, "many_files": 50_000, "gpu_photos": 5120,
+             "quick": False},
     "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
               "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
-              "photos": 24, "many_files": 600, "quick": True},
+              "photos": 24, "many_files": 600, "gpu_photos": 64,
+              "quick": True},
 }
 
 

@@ -8,13 +8,15 @@ from pathlib import Path
 import torch
 
 from train.bench.arms import bare_arm, drain, median, row, trainer_arm
+from train.bench.photos import make_photos
 from train.config import parse_config
-from train.data import build_train_loader
+from train.data import build_train_loader, default_num_workers
 
 
 # ---------------------------------------------------------------- GPU rows
 
-GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory")
+GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory",
+             "jpeg")
 
 
 class _HostImages(torch.utils.data.Dataset):
@@ -83,6 +85,7 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
                 rates[pin] = images / seconds
             pinned.append(rates[False] / rates[True])
             torch.cuda.empty_cache()  # leave the GPU's memory to the trainer runs that follow
+    jpeg = jpeg_rows(out, size, rounds, base) if "jpeg" in only else []
     name = torch.cuda.get_device_name(0)
     rows = [row(f"GPU images/s: trainbox / bare loop (ResNet-50, 224 px, bf16, channels_last, {name})", vs_bare,
                 f"trainbox {median(trainer_ips):.0f} img/s, bare {median(bare_ips):.0f} img/s, batch "
@@ -97,6 +100,32 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
         rows.append(row("GPU knob: images/s onto the GPU from the trainer's loader without pinned memory / with it",
                         pinned, f"224 px uint8 held on the host, batch {size['gpu_batch']}, no model: the "
                         f"loader and the non_blocking copy alone"))
-    return rows
+    return rows + jpeg
+
+
+def jpeg_rows(out: Path, size: dict, rounds: int, base: list) -> list[dict]:
+    """The same ResNet-50 run on ImageNet-sized JPEG files (the trainer's default loader workers), decoded by
+    the workers (--decode cpu) or on the GPU (--decode gpu), against synthetic images held on the device."""
+    data = out / "photos-gpu"
+    make_photos(data / "train", size["gpu_photos"], classes=100, seed=1)
+    make_photos(data / "val", 100, classes=100, seed=2)
+    files = [a for a in base if str(a) not in ("synthetic", "--dataset")]
+    files = [*files, "--dataset", "imagefolder", "--data-dir", data]
+    ratios: dict[str, list[float]] = {"cpu": [], "gpu": []}
+    waits: dict[str, list[float]] = {"cpu": [], "gpu": []}
+    util: dict[str, list[float]] = {"cpu": [], "gpu": []}
+    for r in range(rounds):
+        synthetic = trainer_arm(out / "runs" / f"gpu-synthetic-{r}", base, size["warmup"])
+        for decode in ("cpu", "gpu"):
+            arm = trainer_arm(out / "runs" / f"gpu-jpeg-{decode}-{r}", [*files, "--decode", decode], size["warmup"])
+            ratios[decode].append(median(synthetic["step_times"]) / median(arm["step_times"]))
+            waits[decode].append(median(arm["data_wait"]))
+            util[decode] += arm["gpu_util"]
+    workers = default_num_workers(parse_config(["--dataset", "imagefolder"]))
+    best = max(median(ratios["cpu"]), median(ratios["gpu"]))
+    return [row(f"GPU images/s on JPEG files, --decode {decode} ({workers} loader workers) / synthetic on the device",
+                ratios[decode], f"{size['gpu_photos']} photos of 500 x 375; data wait {median(waits[decode]):.2f} of "
+                f"the step, NVML busy {median(util[decode]) if util[decode] else float('nan'):.0f}%",
+                ">= 0.90 (better)", best >= 0.90) for decode in ("cpu", "gpu")]
 
 
