@@ -4,7 +4,10 @@
   shapes and textures with random position, size, colours and noise. It needs a real model to learn.
 - cifar10: torchvision's CIFAR10 under --data-dir (downloaded only with --download, by local rank 0).
 - imagefolder: DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*, decoded by torchvision.io into uint8
-  tensors (PIL for the formats it does not read) and augmented on tensors by the recipe (see recipe()).
+  tensors (PIL for the formats it does not read) and augmented on tensors by the recipe (see recipe()):
+  in the loader workers (--decode cpu), or in the training process on its GPU (--decode gpu:
+  FileBytes, DeviceDecoder).
+- shards: an ImageFolder packed by train/pack.py, read by offset (ShardSplit), decoded as above.
 
 Training batches come from ShardSampler: every epoch one permutation drawn from (seed, epoch), shared
 by all ranks, rank r taking every world_size-th index. Each index travels with its own augmentation
@@ -21,6 +24,7 @@ import io
 import json
 import math
 import signal
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -286,6 +290,10 @@ class DeviceDecoder:
             yield decode_batch(data, names, seeds, self.files.transform, self.device), labels
 
 
+def _path_of(folder, index: int) -> str:
+    return folder.samples[index][0]
+
+
 def _imagefolder_split(root: Path, split: str, loader=load_image):
     from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
 
@@ -451,8 +459,8 @@ def build_datasets(cfg: Config):
     check_imagefolder(root)
     if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
         train, val = (_imagefolder_split(root, split, loader=read_bytes) for split in ("train", "val"))
-        return (FileBytes(train, _transforms(cfg, True), lambda i: train.samples[i][0]),
-                FileBytes(val, _transforms(cfg, False), lambda i: val.samples[i][0]), len(train.classes))
+        return (FileBytes(train, _transforms(cfg, True), partial(_path_of, train)),
+                FileBytes(val, _transforms(cfg, False), partial(_path_of, val)), len(train.classes))
     train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
     train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
     return train, val, len(train.classes)
