@@ -14,7 +14,7 @@ signal after saving a checkpoint.
 import sys
 
 from train.config import parse_config
-from train.errors import ConfigError, exit_quickly, fail
+from train.errors import ConfigError, end_process, fail
 
 
 def main(argv: list[str]) -> int:
@@ -26,10 +26,8 @@ def main(argv: list[str]) -> int:
     # mistake in the flags or config file answer at once.
     from train.launch import start  # noqa: PLC0415
 
-    code = start(cfg)
-    exit_quickly()
-    return code
+    return start(cfg)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    end_process(main(sys.argv[1:]))

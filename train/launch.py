@@ -37,7 +37,7 @@ from train import trainer
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main
-from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, exit_quickly, fail
+from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, end_process, fail
 from train.watchdog import watchdog
 
 
@@ -127,8 +127,7 @@ def _spawned(local_rank: int, cfg: Config, nprocs: int) -> None:
     except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
         traceback.print_exc()
         code = 1
-    exit_quickly()
-    sys.exit(code)
+    end_process(code)
 
 
 def spawn(cfg: Config) -> int:
@@ -249,5 +248,4 @@ def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_di
 
 if __name__ == "__main__":
     code = launch_main(sys.argv[1:])
-    exit_quickly()
-    sys.exit(code)
+    end_process(code)

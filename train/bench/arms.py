@@ -97,7 +97,7 @@ def _bare_gpu(spec: dict) -> None:
             times.append((time.perf_counter() - window) / spec["window"])
             window = time.perf_counter()
     Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
-    dist.destroy_process_group()
+    destroy_and_leave_together()  # a rank exiting while a peer's gloo group lives can abort that peer
 
 
 def bare_main(spec_json: str) -> None:
