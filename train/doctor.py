@@ -96,10 +96,10 @@ def check_gpus() -> int:
     return count
 
 
-# What image files need per GPU: one loader worker decodes and augments about 800 ImageNet-sized JPEGs/s
-# (make bench, train pipeline) and ResNet-50 on one H100 takes about 3,900 images/s, so about 5 cores; the
+# What image files need per GPU: one loader worker decodes and augments about 670 ImageNet-sized JPEGs/s
+# (make bench, train pipeline) and ResNet-50 on one H100 takes about 3,900 images/s, so about 6 cores; the
 # workers' prefetched batches (4 per worker, 224 px uint8) want about 2 GiB of /dev/shm per GPU.
-CORES_PER_GPU = 5
+CORES_PER_GPU = 6
 SHM_PER_GPU = 2 * 2**30
 
 

@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     header = (f"trainbox bench: torch {torch.__version__}, {cores} CPU cores, "
               f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "
               f"{ns.rounds} interleaved rounds; ratio = median, spread = lowest-highest round")
-    print(f"bench: measuring into {out}{'' if ns.gpu_only else ' (7 to 8 minutes on 2 cores)'}", file=sys.stderr,
+    print(f"bench: measuring into {out}{'' if ns.gpu_only else ' (about 12 minutes on 2 cores)'}", file=sys.stderr,
           flush=True)
     rows, bars = [], {}
     if not ns.gpu_only:
