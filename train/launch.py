@@ -59,14 +59,17 @@ def run_worker(cfg: Config) -> int:
     rank = identity().global_rank
     try:
         code = trainer.run(cfg)
-    except DataError as e:  # one rank met it; that rank says so
-        print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except ConfigError as e:  # every rank raised it; one says so
-        if is_main():
-            print(f"error: {_last_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except Exception as e:
+        if not watchdog.claim_report():  # the watchdog named the phase and is printing the stacks
+            traceback.print_exception(e, file=sys.stderr)
+            return EXIT_FAILED
+        if isinstance(e, DataError):  # one rank met it; that rank says so
+            print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if isinstance(e, ConfigError):  # every rank raised it; one says so
+            if is_main():
+                print(f"error: {_last_line(e)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if not _lost_peer(e):
             raise
         _report_lost_peer(rank, e)

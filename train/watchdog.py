@@ -27,6 +27,8 @@ class Watchdog:
         self.limit = math.inf
         self.armed_at = -math.inf
         self._thread: threading.Thread | None = None
+        self._report = threading.Lock()
+        self._reported = False  # this process's one error line is out (the watchdog's or the caller's)
 
     def enter(self, phase: str, limit_s: float) -> None:
         self.phase, self.limit = phase, limit_s
@@ -44,6 +46,17 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
 
     close = pause
+
+    def claim_report(self) -> bool:
+        """A caller is about to report the error that ended its work: True if it should print its line
+        (the watchdog is then disarmed and stays silent), False if the watchdog has named the phase
+        already and is ending the process. Either way one line, never two."""
+        with self._report:
+            if self._reported:
+                return False
+            self._reported = True
+        self.pause()
+        return True
 
     def _arm(self, now: float) -> None:
         if self.limit == math.inf:
@@ -65,6 +78,10 @@ class Watchdog:
             elif now < due:
                 time.sleep(min(due - now, 1.0))
             elif (self.limit, self.armed_at) == (limit, armed_at):  # not re-armed meanwhile
+                with self._report:
+                    if self._reported:  # the caller reported the error first, and disarmed the timer
+                        return
+                    self._reported = True
                 print(f"error: [{self.label}] no progress for {limit:.0f} s during {self.phase}: a peer died, "
                       f"hangs or cannot be reached (or this process is stuck); every thread's stack follows "
                       f"and the process exits 1", file=sys.__stderr__, flush=True)

@@ -1,0 +1,36 @@
+"""The watchdog and a caller reporting the same failure print one error line between them, never two."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from train.watchdog import Watchdog
+
+
+def _overdue(watchdog: Watchdog) -> None:
+    """As if the phase's limit had run out (without arming faulthandler, which would end this process)."""
+    watchdog.phase, watchdog.label = "process-group set-up", "rank 1"
+    watchdog.limit, watchdog.armed_at = 1.0, time.monotonic() - 5
+
+
+def test_a_caller_that_reports_first_silences_the_watchdog(capfd):
+    watchdog = Watchdog()
+    _overdue(watchdog)
+    assert watchdog.claim_report()
+    _overdue(watchdog)  # still overdue after the claim: the announcement must stay silent anyway
+    watchdog._announce()  # returns at once
+    assert capfd.readouterr().err == ""
+    assert not watchdog.claim_report()
+
+
+def test_a_watchdog_that_named_the_phase_first_keeps_the_caller_silent(capfd):
+    watchdog = Watchdog()
+    _overdue(watchdog)
+    threading.Thread(target=watchdog._announce, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while "error:" not in (err := capfd.readouterr().err) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert err.startswith("error: [rank 1] no progress for 1 s during process-group set-up"), err
+    assert not watchdog.claim_report()
+    watchdog.pause()  # lets the announcing thread go back to idling
