@@ -100,6 +100,12 @@ def plan(env) -> dict[str, str | list[str]]:
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
     runs_dir = Path(env.get("RUNS_DIR") or trainbox_dir / "runs")
     data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
+    if not env.get("RUNS_DIR"):  # the default, beside the checkout, is made; a folder the user named must exist
+        try:
+            runs_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise SlurmInputError(f"cannot create {runs_dir} ({e.strerror}): set RUNS_DIR to a writable folder "
+                                  f"on the NAS") from None
     if not runs_dir.is_dir():
         raise SlurmInputError(f"RUNS_DIR={runs_dir} does not exist on {env.get('SLURMD_NODENAME', 'this node')}: "
                               f"create it on the NAS or set RUNS_DIR")

@@ -24,6 +24,15 @@ def test_plan_local_runtime(tmp_path):
     assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
 
 
+def test_plan_creates_the_default_runs_folder_beside_the_checkout(tmp_path):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    env = {k: v for k, v in _job_env(tmp_path, TRAINBOX_DIR=str(checkout)).items() if k != "RUNS_DIR"}
+    out = slurm.plan(env)
+    assert (checkout / "runs").is_dir() and out["RUN_DIR"] == str(checkout / "runs" / "slurm-777")
+    assert slurm.plan(env)["RUN_DIR"] == out["RUN_DIR"]  # a second job finds it there
+
+
 @pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
