@@ -28,6 +28,9 @@ SHELL := /bin/bash
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
+#   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
+#   MLFLOW_PORT  the port `make mlflow` serves on (5000); MLFLOW_IMAGE, MLFLOW_BASE_IMAGE: its image
+#   MLFLOW_VENV  the server's local environment (`make mlflow RUNTIME=local`), from docker/mlflow.lock
 GPUS ?=
 ARGS ?=
 MAX_RESTARTS ?=
@@ -52,6 +55,10 @@ CHAOS_ARGS ?=
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
 RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
+MLFLOW_PORT ?= 5000
+MLFLOW_IMAGE ?= trainbox-mlflow:local
+MLFLOW_BASE_IMAGE ?= python:3.12-slim
+MLFLOW_VENV ?= .venv-mlflow
 
 PY := $(VENV)/bin/python
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
@@ -67,10 +74,10 @@ LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these two come from make's knobs.
-export GPUS MAX_RESTARTS
+export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard mlflow mlflow-setup mlflow-image env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -133,9 +140,30 @@ else
 	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --bind_all --port 6006
 endif
 
+mlflow: ## MLflow tracking server on port 5000, its store in runs/mlflow (container, detached; or local, as RUNTIME)
+ifeq ($(RUNTIME),docker)
+	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && MLFLOW_PORT=$(MLFLOW_PORT) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@echo "MLflow on http://localhost:$(MLFLOW_PORT); compose runs track to it after: make env MLFLOW_TRACKING_URI=http://mlflow:5000"
+else
+	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH docker/mlflow-server.sh runs
+endif
+
+mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment from docker/mlflow.lock (hash-checked)
+
+$(MLFLOW_VENV)/.installed: docker/mlflow.lock
+	@test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r docker/mlflow.lock
+	@touch $@
+
+mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it is missing
+	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/mlflow.Dockerfile \
+	  -t $(MLFLOW_IMAGE) $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(MLFLOW_BASE_IMAGE) \
+	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
+
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) docker/hostenv.py --file $(ENV_FILE) --image $(IMAGE) \
-	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
+	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
+	  $(if $(filter command line,$(origin MLFLOW_TRACKING_URI)),--mlflow-uri "$(MLFLOW_TRACKING_URI)")
 
 $(ENV_FILE):
 	@$(MAKE) --no-print-directory env
@@ -162,6 +190,7 @@ apptainer: ## the image as an Apptainer SIF (SIF=trainbox.sif; needs apptainer)
 lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu128/cu126 need download.pytorch.org)
 	@mkdir -p $(dir $(LOCK))
 	uv pip compile --generate-hashes $(LOCK_FLAGS) pyproject.toml -o $(LOCK)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes --universal --python-version 3.10 docker/mlflow.in -o docker/mlflow.lock)
 
 docker/locks/%.lock:
 	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable, then commit it" >&2

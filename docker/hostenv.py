@@ -1,4 +1,5 @@
-"""`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files).
+"""`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files, the MLflow
+server the trainer tracks to).
 `make doctor` also asks it, on the host, whether the driver can run the image's CUDA (--check-driver):
 inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
 start an image whose CUDA the driver is too old for.
@@ -90,6 +91,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", default="", help="datasets on the NAS (mounted read-only)")
     parser.add_argument("--runs-dir", default="", help="runs and checkpoints on the NAS (read-write)")
     parser.add_argument("--image", default="", help="image tag the services run")
+    parser.add_argument("--mlflow-uri", default=None, help="the MLflow server the trainer tracks to "
+                        "(http://mlflow:5000: the compose service); empty: no tracking")
     parser.add_argument("--file", default=".env")
     parser.add_argument("--check-driver", metavar="CUDA", help="only check the host driver against CUDA (13.0, ...)")
     args = parser.parse_args(argv)
@@ -114,6 +117,8 @@ def main(argv: list[str]) -> int:
         values[key] = str(folder.resolve())
     if args.image:
         values["TRAINBOX_IMAGE"] = args.image
+    if args.mlflow_uri is not None:
+        values["MLFLOW_TRACKING_URI"] = args.mlflow_uri
     values["COMPOSE_FILE"] = GPU_COMPOSE if host_has_gpus() else CPU_COMPOSE
     path.write_text("# written by `make env`; keys other than these are kept\n"
                     + "".join(f"{k}={v}\n" for k, v in values.items()))

@@ -31,6 +31,16 @@ def test_writes_ids_paths_and_compose_files_and_keeps_other_keys(tmp_path, monke
     assert values["COMPOSE_FILE"] == expected
 
 
+def test_points_compose_runs_at_an_mlflow_server_and_keeps_it(tmp_path):
+    env_file = tmp_path / ".env"
+    assert hostenv.main(["--file", str(env_file), "--mlflow-uri", "http://mlflow:5000"]) == 0
+    assert hostenv.read_env(env_file)["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert hostenv.main(["--file", str(env_file)]) == 0  # a later `make env` without it keeps it
+    assert hostenv.read_env(env_file)["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert hostenv.main(["--file", str(env_file), "--mlflow-uri", ""]) == 0  # empty: tracking off
+    assert hostenv.read_env(env_file)["MLFLOW_TRACKING_URI"] == ""
+
+
 @pytest.mark.parametrize("driver, cuda, too_old", [
     ("535.183.01", "13.0", True), ("550.54", "12.8", False), ("580.159.04", "13.0", False),
     ("520.61", "12.6", True), ("470.1", "11.8", False),
