@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import make, python_cmd, run
+from tests.helpers import MlflowServer, make, python_cmd, run
+from train.distributed import free_port
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +37,16 @@ def default_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("default") / "run"
     make("train", "RUNTIME=local", f"ARGS=--run-dir {run_dir}", timeout=900)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server for the session (`make mlflow-setup` installs it from its lock)."""
+    make("mlflow-setup", timeout=900)
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port())
+    server.start()
+    yield server
+    server.stop()
 
 
 def pytest_collection_modifyitems(config, items):

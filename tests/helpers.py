@@ -6,9 +6,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -151,3 +153,35 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
             except OSError:
                 continue
     raise AssertionError(f"no worker with RANK={rank} under {launcher.pid}")
+
+
+class MlflowServer:
+    """A real MLflow tracking server (docker/mlflow-server.sh, from the environment `make mlflow-setup`
+    makes), its store in `root`; stop() kills it, start() brings it back on the same store and port."""
+
+    def __init__(self, root: Path, port: int):
+        self.root, self.port, self.proc = root, port, None
+        self.uri = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        venv = REPO / ".venv-mlflow" / "bin"
+        env = {**env_for_tests(MLFLOW_PORT=str(self.port)), "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
+        log = open(self.root / "server.log", "a")
+        self.proc = subprocess.Popen([str(REPO / "docker" / "mlflow-server.sh"), str(self.root)], env=env,
+                                     stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(f"{self.uri}/health", timeout=2).read() == b"OK":
+                    return
+            except OSError:
+                time.sleep(0.5)
+            if self.proc.poll() is not None:
+                break
+        raise AssertionError(f"the MLflow server did not start: {(self.root / 'server.log').read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        """The whole server (its workers too), at once, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -143,7 +143,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     remove_partial(run_dir)
     path = folder / f"step_{step:08d}.pt"
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    sidecar, sidecar_tmp = _sidecar(path), path.with_name(f".{path.name}.crc32.tmp.{os.getpid()}")
+    sidecar, sidecar_tmp = sidecar_of(path), path.with_name(f".{path.name}.crc32.tmp.{os.getpid()}")
     out = None
     crc = torch.serialization.get_crc32_options()
     try:
@@ -212,7 +212,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 SIDECARS = (".crc32", ".sha256")  # what this version writes; what earlier versions wrote
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar_of(path: Path) -> Path:
+    """The checksum file this version writes beside a checkpoint."""
     return path.with_name(path.name + SIDECARS[0])
 
 

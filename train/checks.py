@@ -22,6 +22,7 @@ from train.distributed import resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import check_model_spec
+from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 
 
 
@@ -49,6 +50,18 @@ def preflight(cfg: Config, world: int | None = None) -> None:
                    "set MASTER_PORT to a free port")
     if cfg.run_dir:
         check_run_dir(cfg, Path(cfg.run_dir))
+    check_tracking(cfg, ident.global_rank)
+
+
+def check_tracking(cfg: Config, rank: int) -> None:
+    """A tracked run names a server it can reach. Asked once per launch (the launcher and global rank 0),
+    and only for a new run: a restart or resume of a tracked run trains on while the server is down."""
+    uri = tracking_uri(cfg)
+    if not uri:
+        return
+    check_uri(uri)
+    if rank == 0 and not continues_a_tracked_run(cfg.run_dir):
+        probe_server(uri)
 
 
 def check_devices(cfg: Config) -> None:

@@ -91,6 +91,12 @@ class Config:
     eval_every: int = _f(200, "evaluate every N steps (and at the end); 0: only at the end")
     log_every: int = _f(50, "log loss and throughput every N steps")
     tensorboard: bool = _f(True, "write TensorBoard event files into the run directory")
+    # --- MLflow tracking (off unless a server is named) ---
+    mlflow_uri: str = _f("", "MLflow tracking server, http(s)://HOST:PORT; empty: $MLFLOW_TRACKING_URI, and no "
+                             "tracking when that is unset too")
+    mlflow_experiment: str = _f("", "MLflow experiment; empty: $MLFLOW_EXPERIMENT_NAME, else trainbox")
+    mlflow_checkpoints: bool = _f(False, "also send every checkpoint to MLflow as an artifact (model.pt and "
+                                         "manifest.json always are)")
 
     def validate(self) -> None:
         positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",

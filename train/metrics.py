@@ -47,10 +47,11 @@ def _step_of(line: str) -> float:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one JSON object per line, flushed at once) plus TensorBoard scalars."""
+    """metrics.jsonl (one JSON object per line, flushed at once) plus TensorBoard scalars and MLflow."""
 
-    def __init__(self, run_dir: Path | None, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, run_dir: Path | None, tensorboard: bool, resume_step: int = 0, tracker=None):
         self.active = run_dir is not None
+        self.tracker = tracker  # MLflow (train/tracking.py), when the run is tracked
         self._jsonl = None
         self._tb = None
         if not self.active:
@@ -68,7 +69,10 @@ class MetricsWriter:
     def write(self, step: int, kind: str, values: dict) -> None:
         if not self.active:
             return
-        self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+        now = round(time.time(), 3)
+        self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": now, **values}) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(step, kind, values, now)
         if self._tb is not None:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

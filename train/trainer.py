@@ -35,6 +35,7 @@ from train.errors import EXIT_DONE, EXIT_STOPPED, ConfigError
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, write_manifest
 from train.models import build_model
 from train.optim import build_optimizer, lr_factor
+from train.tracking import Tracker, start_tracking, tracking_uri
 from train.watchdog import watchdog
 
 log = logging.getLogger("train")
@@ -48,10 +49,16 @@ def run(cfg: Config) -> int:
     device = pick_device(cfg.device, ident)
     init(device, cfg.timeout_s)
     stop = StopSignal()
-    clean = False
+    clean, code, tracker = False, None, None
     try:
         run_dir = resolve_run_dir(cfg)
-        code = EXIT_DONE if already_finished(run_dir, cfg) else Trainer(cfg, run_dir, device, stop).train()
+        if already_finished(run_dir, cfg):
+            tracker = catch_up_tracking(cfg, run_dir)
+            code = EXIT_DONE
+        else:
+            trainer = Trainer(cfg, run_dir, device, stop)
+            tracker = trainer.tracker
+            code = trainer.train()
         clean = True
         return code
     finally:
@@ -60,6 +67,8 @@ def run(cfg: Config) -> int:
             teardown(clean, cfg.timeout_s)
         finally:
             watchdog.pause()
+            if tracker is not None:  # after the group is gone: no rank waits for rank 0's uploads
+                tracker.close({EXIT_DONE: "FINISHED", EXIT_STOPPED: "KILLED"}.get(code, "FAILED"), cfg.timeout_s)
 
 
 class Trainer:
@@ -83,7 +92,9 @@ class Trainer:
         self.model = self._wrap(self.raw_model)
         self._write_run_files()
         self.last_saved = self.step if self.resumed_from is not None else -1
-        self.metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=self.step)
+        self.tracker = start_tracking(cfg, run_dir, self.step) if is_main() else None
+        self.metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=self.step,
+                                     tracker=self.tracker)
         self.telemetry = GpuTelemetry(device)
         self.window = LogWindow(device, self.world * cfg.batch_size * cfg.grad_accum)
         self.criterion = torch.nn.CrossEntropyLoss()
@@ -212,6 +223,9 @@ class Trainer:
             ckpt.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
             self.write_status("done", **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", self.run_dir / "model.pt")
+            if self.tracker:
+                for name in ("model.pt", "manifest.json"):
+                    self.tracker.upload(self.run_dir / name)
         return EXIT_DONE
 
     def write_status(self, state: str, **extra) -> None:
@@ -229,6 +243,9 @@ class Trainer:
         def write() -> None:
             path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(rng), self.cfg.keep_checkpoints)
             log.info("saved %s (%s)", path, reason)
+            if self.tracker and self.cfg.mlflow_checkpoints:
+                for file in (path, ckpt.sidecar_of(path)):
+                    self.tracker.upload(file, "checkpoints")
 
         on_main(write, self._save_failed)
         self.last_saved = self.step
@@ -455,6 +472,18 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
         print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
               f"do; pass a larger --max-steps to train on, or a new --run-dir", file=sys.stderr)
     return done
+
+
+def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
+    """A finished run started again: rank 0 sends what its tracking may still lack (metrics an attempt
+    could not send, model.pt, manifest.json) and marks the MLflow run finished."""
+    if not is_main() or not tracking_uri(cfg):
+        return None
+    setup_logging(run_dir)
+    tracker = start_tracking(cfg, run_dir, ckpt.read_status(run_dir).get("step", cfg.max_steps))
+    for name in ("model.pt", "manifest.json"):
+        tracker.upload(run_dir / name)
+    return tracker
 
 
 def setup_logging(run_dir: Path | None) -> None:

@@ -87,6 +87,12 @@ CASES = [
     ("negative-spawn", ["--spawn", "-2"], "--spawn must be >= 0"),
     ("fewer-samples-than-a-step", ["--train-samples", "8", "--batch-size", "16"],
      "8 training samples are fewer than one step needs (1 workers x 16 x 1)"),
+    ("mlflow-not-a-server", ["--mlflow-uri", "ftp://nas/mlruns"], "MLflow tracking URI 'ftp://nas/mlruns' is not "
+                                                                  "an MLflow server's address: use http(s)://"),
+    ("mlflow-password-in-uri", ["--mlflow-uri", "http://me:secret@mlflow:5000"],
+     "pass it in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead"),
+    ("mlflow-server-down", ["--mlflow-uri", "http://127.0.0.1:9"],  # the discard port: nothing listens
+     "the MLflow server at http://127.0.0.1:9 does not answer (Connection refused): start it (make mlflow)"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("cuda-without-gpu", ["--device", "cuda"], "--device cuda but no CUDA GPU is visible"))
@@ -126,6 +132,16 @@ def test_too_few_samples_for_the_workers_is_refused_before_torchrun(finished_run
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "24 training samples are fewer than one step needs (2 workers x 16 x 1)" in err[0]
+    assert snapshot(finished_run) == before
+
+
+def test_an_mlflow_server_that_does_not_answer_stops_a_new_run_before_torchrun(finished_run, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    before = snapshot(finished_run)
+    code = launch_main(["--gpus", "2", "--", *DEBUG, "--run-dir", str(finished_run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: the MLflow server at http://127.0.0.1:9 does not answer")
     assert snapshot(finished_run) == before
 
 

@@ -1,0 +1,319 @@
+"""MLflow tracking, opt-in: MLFLOW_TRACKING_URI (or --mlflow-uri) turns it on.
+
+Global rank 0 sends the run to one MLflow run per run directory, whatever happens to the run: a resume,
+a torchrun restart, a Slurm requeue or `docker compose run` again all find its id in RUN_DIR/mlflow.json
+and continue it. What it sends: the resolved config (config.json) as params, the manifest (manifest.json,
+the latest start's) as tags, every metric of metrics.jsonl by step (each step once: the steps a restart
+replays are not sent again, and what an attempt killed before sending had written is sent by the next),
+model.pt and manifest.json as artifacts at the end, and the checkpoints when --mlflow-checkpoints asks.
+
+The training loop only appends to a list (`Tracker.log`); a thread of its own sends in batches. When the
+server is down, slow or refuses, training goes on at full speed, one warning says so, and what was kept
+is sent once it answers; the end of the run says what never got there (metrics.jsonl has it all, and
+running the same command again once the server is back sends the rest). A bad URI or refused
+credentials stop a new run before it starts (train/checks.py).
+
+mlflow is imported only by runs that track (about 1 s): `_mlflow()` is the one place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from train.checkpoint import atomic_write
+from train.config import Config
+from train.errors import ConfigError
+
+log = logging.getLogger("train")
+
+RECORD = "mlflow.json"  # in the run directory: which MLflow run tracks it
+BATCH_EVERY_S = 2.0  # how often the thread sends what the loop logged
+MAX_BACKOFF_S = 30.0  # the longest wait between tries while the server does not answer
+
+
+def tracking_uri(cfg: Config) -> str:
+    """The tracking server, or '' when tracking is off."""
+    return cfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
+def experiment_name(cfg: Config) -> str:
+    return cfg.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or "trainbox"
+
+
+def check_uri(uri: str) -> None:
+    """A URI trainbox can track to: an MLflow server over http(s), credentials not inside it."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"MLflow tracking URI {uri!r} is not an MLflow server's address: use "
+                          f"http(s)://HOST:PORT (`make mlflow` starts one), or unset MLFLOW_TRACKING_URI to train "
+                          f"without tracking")
+    if parts.password:
+        raise ConfigError("the MLflow tracking URI carries a password (it would be saved in config.json): "
+                          "pass it in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD instead")
+
+
+def continues_a_tracked_run(run_dir: str, env=os.environ) -> bool:
+    """A restart, a requeue or a resume of a run already tracked: a server that is down then must not
+    stop the training (it is told when it is back), unlike for a new run."""
+    restarted = any(env.get(k, "0").strip() not in ("", "0") for k in ("TORCHELASTIC_RESTART_COUNT",
+                                                                       "SLURM_RESTART_COUNT"))
+    return restarted or bool(run_dir) and (Path(run_dir) / RECORD).is_file()
+
+
+def probe_server(uri: str) -> None:
+    """Fail in one line, before anything starts, when the server does not answer or refuses us."""
+    mlflow = _mlflow()
+    try:
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - requests' and MLflow's errors alike: the reason is all we need
+        if any(code in str(e) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
+            what, fix = "refused the credentials", "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        else:
+            what, fix = "does not answer", "start it (make mlflow) or fix MLFLOW_TRACKING_URI"
+        raise ConfigError(f"the MLflow server at {uri} {what} ({_reason(e)}): {fix}, or unset "
+                          f"MLFLOW_TRACKING_URI to train without tracking") from None
+
+
+def _mlflow():
+    """The MLflow client library, imported on first use (in the main thread: see Tracker)."""
+    # One try per request, and never minutes on one: the Tracker's thread keeps what failed and tries again.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    import mlflow.entities  # noqa: PLC0415 - see the module docstring (binds the package, `mlflow`)
+
+    return mlflow
+
+
+# What the usual failures come down to, found in the client's long chain of messages.
+_CAUSES = ("Connection refused", "Name or service not known", "Temporary failure in name resolution",
+           "No route to host", "timed out", "Connection reset", "Remote end closed connection")
+
+
+def _reason(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    cause = next((c for c in _CAUSES if c.lower() in text.lower()), None)
+    return cause or text[:160] + ("..." if len(text) > 160 else "")
+
+
+def _tag(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+class Tracker:
+    """Rank 0's link to one MLflow run. `log` and `upload` only queue; `close` waits (bounded) for the
+    queue to empty, marks the run FINISHED / KILLED / FAILED and says what could not be sent."""
+
+    def __init__(self, uri: str, experiment: str, run_dir: Path, resume_step: int):
+        self.uri, self.experiment, self.run_dir, self.resume_step = uri, experiment, run_dir, resume_step
+        # Imported here, in the main thread, before any DataLoader worker is forked: a fork while another
+        # thread imports could leave the child with an import lock held.
+        self.mlflow = _mlflow()
+        self.run_id: str | None = None
+        self._points: list[tuple[str, float, int, int]] = []  # (key, value, time in ms, step)
+        self._files: list[tuple[Path, str | None]] = []  # (file, artifact folder)
+        self._sent: dict[str, set[int]] = {}  # key -> steps the run already has
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = False
+        self._final_status: str | None = None
+        self._problem: BaseException | None = None  # the failure while the server does not answer
+        self._thread = threading.Thread(target=self._send_loop, name="trainbox-mlflow", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the loop's side: queue only
+
+    def log(self, step: int, kind: str, values: dict, when: float) -> None:
+        points = [(f"{kind}/{key}", float(value), int(when * 1000), step) for key, value in values.items()
+                  if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)]
+        with self._lock:
+            self._points.extend(points)
+
+    def upload(self, path: Path, folder: str | None = None) -> None:
+        with self._lock:
+            self._files.append((Path(path), folder))
+        self._wake.set()
+
+    def close(self, status: str, timeout_s: float) -> None:
+        """status: FINISHED, KILLED (stopped) or FAILED. Waits at most timeout_s."""
+        self._final_status, self._closing = status, True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        with self._lock:
+            points, files = list(self._points), [path.name for path, _ in self._files]
+        if self._thread.is_alive() or points or files or self._final_status:
+            steps = sorted({step for *_, step in points})
+            what = ", ".join(filter(None, [
+                f"{len(points)} metric values (steps {steps[0]}-{steps[-1]})" if points else "",
+                ", ".join(files), f"the run's status ({status})" if self._final_status else ""]))
+            why = _reason(self._problem) if self._problem else f"still sending after {timeout_s:.0f} s"
+            log.warning("mlflow: could not send %s to %s (%s): metrics.jsonl and %s have everything; run the "
+                        "same command once the server answers to send the rest", what or "everything", self.uri,
+                        why, self.run_dir)
+        else:
+            log.info("mlflow: run %s at %s is complete (%s)", self.run_id, self.uri, status)
+
+    # ------------------------------------------------------------ the thread's side: send
+
+    def _send_loop(self) -> None:
+        backoff = 1.0
+        while True:
+            closing = self._closing
+            try:
+                self._send()
+            except Exception as e:  # noqa: BLE001 - any failure of the server or the network: keep, retry
+                if self._problem is None:
+                    log.warning("mlflow: the server at %s does not take the run's data (%s): training goes on, "
+                                "and what is kept is sent once it answers", self.uri, _reason(e))
+                self._problem = e
+                if closing:
+                    return
+                self._wake.wait(backoff)
+                self._wake.clear()
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            if self._problem is not None:
+                log.warning("mlflow: the server at %s answers again: sent what was kept", self.uri)
+                self._problem = None
+            backoff = 1.0
+            if closing:
+                return
+            self._wake.wait(BATCH_EVERY_S)
+            self._wake.clear()
+
+    def _send(self) -> None:
+        if self.run_id is None:
+            self._open()
+        client, Metric = self.client, self.mlflow.entities.Metric
+        with self._lock:
+            points = list(self._points)
+        fresh, seen = [], set()
+        for key, value, ms, step in points:
+            if step not in self._sent.get(key, ()) and (key, step) not in seen:
+                seen.add((key, step))
+                fresh.append((key, value, ms, step))
+        for chunk in _chunks(fresh, 1000):  # MLflow's limit per request
+            client.log_batch(self.run_id, metrics=[Metric(k, v, ms, s) for k, v, ms, s in chunk], synchronous=True)
+            for key, _, _, step in chunk:
+                self._sent.setdefault(key, set()).add(step)
+        with self._lock:
+            del self._points[:len(points)]
+        while self._files:
+            path, folder = self._files[0]
+            if path.is_file() and not self._has_artifact(path, folder):
+                client.log_artifact(self.run_id, str(path), folder)
+            with self._lock:
+                self._files.pop(0)
+        if self._closing and self._final_status:
+            client.set_terminated(self.run_id, self._final_status)
+            self._final_status = None
+
+    def _has_artifact(self, path: Path, folder: str | None) -> bool:
+        listed = self.client.list_artifacts(self.run_id, folder)
+        return any(f.path.rsplit("/", 1)[-1] == path.name and f.file_size == path.stat().st_size for f in listed)
+
+    def _open(self) -> None:
+        """The run this run directory is tracked in (created on its first start), its params and tags, the
+        steps it already has, and what earlier attempts wrote to metrics.jsonl but may not have sent."""
+        self.client = client = self.mlflow.MlflowClient(self.uri)
+        record_path = self.run_dir / RECORD
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+        run = None
+        if record.get("tracking_uri") == self.uri:
+            try:
+                run = client.get_run(record["run_id"])
+            except self.mlflow.exceptions.MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+            if run is None or run.info.lifecycle_stage == "deleted":
+                log.warning("mlflow: run %s is gone from the server: this run continues in a new one",
+                            record["run_id"])
+                run = None
+        if run is None:
+            run = client.create_run(self._experiment_id(), run_name=self.run_dir.name,
+                                    tags={"run_dir": str(self.run_dir.resolve())})
+            atomic_write(record_path, (json.dumps({"tracking_uri": self.uri, "experiment": self.experiment,
+                                                   "run_id": run.info.run_id}, indent=2) + "\n").encode())
+            log.info("mlflow: tracking in run %s of experiment %r at %s", run.info.run_id, self.experiment, self.uri)
+        else:
+            client.update_run(run.info.run_id, status="RUNNING")
+            log.info("mlflow: continuing run %s at %s", run.info.run_id, self.uri)
+        run_id = run.info.run_id
+        self._log_params(run_id, run.data.params)
+        manifest = self._read_json("manifest.json")
+        tags = {k: _tag(v) for k, v in manifest.items() if k != "previous"}
+        if manifest.get("git_commit"):
+            tags["mlflow.source.git.commit"] = manifest["git_commit"]
+        for chunk in _chunks([self.mlflow.entities.RunTag(k, v) for k, v in tags.items()], 100):
+            client.log_batch(run_id, tags=chunk, synchronous=True)
+        self._sent = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in run.data.metrics}
+        earlier = []
+        for record in self._read_metrics():
+            if record.get("step", math.inf) <= self.resume_step:
+                values = {k: v for k, v in record.items() if k not in ("step", "kind", "time")}
+                earlier.append((record["step"], record["kind"], values, record.get("time", time.time())))
+        with self._lock:
+            kept, self._points = self._points, []
+        for step, kind, values, when in earlier:
+            self.log(step, kind, values, when)
+        with self._lock:
+            self._points.extend(kept)
+        self.run_id = run_id
+
+    def _log_params(self, run_id: str, logged: dict) -> None:
+        """The config as params. MLflow keeps a param's first value: a resume with another value (a larger
+        --max-steps, say) is named once, and config.json keeps the new one."""
+        config = {k: str(v) for k, v in self._read_json("config.json").items()}
+        changed = sorted(k for k, v in config.items() if k in logged and logged[k] != v)
+        if changed:
+            log.warning("mlflow: params keep the run's first values; changed since: %s",
+                        ", ".join(f"{k} ({logged[k]} -> {config[k]})" for k in changed))
+        new = [self.mlflow.entities.Param(k, v) for k, v in config.items() if k not in logged]
+        for chunk in _chunks(new, 100):
+            self.client.log_batch(run_id, params=chunk, synchronous=True)
+
+    def _experiment_id(self) -> str:
+        client = self.client
+        experiment = client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(self.experiment)
+        except self.mlflow.exceptions.MlflowException:  # created meanwhile by another run
+            return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def _read_json(self, name: str) -> dict:
+        try:
+            return json.loads((self.run_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _read_metrics(self) -> list[dict]:
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written, or cut short by a crash
+        return records
+
+
+def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | None:
+    """Rank 0's Tracker, or None when tracking is off."""
+    uri = tracking_uri(cfg)
+    return Tracker(uri, experiment_name(cfg), run_dir, resume_step) if uri else None
