@@ -73,7 +73,9 @@ def probe_server(uri: str) -> None:
     try:
         mlflow.MlflowClient(uri).search_experiments(max_results=1)
     except Exception as e:  # noqa: BLE001 - requests' and MLflow's errors alike: the reason is all we need
-        if any(code in str(e) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
+        if "Invalid Host header" in str(e):
+            what, fix = "refuses this address as its name", "add it to the server's MLFLOW_SERVER_ALLOWED_HOSTS"
+        elif any(code in str(e) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
             what, fix = "refused the credentials", "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
         else:
             what, fix = "does not answer", "start it (make mlflow) or fix MLFLOW_TRACKING_URI"

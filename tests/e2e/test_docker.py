@@ -316,3 +316,52 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
         assert b"train/loss" in tags and b"eval/accuracy" in tags
     finally:
         compose(env_file, *project, "down", expect=None)
+
+
+def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, standin_base, image, nas):
+    """`make mlflow` builds the server image (docker/mlflow.Dockerfile) and starts the compose service; a
+    compose run pointed at it (`make env MLFLOW_TRACKING_URI=http://mlflow:5000`) is tracked there, and
+    the server keeps its store and the uploaded model on the NAS, as the host user."""
+    from mlflow import MlflowClient
+
+    from train.distributed import free_port
+
+    root, env_file = nas
+    port, tag = free_port(), "trainbox-mlflow:test"
+    run(["make", "--no-print-directory", "env", f"ENV_FILE={env_file}", f"HOST_UID={USER}", f"HOST_GID={USER}",
+         "MLFLOW_TRACKING_URI=http://mlflow:5000"], cwd=REPO)
+    assert "MLFLOW_TRACKING_URI=http://mlflow:5000\n" in env_file.read_text()
+    cache_before = set(_build_cache(docker))
+    common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}", f"MLFLOW_IMAGE={tag}",
+              f"MLFLOW_PORT={port}"]
+    try:
+        # The system CA bundle as the build's extra CA: here PyPI is reached through a TLS-intercepting proxy.
+        up = run(["make", "--no-print-directory", "mlflow", "RUNTIME=docker", f"MLFLOW_BASE_IMAGE={standin_base}",
+                  "EXTRA_CA=/etc/ssl/certs/ca-certificates.crt", *common], cwd=REPO, timeout=1200)
+        assert f"MLflow on http://localhost:{port}" in up.stdout
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), 120, "the MLflow service")
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        trained = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--max-steps", "10",
+                          "--run-dir", "runs/ml1")
+        assert "mlflow: run" in trained.stderr and "is complete (FINISHED)" in trained.stderr, trained.stderr[-3000:]
+        run_id = json.loads((root / "runs" / "ml1" / "mlflow.json").read_text())["run_id"]
+        tracked = client.get_run(run_id)
+        assert tracked.info.status == "FINISHED" and "train/loss" in tracked.data.metrics
+        assert tracked.data.tags["image"] == IMAGE
+        stored = list((root / "runs" / "mlflow" / "artifacts").rglob("model.pt"))
+        assert len(stored) == 1 and stored[0].read_bytes() == (root / "runs" / "ml1" / "model.pt").read_bytes()
+        for path in (root / "runs" / "mlflow" / "mlflow.db", stored[0]):
+            assert (path.stat().st_uid, path.stat().st_gid) == (USER, USER), path
+    finally:
+        compose(env_file, "down", expect=None)
+        subprocess.run([docker, "image", "rm", "-f", tag], capture_output=True)
+        _prune_build_cache(docker, keep=cache_before)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(url, timeout=5).read() == b"OK"
+    except OSError:
+        return False
