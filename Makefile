@@ -31,6 +31,7 @@ SHELL := /bin/bash
 #   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
 #   MLFLOW_PORT  the port `make mlflow` serves on (5000); MLFLOW_IMAGE, MLFLOW_BASE_IMAGE: its image
 #   MLFLOW_VENV  the server's local environment (`make mlflow RUNTIME=local`), from docker/mlflow.lock
+#   SKY_VENV     SkyPilot's environment (`make sky-setup`), from tests/skypilot.lock
 GPUS ?=
 ARGS ?=
 MAX_RESTARTS ?=
@@ -59,6 +60,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_IMAGE ?= trainbox-mlflow:local
 MLFLOW_BASE_IMAGE ?= python:3.12-slim
 MLFLOW_VENV ?= .venv-mlflow
+SKY_VENV ?= .venv-sky
 
 PY := $(VENV)/bin/python
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
@@ -77,7 +79,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard mlflow mlflow-setup mlflow-image env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -160,6 +162,13 @@ mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it 
 	  -t $(MLFLOW_IMAGE) $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(MLFLOW_BASE_IMAGE) \
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
+sky-setup: $(SKY_VENV)/.installed ## SkyPilot in .venv-sky (tests/skypilot.lock), for sky launch slurm/skypilot.yaml
+
+$(SKY_VENV)/.installed: tests/skypilot.lock
+	@test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r tests/skypilot.lock
+	@touch $@
+
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) docker/hostenv.py --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
@@ -191,6 +200,7 @@ lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu1
 	@mkdir -p $(dir $(LOCK))
 	uv pip compile --generate-hashes $(LOCK_FLAGS) pyproject.toml -o $(LOCK)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes --universal --python-version 3.10 docker/mlflow.in -o docker/mlflow.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes --universal --python-version 3.10 tests/skypilot.in -o tests/skypilot.lock)
 
 docker/locks/%.lock:
 	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable, then commit it" >&2

@@ -37,17 +37,15 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
-# NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN_FLAGS, and
-# the torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py.
+# NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN, and the
+# torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py.
 plan=$(python3 slurm/plan.py plan) || exit 2
 eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" --cpus-per-task="$CPUS_PER_TASK" "${LAUNCH[@]}" -m torch.distributed.run \
-    --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" "${TORCHRUN_FLAGS[@]}" \
-    -m train --run-dir "$RUN_DIR_ARG" "$@" &
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" --cpus-per-task="$CPUS_PER_TASK" \
+    "${LAUNCH[@]}" "${TORCHRUN[@]}" -m train --run-dir "$RUN_DIR_ARG" "$@" &
 step=$!
 # The signal reaches this shell only (B:); pass it to the step's processes on every node. USR2 is the
 # preemption notice (requeue after the checkpoint); TERM is a cancel (`scancel`, a time limit): the run

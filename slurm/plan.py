@@ -1,17 +1,21 @@
-"""The decisions behind slurm/*.sh, in Python (standard library only: the batch shell's python3 runs it).
+"""The decisions behind the cluster launchers, in Python (standard library only: the batch shell's or
+the cloud node's python3 runs it).
 
-  python3 slurm/plan.py plan                     shell assignments: NNODES, NPROC_PER_NODE, CPUS_PER_TASK,
-                                                 MASTER_ADDR, MASTER_PORT, RUN_DIR, RUN_DIR_ARG, LAUNCH (the
-                                                 runtime's command prefix) and TORCHRUN_FLAGS
+  python3 slurm/plan.py plan                     for slurm/multinode.sh, shell assignments: NNODES,
+                                                 NPROC_PER_NODE, CPUS_PER_TASK, MASTER_ADDR, MASTER_PORT,
+                                                 RUN_DIR, RUN_DIR_ARG, LAUNCH (the runtime's command
+                                                 prefix) and TORCHRUN (torchrun's arguments)
   python3 slurm/plan.py after RUN_DIR [--preempted]
                                                  what the batch shell does once the step ended:
                                                  done | requeue | stopped | failed (from RUN_DIR/status.json)
+  python3 slurm/plan.py sky                      the same assignments for one node of a SkyPilot task
+                                                 (slurm/skypilot.yaml), from SkyPilot's environment
 
 Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE) is one line on stderr
 and exit code 2, so the job log says what to fix before any process starts.
 
 The trainer imports the same hostlist and port rules (train/distributed.py: a srun task per rank) and
-torchrun flags (train/launch.py: `make train`) from here, so both launch paths share one copy.
+torchrun flags (train/launch.py: `make train`) from here, so every launch path shares one copy.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,8 +45,19 @@ def torchrun_flags(max_restarts: int | str | None = None) -> list[str]:
             "--shutdown-timeout=100"]  # time for the workers to agree on a step and save before SIGKILL
 
 
-class SlurmInputError(ValueError):
-    pass
+def multinode_torchrun(nnodes: int, nproc: int, endpoint: str, rdzv_id: str, max_restarts: str | None,
+                       host: bool | None = None) -> list[str]:
+    """torchrun's arguments for one node of a multi-node run: c10d rendezvous at `endpoint` (on the
+    first node), the shared flags. host: whether this node hosts the rendezvous store (None: torchrun
+    tells by matching the endpoint against the node's own names and addresses)."""
+    conf = [] if host is None else [f"--rdzv-conf=is_host={str(host).lower()}"]
+    return ["-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", *conf,
+            *torchrun_flags(max_restarts)]
+
+
+class PlanError(ValueError):
+    """Bad input of a launch: one line, the cause and the fix."""
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -89,52 +105,40 @@ def cpus_per_task(env) -> int:
 def plan(env) -> dict[str, str | list[str]]:
     """Everything the batch script needs to start one torchrun per node, checked first."""
     if "SLURM_JOB_ID" not in env:
-        raise SlurmInputError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
+        raise PlanError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
     runtime = env.get("RUNTIME", "local")
     if runtime not in RUNTIMES:
-        raise SlurmInputError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
+        raise PlanError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
     nproc = env.get("NPROC_PER_NODE", "")
     if nproc and (not nproc.isdigit() or int(nproc) < 1):
-        raise SlurmInputError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
+        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
     workers = int(nproc) if nproc else (gpus_on_node(env) or 1)
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
-    runs_dir = Path(env.get("RUNS_DIR") or trainbox_dir / "runs")
+    runs_dir = _runs_dir(env, trainbox_dir, where=env.get("SLURMD_NODENAME", "this node"))
     data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
-    if not env.get("RUNS_DIR"):  # the default, beside the checkout, is made; a folder the user named must exist
-        try:
-            runs_dir.mkdir(exist_ok=True)
-        except OSError as e:
-            raise SlurmInputError(f"cannot create {runs_dir} ({e.strerror}): set RUNS_DIR to a writable folder "
-                                  f"on the NAS") from None
-    if not runs_dir.is_dir():
-        raise SlurmInputError(f"RUNS_DIR={runs_dir} does not exist on {env.get('SLURMD_NODENAME', 'this node')}: "
-                              f"create it on the NAS or set RUNS_DIR")
-    if not os.access(runs_dir, os.W_OK):
-        raise SlurmInputError(f"RUNS_DIR={runs_dir} is not writable: fix its permissions or set RUNS_DIR")
     if env.get("DATA_DIR") and not data_dir.is_dir():
-        raise SlurmInputError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
+        raise PlanError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
     run_name = env.get("RUN_NAME") or f"slurm-{env['SLURM_JOB_ID']}"
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"))
+    port = env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"]))
     out: dict[str, str | list[str]] = {
         "NNODES": str(len(nodes)),
         "NPROC_PER_NODE": str(workers),
         "CPUS_PER_TASK": str(cpus_per_task(env)),
         "MASTER_ADDR": nodes[0],
-        "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"])),
+        "MASTER_PORT": port,
         "RUN_DIR": str(runs_dir / run_name),
-        "TORCHRUN_FLAGS": torchrun_flags(env.get("MAX_RESTARTS")),
+        "TORCHRUN": multinode_torchrun(len(nodes), workers, f"{nodes[0]}:{port}", env["SLURM_JOB_ID"],
+                                       env.get("MAX_RESTARTS")),
     }
     if runtime == "local":
-        python = Path(env.get("PYTHON") or trainbox_dir / ".venv" / "bin" / "python")
-        if not python.exists():
-            raise SlurmInputError(f"{python} not found: run `make setup` in {trainbox_dir} (on the NAS) or set PYTHON")
-        out["LAUNCH"] = [str(python)]
+        out["LAUNCH"] = [_python(env, trainbox_dir)]
         out["RUN_DIR_ARG"] = str(runs_dir / run_name)
         return out
     image = env.get("IMAGE", "")
     suffix = ".sqsh" if runtime == "pyxis" else ".sif"
     if not image or ("/" in image and not Path(image).exists()):
-        raise SlurmInputError(f"RUNTIME={runtime} needs IMAGE=/nas/path/trainbox{suffix}: build it with "
+        raise PlanError(f"RUNTIME={runtime} needs IMAGE=/nas/path/trainbox{suffix}: build it with "
                               f"`make {'enroot' if runtime == 'pyxis' else 'apptainer'}`")
     mounts = [(str(runs_dir), f"{WORKDIR}/runs", "rw")]
     if data_dir.is_dir():
@@ -148,6 +152,65 @@ def plan(env) -> dict[str, str | list[str]]:
                          *[a for s, d, m in mounts for a in ("--bind", f"{s}:{d}:{m}")], image, "python"]
     out["RUN_DIR_ARG"] = f"runs/{run_name}"
     return out
+
+
+def plan_sky(env) -> dict[str, str | list[str]]:
+    """One node of a SkyPilot task (slurm/skypilot.yaml): one torchrun per node, c10d rendezvous on the
+    first node of SKYPILOT_NODE_IPS, which hosts the store; the run in RUNS_DIR/RUN_NAME on the task's
+    mounted storage, so that a relaunch (a managed job recovered after a preemption) resumes it."""
+    ips = env.get("SKYPILOT_NODE_IPS", "").split()
+    if not ips or not env.get("SKYPILOT_NODE_RANK", "").isdigit():
+        raise PlanError("not inside a SkyPilot task (no SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK): launch with "
+                        "sky launch slurm/skypilot.yaml")
+    run_name = env.get("RUN_NAME", "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name):
+        raise PlanError(f"RUN_NAME={run_name!r}: name the run (letters, digits, . _ -), e.g. sky launch "
+                        f"--env RUN_NAME=resnet50-a slurm/skypilot.yaml; a relaunch with the same name resumes it")
+    nproc = env.get("NPROC_PER_NODE", "")
+    if nproc and (not nproc.isdigit() or int(nproc) < 1):
+        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
+    gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
+    workers = int(nproc) if nproc else (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
+    trainbox_dir = Path(env.get("TRAINBOX_DIR") or ".")
+    runs_dir = _runs_dir(env, trainbox_dir, where=f"node {env['SKYPILOT_NODE_RANK']}")
+    port = env.get("MASTER_PORT") or "29400"
+    rank = int(env["SKYPILOT_NODE_RANK"])
+    return {
+        "NNODES": str(len(ips)),
+        "NODE_RANK": str(rank),
+        "NPROC_PER_NODE": str(workers),
+        "MASTER_ADDR": ips[0],
+        "MASTER_PORT": port,
+        "RUN_DIR": str(runs_dir / run_name),
+        "LAUNCH": [_python(env, trainbox_dir)],
+        "TORCHRUN": multinode_torchrun(len(ips), workers, f"{ips[0]}:{port}", run_name, env.get("MAX_RESTARTS"),
+                                       host=rank == 0),
+    }
+
+
+def _runs_dir(env, trainbox_dir: Path, where: str) -> Path:
+    """RUNS_DIR, checked; its default, runs/ beside the checkout, is made (a folder the user named must exist)."""
+    runs_dir = Path(env.get("RUNS_DIR") or trainbox_dir / "runs")
+    if not env.get("RUNS_DIR"):
+        try:
+            runs_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise PlanError(f"cannot create {runs_dir} ({e.strerror}): set RUNS_DIR to a writable folder on "
+                            f"the NAS") from None
+    if not runs_dir.is_dir():
+        raise PlanError(f"RUNS_DIR={runs_dir} does not exist on {where}: create it on the NAS (or mount the "
+                        f"storage there) or set RUNS_DIR")
+    if not os.access(runs_dir, os.W_OK):
+        raise PlanError(f"RUNS_DIR={runs_dir} is not writable: fix its permissions or set RUNS_DIR")
+    return runs_dir
+
+
+def _python(env, trainbox_dir: Path) -> str:
+    """PYTHON (a path, or a name on PATH such as the image's `python`), else the checkout's .venv."""
+    python = env.get("PYTHON") or str(trainbox_dir / ".venv" / "bin" / "python")
+    if not (Path(python).exists() if "/" in python else shutil.which(python)):
+        raise PlanError(f"{python} not found: run `make setup` in {trainbox_dir.resolve()} or set PYTHON")
+    return python
 
 
 def after(run_dir: Path, env, preempted: bool) -> str:
@@ -171,8 +234,8 @@ def after(run_dir: Path, env, preempted: bool) -> str:
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["plan"]:
-            for key, value in plan(os.environ).items():
+        if argv[:1] in (["plan"], ["sky"]):
+            for key, value in (plan if argv[0] == "plan" else plan_sky)(os.environ).items():
                 if isinstance(value, list):
                     print(f"{key}=({' '.join(shlex.quote(v) for v in value)})")
                 else:
@@ -183,10 +246,10 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["after"] and len(argv) in (2, 3) and argv[2:] in ([], ["--preempted"]):
             print(after(Path(argv[1]), os.environ, preempted=argv[2:] == ["--preempted"]))
             return 0
-    except SlurmInputError as e:
+    except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("usage: python3 slurm/plan.py plan | after RUN_DIR [--preempted]", file=sys.stderr)
+    print("usage: python3 slurm/plan.py plan | after RUN_DIR [--preempted] | sky", file=sys.stderr)
     return 2
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,24 @@ def mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A real 2-node Slurm cluster (tests/cluster/up.sh): slurmd n1 and n2 in network namespaces slnode1 and
+    slnode2 on a private bridge, for the session. The environment that reaches it (SLURM_CONF)."""
+    if not (os.getuid() == 0 and all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch"))):
+        if os.environ.get("TRAINBOX_REQUIRE_SLURM") == "1":
+            pytest.fail("TRAINBOX_REQUIRE_SLURM=1 but Slurm (slurm-wlm, munge) or root is missing")
+        pytest.skip("needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)")
+    lab = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-slurm-cluster"
+    env = {**os.environ, "LAB": str(lab)}
+    scripts = Path(__file__).parent / "cluster"
+    subprocess.run(["bash", str(scripts / "down.sh")], env=env, capture_output=True)
+    up = subprocess.run(["bash", str(scripts / "up.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield {**env, "SLURM_CONF": str(lab / "slurm.conf")}
+    subprocess.run(["bash", str(scripts / "down.sh")], env=env, capture_output=True)
 
 
 def pytest_collection_modifyitems(config, items):

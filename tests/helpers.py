@@ -21,6 +21,9 @@ DEBUG = ["--preset", "debug"]
 # A few seconds on 2 cores, long enough that a fault or a signal lands mid-run; a checkpoint every 20 steps,
 # so a fault lands between two of them. The faults, signals and stop tests share its references.
 LONG = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-every", 20, "--eval-every", 0]
+# Four workers on the two test nodes (tests/cluster/up.sh): long enough to preempt or kill a node mid-run.
+SLURM_LONG = [*DEBUG, "--deterministic", "--max-steps", 160, "--log-every", 5, "--eval-every", 0]
+CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
 
 
 def env_for_tests(**extra) -> dict:
@@ -117,6 +120,14 @@ def children(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 out.append(int(entry.name))
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's children, their children, and so on (torchrun starts its workers in sessions of their own)."""
+    found = children(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
 
 
 def process_env(pid: int) -> dict:

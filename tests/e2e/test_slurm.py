@@ -1,44 +1,16 @@
-"""slurm/*.sh on a real 2-node Slurm cluster (tests/cluster/up.sh: slurmd n1, n2 in network namespaces).
+"""slurm/*.sh on a real 2-node Slurm cluster (tests/cluster/up.sh: slurmd n1, n2 in network namespaces;
+the `cluster` fixture in tests/conftest.py).
 
 Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
 The decisions of slurm/plan.py are unit-tested in tests/unit/test_slurm_plan.py.
 """
 
 import json
-import os
 import re
-import shutil
-import subprocess
 import time
 from datetime import datetime
-from pathlib import Path
 
-import pytest
-
-from tests.helpers import DEBUG, REPO, assert_bit_identical, metrics, reached_step, run, torchrun_cmd, wait_for
-
-CLUSTER = REPO / "tests" / "cluster"
-LAB = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-slurm-cluster"
-
-
-# ------------------------------------------------------------ a real cluster
-
-def _slurm_ok() -> bool:
-    return os.getuid() == 0 and all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch"))
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if not _slurm_ok():
-        if os.environ.get("TRAINBOX_REQUIRE_SLURM") == "1":
-            pytest.fail("TRAINBOX_REQUIRE_SLURM=1 but Slurm (slurm-wlm, munge) or root is missing")
-        pytest.skip("needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)")
-    env = {**os.environ, "LAB": str(LAB)}
-    subprocess.run(["bash", str(CLUSTER / "down.sh")], env=env, capture_output=True)
-    up = subprocess.run(["bash", str(CLUSTER / "up.sh")], env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    yield {**env, "SLURM_CONF": str(LAB / "slurm.conf")}
-    subprocess.run(["bash", str(CLUSTER / "down.sh")], env=env, capture_output=True)
+from tests.helpers import DEBUG, REPO, SLURM_LONG, assert_bit_identical, metrics, reached_step, run, wait_for
 
 
 def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
@@ -68,15 +40,7 @@ def nas(tmp_path):
     return {"RUNS_DIR": str(runs), "PYTHON": str(REPO / ".venv" / "bin" / "python")}, runs
 
 
-@pytest.fixture(scope="module")
-def local_4_workers(tmp_path_factory):
-    """The reference: a local torchrun with 4 workers, deterministic, the debug preset."""
-    run_dir = tmp_path_factory.mktemp("local4") / "run"
-    run(torchrun_cmd(4, *DEBUG, "--deterministic", "--run-dir", run_dir), timeout=600)
-    return run_dir
-
-
-def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_workers):
+def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run):
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
     job = sbatch(cluster, "multinode.sh", *DEBUG, "--deterministic", sbatch_args=("--nodes=2", f"--output={log}"),
@@ -89,14 +53,13 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, local_4_worker
     assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
     assert manifest["slurm_job_id"] == job
     assert "2 node(s) x 2 worker(s), 2 CPU(s) per node" in log.read_text()  # --exclusive: both cores
-    assert_bit_identical(run_dir, local_4_workers)
+    assert_bit_identical(run_dir, reference_run(*DEBUG, "--deterministic", workers=4))
 
 
-def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path):
+def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run):
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
-    long = [*DEBUG, "--deterministic", "--max-steps", 160, "--log-every", 5, "--eval-every", 0]
-    job = sbatch(cluster, "multinode.sh", *long, sbatch_args=("--nodes=2", f"--output={log}"),
+    job = sbatch(cluster, "multinode.sh", *SLURM_LONG, sbatch_args=("--nodes=2", f"--output={log}"),
                  env={**env, "NPROC_PER_NODE": "2"})
     run_dir = runs / f"slurm-{job}"
     wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
@@ -110,9 +73,7 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     assert manifest["resumed_from_step"] and 15 <= manifest["resumed_from_step"] < 160
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged)) and logged[-1] == 160
-    local = tmp_path / "local"
-    run(torchrun_cmd(4, *long, "--run-dir", local), timeout=600)
-    assert_bit_identical(run_dir, local)
+    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4))
 
 
 def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path):

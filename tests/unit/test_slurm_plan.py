@@ -64,7 +64,7 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
 ])
 def test_plan_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(slurm.SlurmInputError) as e:
+    with pytest.raises(slurm.PlanError) as e:
         slurm.plan({**_job_env(tmp_path), **extra})
     assert message in str(e.value)
 
@@ -91,7 +91,9 @@ def test_make_train_and_the_slurm_template_take_their_torchrun_flags_from_here(t
     assert slurm.plan.torchrun_flags("") == slurm.plan.torchrun_flags(None) == slurm.plan.torchrun_flags(3)
     assert "--max-restarts=3" in slurm.plan.torchrun_flags("") and "--max-restarts=0" in slurm.plan.torchrun_flags("0")
     planned = slurm.plan.plan(_job_env(tmp_path, MAX_RESTARTS="5"))
-    assert planned["TORCHRUN_FLAGS"] == slurm.plan.torchrun_flags("5")
+    assert planned["TORCHRUN"] == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                                   "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:20777", "--rdzv-id=777",
+                                   *slurm.plan.torchrun_flags("5")]
 
 
 def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
@@ -103,3 +105,37 @@ def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
     assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
     assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True) == "requeue"
     assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True) == "failed"
+
+
+def _sky_env(tmp_path, rank: int, **extra):
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    return {"SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2\n", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "8", "RUN_NAME": "resnet50-a", "RUNS_DIR": str(tmp_path / "runs"),
+            "PYTHON": PY, **extra}
+
+
+def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
+    head, other = slurm.plan_sky(_sky_env(tmp_path, 0)), slurm.plan_sky(_sky_env(tmp_path, 1))
+    assert (head["NNODES"], head["NPROC_PER_NODE"], head["MASTER_ADDR"]) == ("2", "8", "10.0.0.1")
+    assert head["RUN_DIR"] == other["RUN_DIR"] == str(tmp_path / "runs" / "resnet50-a")  # a relaunch resumes it
+    assert head["LAUNCH"] == [PY]
+    common = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+              "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=resnet50-a"]
+    assert head["TORCHRUN"] == [*common, "--rdzv-conf=is_host=true", *slurm.torchrun_flags(None)]
+    assert other["TORCHRUN"] == [*common, "--rdzv-conf=is_host=false", *slurm.torchrun_flags(None)]
+    cpu = slurm.plan_sky(_sky_env(tmp_path, 0, SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
+    assert cpu["NPROC_PER_NODE"] == "2"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"SKYPILOT_NODE_IPS": ""}, "not inside a SkyPilot task"),
+    ({"RUN_NAME": ""}, "RUN_NAME='': name the run"),
+    ({"RUN_NAME": "a b"}, "RUN_NAME='a b': name the run"),
+    ({"RUNS_DIR": "/nonexistent/runs"}, "RUNS_DIR=/nonexistent/runs does not exist on node 0"),
+    ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
+    ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE='x'"),
+])
+def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
+    with pytest.raises(slurm.PlanError) as e:
+        slurm.plan_sky({**_sky_env(tmp_path, 0), **extra})
+    assert message in str(e.value)
