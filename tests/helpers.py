@@ -24,6 +24,7 @@ LONG = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-eve
 # Four workers on the two test nodes (tests/cluster/up.sh): long enough to preempt or kill a node mid-run.
 SLURM_LONG = [*DEBUG, "--deterministic", "--max-steps", 160, "--log-every", 5, "--eval-every", 0]
 CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
+CLUSTER_HOST = "10.231.77.1"  # this machine, as the nodes reach it
 
 
 def env_for_tests(**extra) -> dict:
@@ -164,6 +165,35 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
             except OSError:
                 continue
     raise AssertionError(f"no worker with RANK={rank} under {launcher.pid}")
+
+
+def tracked_env(uri: str, tmp_path: Path) -> dict:
+    """The tests' environment, tracking to the MLflow server at uri in an experiment of the test's own."""
+    return env_for_tests(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME=f"test-{tmp_path.name}")
+
+
+def the_one_mlflow_run(client, run_dir: Path, experiment: str):
+    """The experiment holds one run, the one RUN_DIR/mlflow.json names."""
+    run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
+    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert [r.info.run_id for r in found] == [run_id]
+    return client.get_run(run_id)
+
+
+def assert_mlflow_run_complete(client, tracked, run_dir: Path, tmp_path: Path, max_steps: int = 240) -> None:
+    """Each metric's steps once, train/loss at every logged step with the values of metrics.jsonl, the
+    model as an artifact bit for bit, and the run finished."""
+    run_id = tracked.info.run_id
+    for key in tracked.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), f"{key}: a step sent twice: {steps}"
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    assert losses == {m["step"]: m["loss"] for m in metrics(run_dir, "train")}
+    assert sorted(losses) == list(range(5, max_steps + 1, 5))
+    assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [max_steps]
+    assert tracked.info.status == "FINISHED"
+    downloaded = client.download_artifacts(run_id, "model.pt", str(tmp_path))
+    assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
 
 
 class MlflowServer:

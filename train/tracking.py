@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +35,7 @@ from train.errors import ConfigError
 log = logging.getLogger("train")
 
 RECORD = "mlflow.json"  # in the run directory: which MLflow run tracks it
+KEY_TAG = "trainbox_run_key"  # the MLflow run's tag that RECORD's key matches
 BATCH_EVERY_S = 2.0  # how often the thread sends what the loop logged
 MAX_BACKOFF_S = 30.0  # the longest wait between tries while the server does not answer
 
@@ -122,6 +124,7 @@ class Tracker:
         # Imported here, in the main thread, before any DataLoader worker is forked: a fork while another
         # thread imports could leave the child with an import lock held.
         self.mlflow = _mlflow()
+        self._record()
         self.run_id: str | None = None
         self._points: list[tuple[str, float, int, int]] = []  # (key, value, time in ms, step)
         self._files: list[tuple[Path, str | None]] = []  # (file, artifact folder)
@@ -229,28 +232,7 @@ class Tracker:
         """The run this run directory is tracked in (created on its first start), its params and tags, the
         steps it already has, and what earlier attempts wrote to metrics.jsonl but may not have sent."""
         self.client = client = self.mlflow.MlflowClient(self.uri)
-        record_path = self.run_dir / RECORD
-        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-        run = None
-        if record.get("tracking_uri") == self.uri:
-            try:
-                run = client.get_run(record["run_id"])
-            except self.mlflow.exceptions.MlflowException as e:
-                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-            if run is None or run.info.lifecycle_stage == "deleted":
-                log.warning("mlflow: run %s is gone from the server: this run continues in a new one",
-                            record["run_id"])
-                run = None
-        if run is None:
-            run = client.create_run(self._experiment_id(), run_name=self.run_dir.name,
-                                    tags={"run_dir": str(self.run_dir.resolve())})
-            atomic_write(record_path, (json.dumps({"tracking_uri": self.uri, "experiment": self.experiment,
-                                                   "run_id": run.info.run_id}, indent=2) + "\n").encode())
-            log.info("mlflow: tracking in run %s of experiment %r at %s", run.info.run_id, self.experiment, self.uri)
-        else:
-            client.update_run(run.info.run_id, status="RUNNING")
-            log.info("mlflow: continuing run %s at %s", run.info.run_id, self.uri)
+        run = self._find_or_create_run()
         run_id = run.info.run_id
         self._log_params(run_id, run.data.params)
         manifest = self._read_json("manifest.json")
@@ -272,6 +254,51 @@ class Tracker:
         with self._lock:
             self._points.extend(kept)
         self.run_id = run_id
+
+    def _record(self) -> dict:
+        """RUN_DIR/mlflow.json for this server, made on the first start before anything is sent: its key
+        names the MLflow run (a tag) before the run exists, so that an attempt killed between creating the
+        run and noting its id leaves a run the next attempt finds, not a second one."""
+        path = self.run_dir / RECORD
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            record = {}
+        if record.get("tracking_uri") != self.uri or not record.get("key"):
+            record = {"tracking_uri": self.uri, "experiment": self.experiment, "key": uuid.uuid4().hex}
+            atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+        return record
+
+    def _find_or_create_run(self):
+        client, record = self.client, self._record()
+        run = None
+        if record.get("run_id"):
+            try:
+                run = client.get_run(record["run_id"])
+            except self.mlflow.exceptions.MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+            if run is None or run.info.lifecycle_stage == "deleted":
+                log.warning("mlflow: run %s is gone from the server: this run continues in a new one",
+                            record["run_id"])
+                run = None
+        if run is not None:
+            client.update_run(run.info.run_id, status="RUNNING")
+            log.info("mlflow: continuing run %s at %s", run.info.run_id, self.uri)
+            return run
+        experiment_id = self._experiment_id()
+        found = client.search_runs([experiment_id], filter_string=f"tags.{KEY_TAG} = '{record['key']}'",
+                                   max_results=1)
+        if found:  # made by an attempt that ended before it could note the id
+            run = found[0]
+            client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            run = client.create_run(experiment_id, run_name=self.run_dir.name,
+                                    tags={"run_dir": str(self.run_dir.resolve()), KEY_TAG: record["key"]})
+        atomic_write(self.run_dir / RECORD, (json.dumps({**record, "run_id": run.info.run_id}, indent=2) + "\n")
+                     .encode())
+        log.info("mlflow: tracking in run %s of experiment %r at %s", run.info.run_id, self.experiment, self.uri)
+        return run
 
     def _log_params(self, run_id: str, logged: dict) -> None:
         """The config as params. MLflow keeps a param's first value: a resume with another value (a larger

@@ -10,7 +10,8 @@ import re
 import time
 from datetime import datetime
 
-from tests.helpers import DEBUG, REPO, SLURM_LONG, assert_bit_identical, metrics, reached_step, run, wait_for
+from tests.helpers import (CLUSTER_HOST, DEBUG, REPO, SLURM_LONG, assert_bit_identical, assert_mlflow_run_complete,
+                           metrics, reached_step, run, the_one_mlflow_run, tracked_env, wait_for)
 
 
 def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
@@ -56,11 +57,18 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run)
     assert_bit_identical(run_dir, reference_run(*DEBUG, "--deterministic", workers=4))
 
 
-def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run):
+def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run,
+                                                                     mlflow_server):
+    """USR2 mid-run: checkpoint, requeue, resume; the weights of an uninterrupted run, and one MLflow run
+    (the server on the host, reached from the nodes over the cluster's bridge) with each step once."""
+    from mlflow import MlflowClient
+
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
+    tracking = tracked_env(f"http://{CLUSTER_HOST}:{mlflow_server.port}", tmp_path)
     job = sbatch(cluster, "multinode.sh", *SLURM_LONG, sbatch_args=("--nodes=2", f"--output={log}"),
-                 env={**env, "NPROC_PER_NODE": "2"})
+                 env={**env, "NPROC_PER_NODE": "2", **{k: tracking[k] for k in ("MLFLOW_TRACKING_URI",
+                                                                                "MLFLOW_EXPERIMENT_NAME")}})
     run_dir = runs / f"slurm-{job}"
     wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
     run(["scancel", "--signal=USR2", "--batch", job], env=cluster)
@@ -74,6 +82,10 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged)) and logged[-1] == 160
     assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4))
+    client = MlflowClient(mlflow_server.uri)
+    tracked = the_one_mlflow_run(client, run_dir, tracking["MLFLOW_EXPERIMENT_NAME"])
+    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=160)
+    assert tracked.data.tags["slurm_job_id"] == job
 
 
 def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path):

@@ -12,44 +12,17 @@ import subprocess
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tests.helpers import (LONG, PY, assert_bit_identical, env_for_tests, metrics, python_cmd, reached_step, run,
-                           status, wait_for, worker_pid)
-from train.tracking import RECORD
-
-
-def _tracked(server, tmp_path) -> dict:
-    return env_for_tests(MLFLOW_TRACKING_URI=server.uri, MLFLOW_EXPERIMENT_NAME=f"test-{tmp_path.name}")
-
-
-def _the_one_run(client: MlflowClient, run_dir, experiment: str):
-    """The experiment holds one run, the one RUN_DIR/mlflow.json names."""
-    run_id = json.loads((run_dir / RECORD).read_text())["run_id"]
-    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert [r.info.run_id for r in found] == [run_id]
-    return client.get_run(run_id)
-
-
-def _assert_complete(client: MlflowClient, tracked, run_dir, tmp_path, max_steps: int = 240) -> None:
-    """Each metric's steps once, train/loss at every logged step with the values of metrics.jsonl, the
-    model as an artifact bit for bit, and the run finished."""
-    run_id = tracked.info.run_id
-    for key in tracked.data.metrics:
-        steps = [m.step for m in client.get_metric_history(run_id, key)]
-        assert len(steps) == len(set(steps)), f"{key}: a step sent twice: {steps}"
-    losses = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
-    assert losses == {m["step"]: m["loss"] for m in metrics(run_dir, "train")}
-    assert sorted(losses) == list(range(5, max_steps + 1, 5))
-    assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [max_steps]
-    assert tracked.info.status == "FINISHED"
-    downloaded = client.download_artifacts(run_id, "model.pt", str(tmp_path))
-    assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
+from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_mlflow_run_complete, python_cmd, reached_step,
+                           run, status, the_one_mlflow_run, tracked_env, wait_for, worker_pid)
+from train.tracking import KEY_TAG, RECORD
 
 
 def test_one_mlflow_run_through_a_killed_worker_a_stop_and_a_resume(mlflow_server, reference_run, tmp_path):
     """make train GPUS=2: a worker killed (torchrun restarts both from the checkpoint of step 20 and replays
     the steps after it), then stopped by SIGTERM, then the same command again, to the end."""
-    run_dir, env = tmp_path / "run", _tracked(mlflow_server, tmp_path)
-    launch = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--run-dir", str(run_dir)]
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
+    launch = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--mlflow-checkpoints",
+              "--run-dir", str(run_dir)]
     proc = subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(reached_step(run_dir, 25), 120, "step 25", proc)
     os.kill(worker_pid(proc, 1), signal.SIGKILL)
@@ -61,8 +34,8 @@ def test_one_mlflow_run_through_a_killed_worker_a_stop_and_a_resume(mlflow_serve
     run(launch, env=env)  # the same command: resumed from the stop's checkpoint, to the end
 
     client = MlflowClient(mlflow_server.uri)
-    tracked = _the_one_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
-    _assert_complete(client, tracked, run_dir, tmp_path)
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path)
     config = json.loads((run_dir / "config.json").read_text())
     assert tracked.data.params == {k: str(v) for k, v in config.items()}
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -71,20 +44,23 @@ def test_one_mlflow_run_through_a_killed_worker_a_stop_and_a_resume(mlflow_serve
                 "image", "image_digest", "resumed_from_step"):
         assert tags[key] == (manifest[key] if isinstance(manifest[key], str) else json.dumps(manifest[key])), key
     assert manifest["resumed_from_step"] is not None and len(manifest["previous"]) == 2  # the third start's tags
-    assert_bit_identical(run_dir, reference_run(*LONG))
+    sent = {f.path for f in client.list_artifacts(tracked.info.run_id, "checkpoints")}  # --mlflow-checkpoints
+    kept = {f"checkpoints/{p.name}" for p in (run_dir / "checkpoints").iterdir()}
+    assert kept < sent and {f"checkpoints/step_{s:08d}.pt" for s in range(20, 240, 20)} <= sent
+    assert_bit_identical(run_dir, reference_run(*LONG))  # tracking changes nothing in the training
 
 
 def test_a_server_that_dies_costs_the_training_nothing_and_gets_the_rest_when_back(mlflow_server, reference_run,
                                                                                    tmp_path):
-    run_dir, env = tmp_path / "run", _tracked(mlflow_server, tmp_path)
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
     slow = [*LONG, "--max-steps", 960]  # long enough to lose the server once it has the first points
     cmd = python_cmd(*slow, "--run-dir", run_dir)
     client = MlflowClient(mlflow_server.uri)
 
     def server_has_points() -> bool:
         try:
-            run_id = json.loads((run_dir / RECORD).read_text())["run_id"]
-            return len(client.get_metric_history(run_id, "train/loss")) >= 2
+            run_id = json.loads((run_dir / RECORD).read_text()).get("run_id")  # noted once the run exists
+            return run_id is not None and len(client.get_metric_history(run_id, "train/loss")) >= 2
         except (OSError, ValueError, MlflowException):
             return False
 
@@ -105,5 +81,19 @@ def test_a_server_that_dies_costs_the_training_nothing_and_gets_the_rest_when_ba
     mlflow_server.start()  # back, on the same store: the same command sends what it missed
     again = run(cmd, env=env)
     assert "already finished at step 960" in again.stderr
-    tracked = _the_one_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
-    _assert_complete(client, tracked, run_dir, tmp_path, max_steps=960)
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=960)
+
+
+def test_a_run_made_by_an_attempt_that_died_before_noting_its_id_is_continued(mlflow_server, tmp_path):
+    """An attempt killed between creating the MLflow run and writing its id to mlflow.json (a Slurm step
+    cancelled right after a stop, say): the next attempt finds that run by the key mlflow.json held first."""
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
+    client = MlflowClient(mlflow_server.uri)
+    orphan = client.create_run(client.create_experiment(env["MLFLOW_EXPERIMENT_NAME"]), tags={KEY_TAG: "k-1"})
+    run_dir.mkdir()
+    (run_dir / RECORD).write_text(json.dumps({"tracking_uri": mlflow_server.uri, "key": "k-1"}))
+    run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir), env=env)
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert tracked.info.run_id == orphan.info.run_id and tracked.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(orphan.info.run_id, "train/loss")] == [10]
