@@ -221,6 +221,11 @@ class MlflowServer:
                 break
         raise AssertionError(f"the MLflow server did not start: {(self.root / 'server.log').read_text()[-3000:]}")
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop the whole server where it stands (SIGSTOP: it accepts connections and never answers, as a
+        hung server does), or let it go on."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def stop(self) -> None:
         """The whole server (its workers too), at once, as a crash would."""
         if self.proc is not None and self.proc.poll() is None:

@@ -12,8 +12,8 @@ import subprocess
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_mlflow_run_complete, python_cmd, reached_step,
-                           run, status, the_one_mlflow_run, tracked_env, wait_for, worker_pid)
+from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_mlflow_run_complete, metrics, python_cmd,
+                           reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for, worker_pid)
 from train.tracking import KEY_TAG, RECORD
 
 
@@ -50,30 +50,53 @@ def test_one_mlflow_run_through_a_killed_worker_a_stop_and_a_resume(mlflow_serve
     assert_bit_identical(run_dir, reference_run(*LONG))  # tracking changes nothing in the training
 
 
+SLOW = [*LONG, "--max-steps", 960]  # long enough to lose the server once it has the first points
+
+
+def _server_has_points(client: MlflowClient, run_dir) -> bool:
+    try:
+        run_id = json.loads((run_dir / RECORD).read_text()).get("run_id")  # noted once the run exists
+        return run_id is not None and len(client.get_metric_history(run_id, "train/loss")) >= 2
+    except (OSError, ValueError, MlflowException):
+        return False
+
+
+def test_a_server_that_hangs_for_a_while_costs_the_training_nothing(mlflow_server, reference_run, tmp_path):
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
+    client = MlflowClient(mlflow_server.uri)
+    proc = subprocess.Popen(python_cmd(*SLOW, "--run-dir", run_dir), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _server_has_points(client, run_dir), 120, "the first metrics on the server", proc)
+        mlflow_server.freeze(True)
+        at = max(m["step"] for m in metrics(run_dir, "train"))
+        wait_for(lambda: max(m["step"] for m in metrics(run_dir, "train")) >= at + 100, 120,
+                 "100 steps trained while the server hangs", proc)
+    finally:
+        mlflow_server.freeze(False)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "mlflow: could not send" not in err, err[-3000:]  # all sent by the end of the run
+    assert_bit_identical(run_dir, reference_run(*SLOW, workers=1))
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=960)
+
+
 def test_a_server_that_dies_costs_the_training_nothing_and_gets_the_rest_when_back(mlflow_server, reference_run,
                                                                                    tmp_path):
     run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
-    slow = [*LONG, "--max-steps", 960]  # long enough to lose the server once it has the first points
-    cmd = python_cmd(*slow, "--run-dir", run_dir)
+    cmd = python_cmd(*SLOW, "--run-dir", run_dir)
     client = MlflowClient(mlflow_server.uri)
-
-    def server_has_points() -> bool:
-        try:
-            run_id = json.loads((run_dir / RECORD).read_text()).get("run_id")  # noted once the run exists
-            return run_id is not None and len(client.get_metric_history(run_id, "train/loss")) >= 2
-        except (OSError, ValueError, MlflowException):
-            return False
-
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(server_has_points, 120, "the first metrics on the server", proc)
+        wait_for(lambda: _server_has_points(client, run_dir), 120, "the first metrics on the server", proc)
         mlflow_server.stop()
         _, err = proc.communicate(timeout=300)
     finally:
         mlflow_server.stop()
     assert proc.returncode == 0, err[-3000:]
     assert status(run_dir)["step"] == 960
-    assert_bit_identical(run_dir, reference_run(*slow, workers=1))  # the weights of a run without tracking
+    assert_bit_identical(run_dir, reference_run(*SLOW, workers=1))  # the weights of a run without tracking
     assert err.count("does not take the run's data") == 1, err[-3000:]  # one warning, not one per try
     (missed,) = [line for line in err.splitlines() if "mlflow: could not send" in line]
     assert "model.pt" in missed and "manifest.json" in missed and "(Connection refused)" in missed
