@@ -10,23 +10,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import MlflowServer, make, python_cmd, run
+from tests.helpers import MlflowServer, make, python_cmd, run, torchrun_cmd
 from train.distributed import free_port
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-    """reference_run(*ARGS, workers=2): the run directory of an uninterrupted run of the trainer with
-    ARGS (--spawn of that many workers), trained once per session and shared by every test that needs
-    it: what interrupted, resumed or relaunched runs must equal. Read it; never train in it."""
+    """reference_run(*ARGS, workers=2, torchrun=False): the run directory of an uninterrupted run of the
+    trainer with ARGS (--spawn of that many workers, or a local torchrun of them), trained once per
+    session and shared by every test that needs it: what interrupted, resumed or relaunched runs must
+    equal. Read it; never train in it."""
     made: dict[tuple, Path] = {}
 
-    def get(*args, workers: int = 2) -> Path:
-        key = (tuple(map(str, args)), workers)
+    def get(*args, workers: int = 2, torchrun: bool = False) -> Path:
+        key = (tuple(map(str, args)), workers, torchrun)
         if key not in made:
             run_dir = tmp_path_factory.mktemp("reference") / "run"
-            spawn = ["--spawn", workers] if workers > 1 else []
-            run(python_cmd(*args, *spawn, "--run-dir", run_dir), timeout=900)
+            if torchrun:
+                run(torchrun_cmd(workers, *args, "--run-dir", run_dir), timeout=900)
+            else:
+                spawn = ["--spawn", workers] if workers > 1 else []
+                run(python_cmd(*args, *spawn, "--run-dir", run_dir), timeout=900)
             made[key] = run_dir
         return made[key]
 

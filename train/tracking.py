@@ -18,6 +18,7 @@ mlflow is imported only by runs that track (about 1 s): `_mlflow()` is the one p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -216,17 +217,32 @@ class Tracker:
             del self._points[:len(points)]
         while self._files:
             path, folder = self._files[0]
-            if path.is_file() and not self._has_artifact(path, folder):
-                client.log_artifact(self.run_id, str(path), folder)
+            self._upload(path, folder)
             with self._lock:
                 self._files.pop(0)
         if self._closing and self._final_status:
             client.set_terminated(self.run_id, self._final_status)
             self._final_status = None
 
-    def _has_artifact(self, path: Path, folder: str | None) -> bool:
-        listed = self.client.list_artifacts(self.run_id, folder)
-        return any(f.path.rsplit("/", 1)[-1] == path.name and f.file_size == path.stat().st_size for f in listed)
+    def _upload(self, path: Path, folder: str | None) -> None:
+        """One artifact, unless the run has these very bytes already (mlflow.json notes each one's SHA-256:
+        a run trained on to a larger --max-steps sends its new model.pt, a finished run started again does
+        not send it twice). A checkpoint pruned meanwhile is skipped."""
+        name = f"{folder}/{path.name}" if folder else path.name
+        sha = hashlib.sha256()
+        try:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    sha.update(chunk)
+        except FileNotFoundError:
+            return
+        digest = sha.hexdigest()
+        record = self._record()
+        if record.get("artifacts", {}).get(name) == digest:
+            return
+        self.client.log_artifact(self.run_id, str(path), folder)
+        record.setdefault("artifacts", {})[name] = digest
+        atomic_write(self.run_dir / RECORD, (json.dumps(record, indent=2) + "\n").encode())
 
     def _open(self) -> None:
         """The run this run directory is tracked in (created on its first start), its params and tags, the

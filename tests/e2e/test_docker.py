@@ -345,8 +345,12 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
                           "--run-dir", "runs/ml1")
         assert "mlflow: run" in trained.stderr and "is complete (FINISHED)" in trained.stderr, trained.stderr[-3000:]
         run_id = json.loads((root / "runs" / "ml1" / "mlflow.json").read_text())["run_id"]
+        again = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--max-steps", "20",
+                        "--run-dir", "runs/ml1")  # `docker compose run` again: trains on, tracked in the same run
+        assert f"mlflow: continuing run {run_id}" in again.stderr, again.stderr[-3000:]
         tracked = client.get_run(run_id)
-        assert tracked.info.status == "FINISHED" and "train/loss" in tracked.data.metrics
+        assert tracked.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [10, 20]
         assert tracked.data.tags["image"] == IMAGE
         stored = list((root / "runs" / "mlflow" / "artifacts").rglob("model.pt"))
         assert len(stored) == 1 and stored[0].read_bytes() == (root / "runs" / "ml1" / "model.pt").read_bytes()

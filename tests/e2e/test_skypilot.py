@@ -107,4 +107,4 @@ def test_two_nodes_killed_and_relaunched_resume_and_equal_a_local_4_worker_run(c
     assert 20 <= manifest["resumed_from_step"] <= killed_at  # from the newest checkpoint in the bucket
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged)) and logged[-1] == 160
-    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4))
+    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4, torchrun=True))

@@ -54,7 +54,7 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run)
     assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
     assert manifest["slurm_job_id"] == job
     assert "2 node(s) x 2 worker(s), 2 CPU(s) per node" in log.read_text()  # --exclusive: both cores
-    assert_bit_identical(run_dir, reference_run(*DEBUG, "--deterministic", workers=4))
+    assert_bit_identical(run_dir, reference_run(*DEBUG, "--deterministic", workers=4, torchrun=True))
 
 
 def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run,
@@ -81,7 +81,7 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     assert manifest["resumed_from_step"] and 15 <= manifest["resumed_from_step"] < 160
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged)) and logged[-1] == 160
-    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4))
+    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4, torchrun=True))
     client = MlflowClient(mlflow_server.uri)
     tracked = the_one_mlflow_run(client, run_dir, tracking["MLFLOW_EXPERIMENT_NAME"])
     assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=160)
