@@ -34,3 +34,18 @@ def test_a_watchdog_that_named_the_phase_first_keeps_the_caller_silent(capfd):
     assert err.startswith("error: [rank 1] no progress for 1 s during process-group set-up"), err
     assert not watchdog.claim_report()
     watchdog.pause()  # lets the announcing thread go back to idling
+
+
+def test_after_a_near_miss_a_later_error_has_its_line_again(capfd):
+    """The phase line was out, then the work went on (a step in the last half second): the next error is
+    reported by its caller, in its own line."""
+    watchdog = Watchdog()
+    _overdue(watchdog)
+    threading.Thread(target=watchdog._announce, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while "error:" not in capfd.readouterr().err and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watchdog.limit, watchdog.armed_at = 100.0, time.monotonic()  # re-armed, as progress() does
+    while watchdog._reported and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watchdog.claim_report()
