@@ -23,13 +23,14 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from train.checkpoint import atomic_write
+from train.checkpoint import atomic_write, list_checkpoints, sidecar_of
 from train.config import Config
 from train.errors import ConfigError
 
@@ -78,7 +79,8 @@ def probe_server(uri: str) -> None:
     except Exception as e:  # noqa: BLE001 - requests' and MLflow's errors alike: the reason is all we need
         if "Invalid Host header" in str(e):
             what, fix = "refuses this address as its name", "add it to the server's MLFLOW_SERVER_ALLOWED_HOSTS"
-        elif any(code in str(e) for code in ("401", "403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
+        elif (getattr(e, "error_code", None) in ("UNAUTHENTICATED", "PERMISSION_DENIED", "CUSTOMER_UNAUTHORIZED")
+              or re.search(r"error code 40[13]\b", str(e))):
             what, fix = "refused the credentials", "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
         else:
             what, fix = "does not answer", "start it (make mlflow) or fix MLFLOW_TRACKING_URI"
@@ -91,6 +93,8 @@ def _mlflow():
     # One try per request, and never minutes on one: the Tracker's thread keeps what failed and tries again.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    # The client's own usage telemetry (on by default since MLflow 3) stays off unless the user turns it on.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow.entities  # noqa: PLC0415 - see the module docstring (binds the package, `mlflow`)
 
     return mlflow
@@ -177,7 +181,7 @@ class Tracker:
         while True:
             closing = self._closing
             try:
-                self._send()
+                self._send(closing)
             except Exception as e:  # noqa: BLE001 - any failure of the server or the network: keep, retry
                 if self._problem is None:
                     log.warning("mlflow: the server at %s does not take the run's data (%s): training goes on, "
@@ -198,7 +202,9 @@ class Tracker:
             self._wake.wait(BATCH_EVERY_S)
             self._wake.clear()
 
-    def _send(self) -> None:
+    def _send(self, closing: bool) -> None:
+        """One pass: the kept points, then the files. closing: close() had been called when this pass
+        began, so nothing is queued after what this pass sends, and the run's status may go last."""
         if self.run_id is None:
             self._open()
         client, Metric = self.client, self.mlflow.entities.Metric
@@ -220,7 +226,7 @@ class Tracker:
             self._upload(path, folder)
             with self._lock:
                 self._files.pop(0)
-        if self._closing and self._final_status:
+        if closing and self._final_status:
             client.set_terminated(self.run_id, self._final_status)
             self._final_status = None
 
@@ -311,7 +317,10 @@ class Tracker:
         else:
             run = client.create_run(experiment_id, run_name=self.run_dir.name,
                                     tags={"run_dir": str(self.run_dir.resolve()), KEY_TAG: record["key"]})
-        atomic_write(self.run_dir / RECORD, (json.dumps({**record, "run_id": run.info.run_id}, indent=2) + "\n")
+        # A new MLflow run (the noted one deleted, or the server's store made anew) has none of the artifacts
+        # the record says were sent: they go again.
+        kept = {k: v for k, v in record.items() if k != "artifacts" or record.get("run_id") == run.info.run_id}
+        atomic_write(self.run_dir / RECORD, (json.dumps({**kept, "run_id": run.info.run_id}, indent=2) + "\n")
                      .encode())
         log.info("mlflow: tracking in run %s of experiment %r at %s", run.info.run_id, self.experiment, self.uri)
         return run
@@ -361,4 +370,11 @@ class Tracker:
 def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | None:
     """Rank 0's Tracker, or None when tracking is off."""
     uri = tracking_uri(cfg)
-    return Tracker(uri, experiment_name(cfg), run_dir, resume_step) if uri else None
+    if not uri:
+        return None
+    tracker = Tracker(uri, experiment_name(cfg), run_dir, resume_step)
+    if cfg.mlflow_checkpoints:  # those an earlier attempt saved but died before sending (sent ones are skipped)
+        for path in list_checkpoints(run_dir):
+            for file in (path, sidecar_of(path)):
+                tracker.upload(file, "checkpoints")
+    return tracker

@@ -68,7 +68,9 @@ def run(cfg: Config) -> int:
         finally:
             watchdog.pause()
             if tracker is not None:  # after the group is gone: no rank waits for rank 0's uploads
-                tracker.close({EXIT_DONE: "FINISHED", EXIT_STOPPED: "KILLED"}.get(code, "FAILED"), cfg.timeout_s)
+                outcome = {EXIT_DONE: "FINISHED", EXIT_STOPPED: "KILLED"}.get(code, "FAILED")
+                # A stop or a failure leaves within the launchers' grace periods (torchrun's, compose's).
+                tracker.close(outcome, cfg.timeout_s if outcome == "FINISHED" else min(cfg.timeout_s, 30))
 
 
 class Trainer:

@@ -120,3 +120,21 @@ def test_a_run_made_by_an_attempt_that_died_before_noting_its_id_is_continued(ml
     tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
     assert tracked.info.run_id == orphan.info.run_id and tracked.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(orphan.info.run_id, "train/loss")] == [10]
+
+
+def test_a_run_deleted_on_the_server_is_tracked_anew_with_its_files(mlflow_server, tmp_path):
+    """The MLflow run a run directory names was deleted (or the server's store made anew): the same command
+    tracks it in a new MLflow run, and sends model.pt again although mlflow.json says it was sent before."""
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
+    cmd = python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir)
+    run(cmd, env=env)
+    client = MlflowClient(mlflow_server.uri)
+    first = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"]).info.run_id
+    client.delete_run(first)
+    again = run(cmd, env=env)
+    assert f"run {first} is gone from the server" in again.stderr
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert tracked.info.run_id != first and tracked.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(tracked.info.run_id, "train/loss")] == [10]
+    downloaded = client.download_artifacts(tracked.info.run_id, "model.pt", str(tmp_path))
+    assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
