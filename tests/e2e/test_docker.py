@@ -63,7 +63,8 @@ def standin_base(docker):
         rootfs.parent.mkdir(parents=True, exist_ok=True)
         run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
              str(rootfs), "http://deb.debian.org/debian"], timeout=900)
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    # --one-file-system: without the /proc that debootstrap can leave mounted in the folder
+    tar = subprocess.Popen(["tar", "--one-file-system", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     subprocess.run([docker, "import", "-", STANDIN], stdin=tar.stdout, check=True, capture_output=True)
     tar.wait()
     return STANDIN
