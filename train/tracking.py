@@ -2,8 +2,9 @@
 
 Global rank 0 sends the run to one MLflow run per run directory, whatever happens to the run: a resume,
 a torchrun restart, a Slurm requeue or `docker compose run` again all find its id in RUN_DIR/mlflow.json
-and continue it. What it sends: the resolved config (config.json) as params, the manifest (manifest.json,
-the latest start's) as tags, every metric of metrics.jsonl by step (each step once: the steps a restart
+and continue it, whatever name the server is reached by (a server without that run gets one of its own).
+What it sends: the resolved config (config.json) as params, the manifest (manifest.json, the latest
+start's) as tags, every metric of metrics.jsonl by step (each step once: the steps a restart
 replays are not sent again, and what an attempt killed before sending had written is sent by the next),
 model.pt and manifest.json as artifacts at the end, and the checkpoints when --mlflow-checkpoints asks.
 
@@ -129,6 +130,7 @@ class Tracker:
         # Imported here, in the main thread, before any DataLoader worker is forked: a fork while another
         # thread imports could leave the child with an import lock held.
         self.mlflow = _mlflow()
+        self._tracked_at: str | None = None  # the address the record named, where this start's differs
         self._record()
         self.run_id: str | None = None
         self._points: list[tuple[str, float, int, int]] = []  # (key, value, time in ms, step)
@@ -278,17 +280,25 @@ class Tracker:
         self.run_id = run_id
 
     def _record(self) -> dict:
-        """RUN_DIR/mlflow.json for this server, made on the first start before anything is sent: its key
-        names the MLflow run (a tag) before the run exists, so that an attempt killed between creating the
-        run and noting its id leaves a run the next attempt finds, not a second one."""
+        """RUN_DIR/mlflow.json, made on the first start before anything is sent: its key names the MLflow run
+        (a tag) before the run exists, so that an attempt killed between creating the run and noting its id
+        leaves a run the next attempt finds, not a second one. A start at another address keeps both."""
         path = self.run_dir / RECORD
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             record = {}
-        if record.get("tracking_uri") != self.uri or not record.get("key"):
+        if not record.get("key"):
             record = {"tracking_uri": self.uri, "experiment": self.experiment, "key": uuid.uuid4().hex}
-            atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+        elif record.get("tracking_uri") != self.uri:
+            # Another address: the same server by another name (localhost on the host, mlflow in compose),
+            # or another server. The run's id and key stay: the run is looked up there and made anew only
+            # where that server does not have it.
+            self._tracked_at = record.get("tracking_uri")
+            record = {**record, "tracking_uri": self.uri}
+        else:
+            return record
+        atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
         return record
 
     def _find_or_create_run(self):
@@ -300,7 +310,10 @@ class Tracker:
             except self.mlflow.exceptions.MlflowException as e:
                 if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-            if run is None or run.info.lifecycle_stage == "deleted":
+            if run is None and self._tracked_at:
+                log.warning("mlflow: run %s is not on the server at %s (it was tracked at %s): this run is "
+                            "tracked in a run of its own there", record["run_id"], self.uri, self._tracked_at)
+            elif run is None or run.info.lifecycle_stage == "deleted":
                 log.warning("mlflow: run %s is gone from the server: this run continues in a new one",
                             record["run_id"])
                 run = None

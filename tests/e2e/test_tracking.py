@@ -12,8 +12,10 @@ import subprocess
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_mlflow_run_complete, metrics, python_cmd,
-                           reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for, worker_pid)
+from tests.helpers import (DEBUG, LONG, PY, MlflowServer, assert_bit_identical, assert_mlflow_run_complete, metrics,
+                           python_cmd, reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for,
+                           worker_pid)
+from train.distributed import free_port
 from train.tracking import KEY_TAG, RECORD
 
 
@@ -138,3 +140,36 @@ def test_a_run_deleted_on_the_server_is_tracked_anew_with_its_files(mlflow_serve
     assert [m.step for m in client.get_metric_history(tracked.info.run_id, "train/loss")] == [10]
     downloaded = client.download_artifacts(tracked.info.run_id, "model.pt", str(tmp_path))
     assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
+
+
+def test_the_same_server_by_another_name_continues_the_run_and_another_server_gets_one_of_its_own(mlflow_server,
+                                                                                                   tmp_path):
+    """Stopped while tracked at one address, resumed at another name of the same server (localhost on the
+    host, `mlflow` inside compose): one MLflow run. Started again against a different server, which does
+    not have that run: a run of its own there, with everything."""
+    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
+    run(python_cmd(*LONG, "--stop-at", 100, "--run-dir", run_dir), env=env, expect=75)
+    first = json.loads((run_dir / RECORD).read_text())["run_id"]
+    other_name = f"http://localhost:{mlflow_server.port}/"
+    resumed = run(python_cmd(*LONG, "--run-dir", run_dir), env={**env, "MLFLOW_TRACKING_URI": other_name})
+    assert f"mlflow: continuing run {first} at {other_name}" in resumed.stderr, resumed.stderr[-3000:]
+    client = MlflowClient(mlflow_server.uri)
+    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+    assert tracked.info.run_id == first
+    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path)
+
+    other = MlflowServer(tmp_path / "other", free_port())
+    (tmp_path / "other").mkdir()
+    other.start()
+    try:
+        again = run(python_cmd(*LONG, "--run-dir", run_dir), env={**env, "MLFLOW_TRACKING_URI": other.uri})
+        assert f"run {first} is not on the server at {other.uri} (it was tracked at {other_name})" in again.stderr
+        other_client = MlflowClient(other.uri)
+        tracked = the_one_mlflow_run(other_client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
+        assert tracked.info.run_id != first
+        (tmp_path / "download").mkdir()
+        assert_mlflow_run_complete(other_client, tracked, run_dir, tmp_path / "download")
+    finally:
+        other.stop()
+    experiment = client.get_experiment_by_name(env["MLFLOW_EXPERIMENT_NAME"]).experiment_id
+    assert [r.info.run_id for r in client.search_runs([experiment])] == [first]  # the first server: still one
