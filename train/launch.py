@@ -148,19 +148,21 @@ def spawn(cfg: Config) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
         signal.signal(sig, forward)
-    # Wait for all; if one fails, stop the rest now rather than after the collective timeout.
+    # Wait for all; if one fails, stop the rest now rather than after the collective timeout. The run's
+    # code is the first failure's (the workers stopped here would only report this kill); a crash
+    # outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does.
     waiting = {p.sentinel: p for p in context.processes}
+    failed = None
     while waiting:
         for sentinel in multiprocessing.connection.wait(list(waiting)):
             process = waiting.pop(sentinel)
             process.join()
-            if process.exitcode not in (0, EXIT_STOPPED):
+            code = process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
+            if failed is None and code not in (0, EXIT_STOPPED):
+                failed = code
                 for other in waiting.values():
                     other.kill()  # not SIGTERM: that asks for a checkpoint, which needs the dead rank
-    # A crash outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does.
-    codes = [code if code >= 0 else 128 - code for code in (p.exitcode for p in context.processes)]
-    crashed = [code for code in codes if code not in (0, EXIT_STOPPED)]
-    return crashed[0] if crashed else max(codes)
+    return failed if failed is not None else max(p.exitcode for p in context.processes)
 
 
 # ---------------------------------------------------------------- python -m train.launch (make train)

@@ -201,7 +201,11 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_p
     _trainer_refuses(run_dir, [*DEBUG, "--max-steps", MORE], "does not fit this model")
 
 
-def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path):
+# The broken file and the rank whose shard holds it: under --spawn 2, rank 1's error must be the run's exit
+# code, not the kill of rank 0 that the launcher sends when rank 1 ends.
+@pytest.mark.parametrize("broken, launch, rank", [("b/3", [], 0), ("a/0", ["--spawn", 2], 1)],
+                         ids=["one-process", "spawn-rank-1"])
+def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path, broken, launch, rank):
     """Documented choice: a damaged image fails the run (skipping would silently change the dataset)."""
     from PIL import Image
 
@@ -210,11 +214,11 @@ def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path):
             (tmp_path / "data" / split / c).mkdir(parents=True)
             for i in range(8):
                 Image.new("RGB", (12, 12), (i * 20, 0, 0)).save(tmp_path / "data" / split / c / f"{i}.png")
-    broken = tmp_path / "data" / "train" / "b" / "3.png"
+    broken = tmp_path / "data" / "train" / f"{broken}.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     _trainer_refuses(tmp_path / "run", [*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data",
-                                        "--image-size", 12, "--batch-size", 4, "--num-workers", 1],
-                     f"cannot read image {broken}")
+                                        "--image-size", 12, "--batch-size", 4, "--num-workers", 1, *launch],
+                     f"[rank {rank}] cannot read image {broken}")
 
 
 def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):
