@@ -11,7 +11,8 @@ the cloud node's python3 runs it).
   python3 slurm/plan.py sky                      the same assignments for one node of a SkyPilot task
                                                  (slurm/skypilot.yaml), from SkyPilot's environment
 
-Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE) is one line on stderr
+Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES) is
+one line on stderr
 and exit code 2, so the job log says what to fix before any process starts.
 
 The trainer imports the same hostlist and port rules (train/distributed.py: a srun task per rank) and
@@ -31,15 +32,25 @@ from pathlib import Path
 RUNTIMES = ("local", "pyxis", "apptainer")
 WORKDIR = "/opt/trainbox"  # the image's checkout; the NAS folders are mounted under it
 DEFAULT_MAX_RESTARTS = 3  # torchrun restarts of the workers after one fails (MAX_RESTARTS overrides)
+DEFAULT_MAX_REQUEUES = 10  # Slurm requeues of a preempted job (MAX_REQUEUES overrides)
 # A fresh rendezvous store for each torchrun attempt. The trainer namespaces its keys by attempt either
 # way (train/distributed.py), so torchrun's shared store works too (pytorch/pytorch#135712).
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+def count(name: str, value: int | str | None, default: int) -> int:
+    """A count set in the environment (MAX_RESTARTS, MAX_REQUEUES), checked; empty means the default."""
+    text = "" if value is None else str(value).strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise PlanError(f"{name}={value!r} is not a number: use 0, 1, 3, ...")
+    return int(text)
+
+
 def torchrun_flags(max_restarts: int | str | None = None) -> list[str]:
     """The torchrun flags of every multi-worker launch (make train, compose, the Slurm template)."""
-    restarts = int(max_restarts) if str(max_restarts or "").strip() else DEFAULT_MAX_RESTARTS
-    return [f"--max-restarts={restarts}",
+    return [f"--max-restarts={count('MAX_RESTARTS', max_restarts, DEFAULT_MAX_RESTARTS)}",
             # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
             "--shutdown-timeout=100"]  # time for the workers to agree on a step and save before SIGKILL
@@ -109,10 +120,8 @@ def plan(env) -> dict[str, str | list[str]]:
     runtime = env.get("RUNTIME", "local")
     if runtime not in RUNTIMES:
         raise PlanError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
-    nproc = env.get("NPROC_PER_NODE", "")
-    if nproc and (not nproc.isdigit() or int(nproc) < 1):
-        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
-    workers = int(nproc) if nproc else (gpus_on_node(env) or 1)
+    workers = _nproc_per_node(env) or gpus_on_node(env) or 1
+    count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES)  # checked now, used after the step
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
     runs_dir = _runs_dir(env, trainbox_dir, where=env.get("SLURMD_NODENAME", "this node"))
     data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
@@ -166,11 +175,8 @@ def plan_sky(env) -> dict[str, str | list[str]]:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name):
         raise PlanError(f"RUN_NAME={run_name!r}: name the run (letters, digits, . _ -), e.g. sky launch "
                         f"--env RUN_NAME=resnet50-a slurm/skypilot.yaml; a relaunch with the same name resumes it")
-    nproc = env.get("NPROC_PER_NODE", "")
-    if nproc and (not nproc.isdigit() or int(nproc) < 1):
-        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
     gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
-    workers = int(nproc) if nproc else (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
+    workers = _nproc_per_node(env) or (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or ".")
     runs_dir = _runs_dir(env, trainbox_dir, where=f"node {env['SKYPILOT_NODE_RANK']}")
     port = env.get("MASTER_PORT") or "29400"
@@ -186,6 +192,14 @@ def plan_sky(env) -> dict[str, str | list[str]]:
         "TORCHRUN": multinode_torchrun(len(ips), workers, f"{ips[0]}:{port}", run_name, env.get("MAX_RESTARTS"),
                                        host=rank == 0),
     }
+
+
+def _nproc_per_node(env) -> int | None:
+    """NPROC_PER_NODE, checked (None: not set)."""
+    nproc = env.get("NPROC_PER_NODE", "")
+    if nproc and (not nproc.isdigit() or int(nproc) < 1):
+        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
+    return int(nproc) if nproc else None
 
 
 def _runs_dir(env, trainbox_dir: Path, where: str) -> Path:
@@ -229,7 +243,7 @@ def after(run_dir: Path, env, preempted: bool) -> str:
         return "failed"  # a crash, or an earlier attempt's status: this one never started training
     if not preempted:
         return "stopped"
-    return "requeue" if attempt < int(env.get("MAX_REQUEUES", "10")) else "failed"
+    return "requeue" if attempt < count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES) else "failed"
 
 
 def main(argv: list[str]) -> int:

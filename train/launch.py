@@ -32,7 +32,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from slurm.plan import TORCHRUN_ENV, torchrun_flags
+from slurm.plan import TORCHRUN_ENV, PlanError, torchrun_flags
 from train import trainer
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
@@ -193,8 +193,7 @@ def launch_main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     args = [a for a in ns.trainer_args if a != "--"] if ns.trainer_args[:1] == ["--"] else ns.trainer_args
     try:
-        if str(ns.max_restarts).strip() and not str(ns.max_restarts).strip().isdigit():
-            raise ConfigError(f"MAX_RESTARTS={ns.max_restarts!r} is not a number: use 0, 1, 3, ...")
+        torchrun_flags(ns.max_restarts)  # MAX_RESTARTS, checked before anything starts
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         nprocs, cpu_only = workers_for(ns.gpus, visible)
         if cpu_only and "--device" not in args:
@@ -203,7 +202,7 @@ def launch_main(argv: list[str]) -> int:
         if cfg.spawn:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
         preflight(cfg, nprocs)
-    except ConfigError as e:
+    except (ConfigError, PlanError) as e:
         return fail(str(e))
     if not cfg.run_dir:
         cfg.run_dir = default_run_dir()

@@ -135,6 +135,14 @@ def test_too_few_samples_for_the_workers_is_refused_before_torchrun(finished_run
     assert snapshot(finished_run) == before
 
 
+def test_a_max_restarts_that_is_not_a_number_stops_make_train_before_torchrun(finished_run, capsys):
+    before = snapshot(finished_run)
+    code = launch_main(["--gpus", "2", "--max-restarts", "abc", "--", *DEBUG, "--run-dir", str(finished_run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: MAX_RESTARTS='abc' is not a number: use 0, 1, 3, ..."], err
+    assert snapshot(finished_run) == before
+
+
 def test_an_mlflow_server_that_does_not_answer_stops_a_new_run_before_torchrun(finished_run, capsys, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     before = snapshot(finished_run)

@@ -62,6 +62,8 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"RUNTIME": "pyxis"}, "RUNTIME=pyxis needs IMAGE="),
     ({"RUNTIME": "apptainer", "IMAGE": "/nonexistent/t.sif"}, "RUNTIME=apptainer needs IMAGE="),
     ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
+    ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS='abc' is not a number: use 0, 1, 3, ..."),
+    ({"MAX_REQUEUES": "x"}, "MAX_REQUEUES='x' is not a number: use 0, 1, 3, ..."),
 ])
 def test_plan_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(slurm.PlanError) as e:
@@ -134,6 +136,7 @@ def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
     ({"RUNS_DIR": "/nonexistent/runs"}, "RUNS_DIR=/nonexistent/runs does not exist on node 0"),
     ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
     ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE='x'"),
+    ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1' is not a number"),
 ])
 def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(slurm.PlanError) as e:
