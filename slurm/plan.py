@@ -11,9 +11,8 @@ the cloud node's python3 runs it).
   python3 slurm/plan.py sky                      the same assignments for one node of a SkyPilot task
                                                  (slurm/skypilot.yaml), from SkyPilot's environment
 
-Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES) is
-one line on stderr
-and exit code 2, so the job log says what to fix before any process starts.
+Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES)
+is one line on stderr and exit code 2, so the job log says what to fix before any process starts.
 
 The trainer imports the same hostlist and port rules (train/distributed.py: a srun task per rank) and
 torchrun flags (train/launch.py: `make train`) from here, so every launch path shares one copy.
