@@ -30,7 +30,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
-    check_devices(cfg)
+    check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
     if cfg.spawn and ("RANK" in os.environ or "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ):
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
     if cfg.dataset == "cifar10":
@@ -64,21 +64,21 @@ def check_tracking(cfg: Config, rank: int) -> None:
         probe_server(uri)
 
 
-def check_devices(cfg: Config) -> None:
+def check_devices(cfg: Config, local_workers: int) -> None:
     problem = visible_devices_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), host_gpu_count())
     if problem:
         raise ConfigError(problem)
     cuda = torch.cuda.is_available()
     if cfg.device == "cuda" and not cuda:
-        raise ConfigError(no_cuda_message())
+        shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
+            if "CUDA_VISIBLE_DEVICES" in os.environ else ""
+        raise ConfigError(f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver "
+                          f"and CUDA_VISIBLE_DEVICES")
+    visible = torch.cuda.device_count() if cuda and cfg.device != "cpu" else local_workers
+    if local_workers > visible:  # a GPU per worker (local rank r uses GPU r)
+        raise ConfigError(f"{local_workers} workers on this node but {visible} GPU(s) visible: start at most "
+                          f"{visible} (torchrun --nproc-per-node, --spawn, NPROC_PER_NODE) or set CUDA_VISIBLE_DEVICES")
     check_precision(cfg, on_cpu=cfg.device == "cpu" or not cuda)
-
-
-def no_cuda_message() -> str:
-    shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
-        if "CUDA_VISIBLE_DEVICES" in os.environ else ""
-    return (f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver and "
-            f"CUDA_VISIBLE_DEVICES")
 
 
 def check_precision(cfg: Config, on_cpu: bool) -> None:

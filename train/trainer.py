@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
-from train.checks import check_precision, check_same_model, check_steps, no_cuda_message
+from train.checks import check_precision, check_same_model, check_steps
 from train.config import Config, default_run_dir
 from train.data import build_datasets, build_train_loader, build_val_loader, prepare_inputs
 from train.distributed import (StopSignal, broadcast_from_main, gather, identity, init, is_main, on_main,
@@ -422,14 +422,9 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
 
 
 def pick_device(requested: str, ident: Identity) -> torch.device:
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    """A GPU per local rank where CUDA is asked for or there (checks.check_devices made sure it is)."""
+    if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(no_cuda_message())
-    count = torch.cuda.device_count()
-    if ident.local_rank >= count:
-        raise RuntimeError(f"local rank {ident.local_rank} needs GPU {ident.local_rank} but {count} are visible: "
-                          f"start at most {count} workers per node or set CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", ident.local_rank)
 
 

@@ -34,6 +34,12 @@ def test_fp16_with_grad_scaler_resumes(tmp_path):
     assert (run_dir / "model.pt").is_file()
 
 
+def test_torchrun_with_more_workers_than_gpus_is_one_line_and_exit_2(tmp_path):
+    visible = torch.cuda.device_count()
+    proc = run(torchrun_cmd(visible + 1, *DEBUG, "--run-dir", tmp_path / "run"), expect=1)  # torchrun's own code
+    assert f"error: {visible + 1} workers on this node but {visible} GPU(s) visible" in proc.stderr
+
+
 def test_make_gpus_above_visible_is_one_line():
     visible = torch.cuda.device_count()
     proc = run(["make", "--no-print-directory", "train", "RUNTIME=local", f"GPUS={visible + 1}"], expect=2, cwd=REPO)
