@@ -177,7 +177,12 @@ def load_config_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} not found: pass an existing .json or .toml file to --config")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cannot read config file {path} ({why}): pass a readable UTF-8 .json or .toml "
+                          f"file") from None
     try:
         if p.suffix == ".toml":
             if tomllib is None:

@@ -49,7 +49,7 @@ def _int(env, key: str) -> int:
     try:
         return int(env[key])
     except ValueError:
-        raise RuntimeError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
+        raise ConfigError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
 
 
 class PeersTimedOut(RuntimeError):

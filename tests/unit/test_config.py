@@ -89,6 +89,9 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (tmp_path / "c.yaml").write_text("a: 1")
     with pytest.raises(ConfigError, match="use a .json or .toml file"):
         parse_config(["--config", str(tmp_path / "c.yaml")])
+    (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"cannot read config file .*latin1.toml \(not UTF-8 text\)"):
+        parse_config(["--config", str(tmp_path / "latin1.toml")])
 
 
 def test_config_round_trips_through_a_dict():

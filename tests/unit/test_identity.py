@@ -5,6 +5,7 @@ import pytest
 from slurm.plan import expand_hostlist
 from slurm.plan import master_port as slurm_master_port
 from train.distributed import resolve_identity
+from train.errors import ConfigError
 
 
 def test_single_process():
@@ -59,5 +60,5 @@ def test_expand_hostlist(hostlist, hosts):
 
 
 def test_bad_rank_variable_is_one_clear_error():
-    with pytest.raises(RuntimeError, match="RANK='x' is not an integer"):
+    with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         resolve_identity({"RANK": "x", "WORLD_SIZE": "2"})
