@@ -105,9 +105,10 @@ def main(argv: list[str]) -> int:
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)
     values["HOST_GID"] = os.environ.get("HOST_GID") or str(gid)
     for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs")):
-        folder = Path(given or values.get(key) or default)
+        named = given or values.get(key)  # on the command line or in .env: it must exist (the NAS mounted)
+        folder = Path(named or default)
         if not folder.is_dir():
-            if given and key == "DATA_DIR":
+            if named:
                 print(f"error: {key}={folder} does not exist: mount the NAS there or pass an existing folder",
                       file=sys.stderr)
                 return 2
