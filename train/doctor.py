@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.checks import port_free
+from train import checks
 from train.distributed import destroy_and_leave_together, free_port, usable_cores
+from train.errors import ConfigError
 from train.metrics import nvml
 
 
@@ -111,7 +112,8 @@ def check_shm(gpus: int) -> None:
     need = max(1, gpus) * SHM_PER_GPU if gpus else 2**30
     detail = f"/dev/shm is {size / 2**30:.2f} GiB"
     if size < need:
-        report("FAIL", "shm", f"{detail}, {need / 2**30:.0f} GiB wanted for {max(1, gpus)} GPU(s)' loader workers: "
+        serve = f"{gpus} GPU(s)' loader workers" if gpus else "the loader workers of a CPU run"
+        report("FAIL", "shm", f"{detail}, {need / 2**30:.0f} GiB wanted for {serve}: "
                f"docker run --shm-size={max(8, need // 2**30)}g (compose: SHM_SIZE), or --num-workers 0")
     else:
         report("ok", "shm", detail)
@@ -129,13 +131,14 @@ def check_cores(gpus: int) -> None:
         report("ok", "cores", detail)
 
 
-def check_port() -> int:
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    if not port_free(port):
-        report("FAIL", "port", f"rendezvous port {port} is in use: set MASTER_PORT to a free port")
-        return 0
+def check_port() -> None:
+    port = os.environ.get("MASTER_PORT", "29500")
+    try:
+        checks.check_port(port, fix="set MASTER_PORT to a free port")
+    except ConfigError as e:
+        report("FAIL", "port", str(e))
+        return
     report("ok", "port", f"rendezvous port {port} is free")
-    return port
 
 
 def check_folder(name: str, path: str, write: bool) -> None:

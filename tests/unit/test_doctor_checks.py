@@ -2,11 +2,12 @@
 
 import os
 import shutil
+import socket
 
 import pytest
 
 from train import doctor
-from train.distributed import usable_cores
+from train.distributed import free_port, usable_cores
 
 
 @pytest.fixture(autouse=True)
@@ -36,3 +37,18 @@ def test_shm_is_measured_against_the_gpus_it_must_serve():
         doctor.results.clear()
         doctor.check_shm(1)
         assert doctor.results[0][0] == "ok"
+
+
+@pytest.mark.parametrize("value", ["busy", "not-a-port"])
+def test_a_busy_or_malformed_master_port_is_a_failed_check(monkeypatch, value):
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]) if value == "busy" else value)
+        doctor.check_port()
+    ((status, check, detail),) = doctor.results
+    assert (status, check) == ("FAIL", "port") and "set MASTER_PORT to a free port" in detail
+    doctor.results.clear()
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    doctor.check_port()
+    assert doctor.results[0][:2] == ("ok", "port")
