@@ -29,9 +29,13 @@ def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
     for prefix in CPU_ROWS:
         assert any(n.startswith(prefix) for n in names), f"row {prefix!r} missing"
     for r in report["rows"]:
-        assert r["rounds"] >= 2 and r["low"] <= r["ratio"] <= r["high"], r
-        assert math.isfinite(r["ratio"]) and r["ratio"] >= 0, r
+        assert r["rounds"] >= 2 and math.isfinite(r["ratio"]) and r["ratio"] >= 0, r
         assert r["row"] in proc.stdout  # the printed table carries every row
+        if r["target"]:  # the verdict is the measured median against the target, printed beside the row
+            op, bound = r["target"].split()
+            assert op in (">=", "<"), r
+            assert r["meets_target"] == (r["ratio"] >= float(bound) if op == ">=" else r["ratio"] < float(bound)), r
+            assert f"{r['row']}{' ok' if r['meets_target'] else ' MISSED'}\n" in proc.stdout, r
     targets = {r["row"].split(":")[0]: r["target"] for r in report["rows"] if r["target"]}
     assert targets["trainer overhead"] == ">= 0.97" and targets["checkpoint save"] == ">= 0.7"
     assert targets["train pipeline, one loader worker"] == ">= 1.8"

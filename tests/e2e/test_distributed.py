@@ -45,10 +45,10 @@ def _worker(rank, world, port, bucket_cap_mb, use_hook, queue):
 
 def _ddp_gradients(world, bucket_cap_mb, use_hook):
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     context = mp.start_processes(_worker, args=(world, free_port(), bucket_cap_mb, use_hook, queue),
                                  nprocs=world, start_method="spawn", join=False)
-    grads, gathered, expected = queue.get()
+    grads, gathered, expected = queue.get(timeout=120)  # a worker that died fails the test, not hangs it
     while not context.join():
         pass
     return torch.tensor(grads), [torch.tensor(g) for g in gathered], torch.tensor(expected)

@@ -27,7 +27,7 @@ def test_doctor_reports_workers_that_cannot_form_a_group(tmp_path):
 
 
 def test_doctor_on_a_fresh_checkout_without_nas_folders(tmp_path):
-    proc = run([PY, "-m", "train.doctor", "--workers", "1"], expect=None, cwd=tmp_path, timeout=120)
+    proc = run([PY, "-m", "train.doctor", "--workers", "1"], cwd=tmp_path, timeout=120)  # every check passes
     lines = {line[7:].split()[0]: line for line in proc.stdout.splitlines() if line.startswith("[")}
     assert lines["data"].startswith("[info]") and "only CIFAR-10 and ImageFolder runs need one" in lines["data"]
     assert lines["runs"].startswith("[ok  ]") and ". is writable" in lines["runs"]

@@ -1,7 +1,7 @@
-"""Restarts under a plain `torchrun --max-restarts`, as the tutorials launch it: nothing an attempt puts
-in the rendezvous store can be taken for another attempt's, no start-up waits without bound, and the
-chaos drill (python -m train.chaos) ends every trial bit-identical. (A finished run stays finished:
-tests/test_run_outputs.py.)"""
+"""Restarts under a plain `torchrun --max-restarts`, as the tutorials launch it: no start-up waits
+without bound, and the chaos drill (python -m train.chaos) ends every trial bit-identical. (Each
+attempt's keys in the rendezvous store under a name of its own: tests/unit/test_session.py; a finished
+run stays finished: tests/e2e/test_run_outputs.py.)"""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import time
 import pytest
 
 from tests.helpers import DEBUG, PY, env_for_tests, python_cmd, run
-
-
-# ---------------------------------------------------------------- one attempt's keys, never another's
 
 
 # ---------------------------------------------------------------- bounded start-up
