@@ -108,20 +108,22 @@ class Config:
                         "momentum")
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
         if self.num_workers < -1:
-            raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.num_workers}")
+            raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.num_workers}: pass -1, 0 (load "
+                              f"in the training process) or a worker count")
         if self.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+            raise ConfigError(f"--lr must be > 0, got {self.lr}: pass a positive learning rate, e.g. --lr 3e-4")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
+            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}: pass a fraction of "
+                              f"--lr, e.g. 0.1")
         if self.image_size < 8:
-            raise ConfigError(f"--image-size must be at least 8, got {self.image_size}")
+            raise ConfigError(f"--image-size must be at least 8, got {self.image_size}: pass 8 or more (pixels)")
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
-                                  f"got {getattr(self, f.name)!r}")
+                                  f"got {getattr(self, f.name)!r}: pass one of those")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -52,25 +52,25 @@ def build_model(cfg: Config, num_classes: int) -> nn.Module:
     if ":" in cfg.model:
         model = _user_factory(cfg.model)(num_classes=num_classes)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not an nn.Module")
+            raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not an nn.Module: make the "
+                              f"factory return a torch.nn.Module")
         return model
-    import torchvision  # noqa: PLC0415 - only the runs that use it pay its import (see train/data.py)
-
-    names = torchvision.models.list_models(module=torchvision.models)
-    if cfg.model not in names:
-        raise ConfigError(f"--model {cfg.model!r} is not cnn, a torchvision classification model "
-                          f"(e.g. resnet18, resnet50, mobilenet_v3_small) or package.module:factory")
-    return torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
+    return _torchvision_models(cfg.model).get_model(cfg.model, weights=None, num_classes=num_classes)
 
 
 def check_model_spec(cfg: Config) -> None:
     """Fail early (before workers start) on a --model that cannot be built."""
-    if cfg.model == "cnn":
-        return
     if ":" in cfg.model:
         _user_factory(cfg.model)
-        return
+    elif cfg.model != "cnn":
+        _torchvision_models(cfg.model)
+
+
+def _torchvision_models(name: str):
+    """torchvision.models, once `name` is known to be one of its classification models."""
     import torchvision  # noqa: PLC0415 - only the runs that use it pay its import (see train/data.py)
 
-    if cfg.model not in torchvision.models.list_models(module=torchvision.models):
-        build_model(cfg, 10)
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise ConfigError(f"--model {name!r} is not cnn, a torchvision classification model "
+                          f"(e.g. resnet18, resnet50, mobilenet_v3_small) or package.module:factory: pass one of those")
+    return torchvision.models
