@@ -271,12 +271,9 @@ def space_problem(run_dir: Path) -> str | None:
     newest = list_checkpoints(run_dir)[-1:]
     if newest:
         needed = newest[0].stat().st_size
-    try:
-        last = json.loads((run_dir / "status.json").read_text())
-        if last.get("state") == "failed":
-            needed = max(needed, int(last.get("needed_bytes", 0)))
-    except (OSError, ValueError):
-        pass
+    last = read_status(run_dir)
+    if last.get("state") == "failed":  # a save that failed for want of space noted what it needed
+        needed = max(needed, int(last.get("needed_bytes", 0)))
     partial = sum(p.stat().st_size for p in checkpoint_dir(run_dir).glob(".step_*.tmp.*")) \
         if checkpoint_dir(run_dir).is_dir() else 0
     free = shutil.disk_usage(run_dir).free + partial

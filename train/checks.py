@@ -31,7 +31,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
     check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
-    if cfg.spawn and ("RANK" in os.environ or "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ):
+    if cfg.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
     if cfg.dataset == "cifar10":
         check_cifar(Path(cfg.data_dir), cfg.download)

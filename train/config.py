@@ -245,9 +245,3 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**values)
     cfg.validate()
     return cfg
-
-
-def config_from_dict(data: dict) -> Config:
-    """Rebuild a Config saved in a checkpoint or config.json, ignoring keys of other versions."""
-    known = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in data.items() if k in known})

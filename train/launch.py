@@ -14,7 +14,6 @@ import argparse
 import atexit
 import contextlib
 import faulthandler
-import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # its exit hook must be registered before ours (see _kill_loader_workers)
@@ -34,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from slurm.plan import TORCHRUN_ENV, PlanError, torchrun_flags
 from train import trainer
+from train.checkpoint import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main
@@ -223,10 +223,7 @@ def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_di
         "--standalone", f"--nproc-per-node={nprocs}", *torchrun_flags(max_restarts), "-m", "train", *trainer_args])
 
     def stopped() -> bool:
-        try:
-            return json.loads((run_dir / "status.json").read_text()).get("state") == "stopped"
-        except (OSError, ValueError):
-            return False
+        return read_status(run_dir).get("state") == "stopped"
 
     message = f"trainbox: stopped after saving a checkpoint in {run_dir}; run the same command to resume"
     try:

@@ -31,20 +31,12 @@ from pathlib import Path
 
 import torch
 
+from train.checkpoint import atomic_write
 from train.data import check_imagefolder, read_idx, read_index
 from train.errors import ConfigError, fail
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _files(split_dir: Path) -> tuple[list[str], list[tuple[Path, int]]]:
@@ -84,12 +76,12 @@ def pack_split(src: Path, dst: Path, split: str, shard_bytes: int = SHARD_BYTES)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst / name)
-        _write_atomically(dst / f"{name}.idx", torch.tensor(rows, dtype=torch.int64).numpy().tobytes())
+        atomic_write(dst / f"{name}.idx", torch.tensor(rows, dtype=torch.int64).numpy().tobytes())
         shards.append({"name": name, "samples": len(rows), "bytes": (dst / name).stat().st_size,
                        "sha256": _sha256(dst / name)})
     wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
             "shardlist": [{"url": s["name"], "nsamples": s["samples"]} for s in shards]}
-    _write_atomically(dst / f"{split}.json", json.dumps(wids, indent=1).encode())
+    atomic_write(dst / f"{split}.json", json.dumps(wids, indent=1).encode())
     return {"classes": classes, "samples": len(samples), "shards": shards}
 
 
@@ -108,7 +100,7 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES) -> dict:
     dst.mkdir(parents=True, exist_ok=True)
     index = {"format": "webdataset", "source": str(src),
              "splits": {split: pack_split(src, dst, split, shard_bytes) for split in ("train", "val")}}
-    _write_atomically(dst / "index.json", json.dumps(index, indent=1).encode())
+    atomic_write(dst / "index.json", json.dumps(index, indent=1).encode())
     return index
 
 

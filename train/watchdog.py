@@ -45,8 +45,6 @@ class Watchdog:
         self.phase, self.limit = phase or self.phase, math.inf
         faulthandler.cancel_dump_traceback_later()
 
-    close = pause
-
     def claim_report(self) -> bool:
         """A caller is about to report the error that ended its work: True if it should print its line
         (the watchdog is then disarmed and stays silent), False if the watchdog has named the phase

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from train.config import PRESETS, Config, ConfigError, config_from_dict, get_args_parser, parse_config
+from train.config import PRESETS, Config, ConfigError, get_args_parser, parse_config
 
 
 def test_every_field_has_a_default_and_help():
@@ -92,8 +92,3 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"cannot read config file .*latin1.toml \(not UTF-8 text\)"):
         parse_config(["--config", str(tmp_path / "latin1.toml")])
-
-
-def test_config_round_trips_through_a_dict():
-    cfg = parse_config(["--preset", "debug", "--seed", "3"])
-    assert config_from_dict({**cfg.to_dict(), "key_from_a_newer_version": 1}) == cfg
