@@ -105,7 +105,9 @@ def main(argv: list[str]) -> int:
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)
     values["HOST_GID"] = os.environ.get("HOST_GID") or str(gid)
     for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs")):
-        named = given or values.get(key)  # on the command line or in .env: it must exist (the NAS mounted)
+        # Named on the command line or in .env (not the default an earlier `make env` wrote there): it must
+        # exist, the NAS mounted.
+        named = given or (values.get(key) if values.get(key) != str(Path(default).resolve()) else None)
         folder = Path(named or default)
         if not folder.is_dir():
             if named:

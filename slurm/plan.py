@@ -42,7 +42,7 @@ def count(name: str, value: int | str | None, default: int) -> int:
     text = "" if value is None else str(value).strip()
     if not text:
         return default
-    if not text.isdigit():
+    if not text.isdecimal():
         raise PlanError(f"{name}={value!r} is not a number: use 0, 1, 3, ...")
     return int(text)
 
@@ -196,7 +196,7 @@ def plan_sky(env) -> dict[str, str | list[str]]:
 def _nproc_per_node(env) -> int | None:
     """NPROC_PER_NODE, checked (None: not set)."""
     nproc = env.get("NPROC_PER_NODE", "")
-    if nproc and (not nproc.isdigit() or int(nproc) < 1):
+    if nproc and (not nproc.isdecimal() or int(nproc) < 1):
         raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
     return int(nproc) if nproc else None
 

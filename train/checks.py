@@ -30,9 +30,9 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
-    check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
     if cfg.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
     if cfg.dataset == "cifar10":
         check_cifar(Path(cfg.data_dir), cfg.download)
     if cfg.dataset == "imagefolder":
@@ -74,11 +74,16 @@ def check_devices(cfg: Config, local_workers: int) -> None:
             if "CUDA_VISIBLE_DEVICES" in os.environ else ""
         raise ConfigError(f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver "
                           f"and CUDA_VISIBLE_DEVICES")
-    visible = torch.cuda.device_count() if cuda and cfg.device != "cpu" else local_workers
-    if local_workers > visible:  # a GPU per worker (local rank r uses GPU r)
+    if cuda and cfg.device != "cpu":
+        check_gpu_per_worker(local_workers, torch.cuda.device_count())
+    check_precision(cfg, on_cpu=cfg.device == "cpu" or not cuda)
+
+
+def check_gpu_per_worker(local_workers: int, visible: int) -> None:
+    """Local rank r trains on GPU r."""
+    if local_workers > visible:
         raise ConfigError(f"{local_workers} workers on this node but {visible} GPU(s) visible: start at most "
                           f"{visible} (torchrun --nproc-per-node, --spawn, NPROC_PER_NODE) or set CUDA_VISIBLE_DEVICES")
-    check_precision(cfg, on_cpu=cfg.device == "cpu" or not cuda)
 
 
 def check_precision(cfg: Config, on_cpu: bool) -> None:

@@ -1,8 +1,8 @@
-"""The user-facing checks that need no run: GPUS, CUDA_VISIBLE_DEVICES."""
+"""The user-facing checks that need no run: GPUS, CUDA_VISIBLE_DEVICES, a GPU per worker."""
 
 import pytest
 
-from train.checks import visible_devices_problem
+from train.checks import check_gpu_per_worker, visible_devices_problem
 from train.errors import ConfigError
 from train.launch import workers_for
 
@@ -32,3 +32,11 @@ def test_gpus_knob_errors(gpus, visible, message):
     with pytest.raises(ConfigError) as e:
         workers_for(gpus, visible)
     assert message in str(e.value)
+
+
+def test_a_gpu_per_worker():
+    check_gpu_per_worker(2, 2)
+    check_gpu_per_worker(1, 8)
+    with pytest.raises(ConfigError) as e:
+        check_gpu_per_worker(4, 2)
+    assert str(e.value).startswith("4 workers on this node but 2 GPU(s) visible: start at most 2 (torchrun")

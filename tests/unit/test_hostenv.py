@@ -44,6 +44,8 @@ def test_a_named_folder_must_exist_and_only_the_defaults_are_made(tmp_path, monk
         uid, gid, _ = hostenv.container_ids()
         assert ((tmp_path / "runs").stat().st_uid, (tmp_path / "runs").stat().st_gid) == (uid, gid)
     assert values["DATA_DIR"] == str(tmp_path / "data") and (tmp_path / "data").is_dir()
+    (tmp_path / "runs").rmdir()  # the default, deleted: a later `make env` makes it again
+    assert hostenv.main(["--file", str(env_file)]) == 0 and (tmp_path / "runs").is_dir()
     env_file.write_text(f"DATA_DIR={tmp_path / 'gone'}\n")  # named in .env, since unmounted
     assert hostenv.main(["--file", str(env_file)]) == 2
     assert f"DATA_DIR={tmp_path / 'gone'} does not exist" in capsys.readouterr().err
