@@ -44,8 +44,8 @@ TORCH_FLAVOUR ?= cu130
 BASE_IMAGE ?= $(BASE_$(TORCH_FLAVOUR))
 EXTRA_CA ?=
 BUILD_FLAGS ?=
-HOST_UID ?= $(shell u=$$(id -u); [ "$$u" = 0 ] && echo 1000 || echo $$u)
-HOST_GID ?= $(shell g=$$(id -g); [ "$$(id -u)" = 0 ] && echo 1000 || echo $$g)
+HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
+HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
 DATA_DIR ?=
 RUNS_DIR ?=
 ENV_FILE ?= .env

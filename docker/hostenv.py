@@ -95,9 +95,13 @@ def main(argv: list[str]) -> int:
                         "(http://mlflow:5000: the compose service); empty: no tracking")
     parser.add_argument("--file", default=".env")
     parser.add_argument("--check-driver", metavar="CUDA", help="only check the host driver against CUDA (13.0, ...)")
+    parser.add_argument("--ids", action="store_true", help="only print the container user's UID and GID (make build)")
     args = parser.parse_args(argv)
     if args.check_driver:
         return check_driver(args.check_driver)
+    if args.ids:
+        print(*container_ids()[:2])
+        return 0
 
     path = Path(args.file)
     values = read_env(path)

@@ -26,3 +26,11 @@ def test_host_driver_check_as_make_doctor_runs_it():
         assert host.returncode == 0 and "no NVIDIA driver on this host: CPU only" in host.stdout
     else:
         assert host.returncode == (1 if hostenv.driver_problem(driver, "13.0") else 0) and driver in host.stdout
+
+
+def test_the_container_user_as_make_build_asks_for_it():
+    proc = subprocess.run([sys.executable, "-I", "-S", "docker/hostenv.py", "--ids"], cwd=REPO, capture_output=True,
+                          text=True)
+    uid, gid, _ = hostenv.container_ids()
+    assert proc.returncode == 0 and proc.stdout.split() == [str(uid), str(gid)]
+    assert uid != 0 and gid != 0  # root maps to 1000: the image never runs as root
