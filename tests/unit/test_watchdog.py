@@ -14,6 +14,15 @@ def _overdue(watchdog: Watchdog) -> None:
     watchdog.limit, watchdog.armed_at = 1.0, time.monotonic() - 5
 
 
+def _wait_for_the_line(capfd) -> str:
+    """What the announcing thread wrote, once its whole line is out (a read may catch a write half done)."""
+    err, deadline = "", time.monotonic() + 10
+    while not err.endswith("\n") and time.monotonic() < deadline:
+        err += capfd.readouterr().err
+        time.sleep(0.01)
+    return err
+
+
 def test_a_caller_that_reports_first_silences_the_watchdog(capfd):
     watchdog = Watchdog()
     _overdue(watchdog)
@@ -28,9 +37,7 @@ def test_a_watchdog_that_named_the_phase_first_keeps_the_caller_silent(capfd):
     watchdog = Watchdog()
     _overdue(watchdog)
     threading.Thread(target=watchdog._announce, daemon=True).start()
-    deadline = time.monotonic() + 10
-    while "error:" not in (err := capfd.readouterr().err) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    err = _wait_for_the_line(capfd)
     assert err.startswith("error: [rank 1] no progress for 1 s during process-group set-up"), err
     assert not watchdog.claim_report()
     watchdog.pause()  # lets the announcing thread go back to idling
@@ -42,9 +49,8 @@ def test_after_a_near_miss_a_later_error_has_its_line_again(capfd):
     watchdog = Watchdog()
     _overdue(watchdog)
     threading.Thread(target=watchdog._announce, daemon=True).start()
+    _wait_for_the_line(capfd)
     deadline = time.monotonic() + 10
-    while "error:" not in capfd.readouterr().err and time.monotonic() < deadline:
-        time.sleep(0.01)
     watchdog.limit, watchdog.armed_at = 100.0, time.monotonic()  # re-armed, as progress() does
     while watchdog._reported and time.monotonic() < deadline:
         time.sleep(0.01)
