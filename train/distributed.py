@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 
 from slurm.plan import expand_hostlist, master_port
-from train.errors import ConfigError
+from train.errors import ConfigError, note_process_group
 from train.watchdog import watchdog
 
 
@@ -133,6 +133,7 @@ def init(device: torch.device, timeout_s: int) -> Identity:
     if backend == "nccl":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
+    note_process_group()
     _control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     watchdog.pause("start-up")
     return ident

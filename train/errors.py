@@ -4,6 +4,7 @@ import atexit
 import gc
 import os
 import sys
+import threading
 from typing import NoReturn
 
 EXIT_DONE = 0  # finished (or already finished): model.pt written
@@ -26,15 +27,30 @@ def fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+_ran_a_process_group = False
+
+
+def note_process_group() -> None:
+    """Called once this process joined a process group: it ends without the interpreter's teardown."""
+    global _ran_a_process_group
+    _ran_a_process_group = True
+
+
 def end_process(code: int) -> NoReturn:
     """How every trainbox process ends. Python's last garbage collection walks every object torch made
-    (0.5 to 1 s per process): frozen, they are skipped. A process group still alive here was left by an
-    error (a lost peer, a timeout): its C++ teardown can abort the process ("terminate called without an
-    active exception", exit 134) after the error was reported, so such a process runs its exit handlers,
-    flushes its output and leaves with its own code, without that teardown."""
+    (0.5 to 1 s per process): frozen, they are skipped. In a process that joined a process group, the
+    C++ teardown of what it leaves behind (the group itself after an error, a lost peer or a timeout;
+    the rendezvous store and gloo's threads even after a clean end) can abort the process at exit
+    ("terminate called without an active exception", exit 134) after it reported its result. Such a
+    process waits for its threads (as the interpreter would: a checkpoint prune), runs its exit handlers
+    (logging, loader workers), flushes its output and leaves with its own code, without that teardown;
+    its files were closed and fsynced before this."""
     gc.freeze()
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
+        for thread in threading.enumerate():
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join()
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
