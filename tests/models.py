@@ -48,3 +48,35 @@ class _HangsInForward(nn.Module):
 
 def hangs_after_30_steps(num_classes: int) -> nn.Module:
     return _HangsInForward(num_classes)
+
+
+class _NeedsTooMuchMemory(nn.Module):
+    """Trains normally until `when` says otherwise, then asks the real allocator for a blown-up activation
+    (the input upsampled 4096 times: terabytes), as a batch of images too large for the device does."""
+
+    def __init__(self, num_classes: int, when):
+        super().__init__()
+        self.net = tiny_groupnorm_cnn(num_classes)
+        self.when, self.calls = when, 0
+
+    def forward(self, x):
+        self.calls += self.training
+        if self.when(self):
+            x = nn.functional.interpolate(x, scale_factor=4096)
+        return self.net(x)
+
+
+def out_of_memory_at_step_3(num_classes: int) -> nn.Module:
+    return _NeedsTooMuchMemory(num_classes, lambda m: m.training and m.calls >= 3)
+
+
+def out_of_memory_in_evaluation(num_classes: int) -> nn.Module:
+    return _NeedsTooMuchMemory(num_classes, lambda m: not m.training)
+
+
+def out_of_memory_on_rank_1_at_step_3(num_classes: int) -> nn.Module:
+    """Rank 1 alone (a larger batch of variable-size images on one GPU): rank 0 waits for it in the all-reduce."""
+    import os
+
+    rank_1 = os.environ.get("RANK") == "1"
+    return _NeedsTooMuchMemory(num_classes, lambda m: rank_1 and m.training and m.calls >= 3)

@@ -136,7 +136,7 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
     if not _writable_or_creatable(run_dir):
-        raise ConfigError(f"run directory {run_dir} is not writable: pass a writable --run-dir")
+        raise ConfigError(not_writable(run_dir))
     saved = run_dir / "config.json"
     if saved.is_file():
         try:
@@ -147,6 +147,24 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     problem = checkpoint.space_problem(run_dir)
     if problem:
         raise ConfigError(problem)
+
+
+def not_writable(run_dir: Path, reason: str = "") -> str:
+    """The line for a run directory this process cannot write: the folder that stops it, its owner, this
+    process's user, and the fix."""
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        owner = f"belongs to uid {folder.stat().st_uid}"
+    except OSError:
+        owner = "cannot be read"
+    where = "" if folder == run_dir else f" ({folder} {owner})"
+    where = where or f" (it {owner})"
+    hint = " (from the host: `make env`, then the container runs as you)" if Path("/.dockerenv").exists() else ""
+    return (f"run directory {run_dir} is not writable by uid {uid}{' (' + reason + ')' if reason else ''}{where}: "
+            f"give uid {uid} write access (chown -R {uid}:{gid} {folder}){hint} or pass a writable --run-dir")
 
 
 def _writable_or_creatable(path: Path) -> bool:

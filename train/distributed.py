@@ -223,6 +223,38 @@ def teardown(clean: bool, timeout_s: float) -> None:
     _control_group = _session_store = None
 
 
+def announce_unrecoverable(message: str) -> bool:
+    """This rank ends on an error that a restart cannot mend (out of memory, a bad file): its line goes to
+    the rendezvous store, where a peer that then loses contact with it (blocked in a collective with it)
+    reads it (`peer_unrecoverable`) instead of reporting a lost peer. True if no other rank had announced
+    one (this rank's line is the one to print)."""
+    if _session_store is None:
+        return True
+    try:
+        _session_store.set(f"trainbox/unrecoverable/{identity().global_rank}", message)
+        return _session_store.add("trainbox/unrecoverable", 1) == 1
+    except (RuntimeError, OSError):  # the store's host is gone
+        return True
+
+
+def peer_unrecoverable() -> str | None:
+    """The line of a peer that ended on an error a restart cannot mend, from the store, or None (none did,
+    or the store's host, rank 0, is gone: the trainer then reads rank 0's status.json)."""
+    if _session_store is None:
+        return None
+    try:
+        _session_store.set_timeout(datetime.timedelta(seconds=5))  # its host may be a node that died
+        if _session_store.add("trainbox/unrecoverable", 0) == 0:
+            return None
+        for rank in range(identity().world_size):
+            key = f"trainbox/unrecoverable/{rank}"
+            if _session_store.check([key]):
+                return _session_store.get(key).decode()
+    except (RuntimeError, OSError):
+        return None
+    return None
+
+
 def broadcast_from_main(value):
     """Rank 0's value on every rank (plain Python objects)."""
     if not dist.is_initialized():

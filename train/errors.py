@@ -21,6 +21,16 @@ class DataError(ConfigError):
     """A dataset file that cannot be read, met by one rank while training: one line naming the file."""
 
 
+class OutOfMemory(ConfigError):
+    """The device (or the host) ran out of memory on one rank: one line naming where, the memory the device
+    has and the flags that lower what a step needs (train/memory.py)."""
+
+
+class PeerGaveUp(ConfigError):
+    """Another rank ended on an error that a restart cannot mend (its own line says which): this rank ends
+    with the same exit code and says nothing more."""
+
+
 def fail(message: str) -> int:
     """A user's mistake, before anything started: one line on stderr, exit code 2."""
     print(f"error: {message}", file=sys.stderr)

@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from train.checkpoint import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main
-from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, end_process, fail
+from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
+                          end_process, fail)
 from train.watchdog import watchdog
 
 
@@ -63,13 +65,14 @@ def run_worker(cfg: Config) -> int:
         if not watchdog.claim_report():  # the watchdog named the phase and is printing the stacks
             traceback.print_exception(e, file=sys.stderr)
             return EXIT_FAILED
-        if isinstance(e, DataError):  # one rank met it; that rank says so
-            print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if isinstance(e, ConfigError):  # every rank raised it; one says so
+        if isinstance(e, (DataError, OutOfMemory)):  # the rank that met it says so (the first, if several)
+            if getattr(e, "first", True):
+                print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
+        elif isinstance(e, ConfigError) and not isinstance(e, PeerGaveUp):  # every rank raised it; one says so
             if is_main():
                 print(f"error: {_last_line(e)}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        if isinstance(e, ConfigError):
+            return _unrecoverable_exit(getattr(e, "recorded", False))
         if not _lost_peer(e):
             raise
         _report_lost_peer(rank, e)
@@ -80,6 +83,18 @@ def run_worker(cfg: Config) -> int:
         # status.json ("stopped") and exit 75.
         return 0
     return code
+
+
+def _unrecoverable_exit(recorded: bool) -> int:
+    """Exit code 2 for an error that a restart cannot mend. Under torchrun with restarts left, 0 instead:
+    torchrun restarts a worker group on any non-zero exit, whatever the code, and the attempt would only
+    meet the error again. The run's status.json then says "failed" with exit code 2 (rank 0 wrote it, or
+    exits 2 itself), which `make train`, compose and the Slurm and SkyPilot templates exit with."""
+    env = os.environ
+    restarts_left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if "TORCHELASTIC_RUN_ID" in env and restarts_left > 0 and (recorded or not is_main()):
+        return 0
+    return EXIT_BAD_INPUT
 
 
 def _last_line(error: Exception) -> str:
@@ -150,16 +165,27 @@ def spawn(cfg: Config) -> int:
         signal.signal(sig, forward)
     # Wait for all; if one fails, stop the rest now rather than after the collective timeout. The run's
     # code is the first failure's (the workers stopped here would only report this kill); a crash
-    # outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does.
+    # outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does. After an
+    # error a restart cannot mend (2), the others are given a moment: they lose contact with it at once,
+    # read its line and end with the same code (rank 0 records it in status.json).
     waiting = {p.sentinel: p for p in context.processes}
-    failed = None
+    failed, deadline = None, None
     while waiting:
-        for sentinel in multiprocessing.connection.wait(list(waiting)):
+        ready = multiprocessing.connection.wait(list(waiting), timeout=None if deadline is None else
+                                                max(0.0, deadline - time.monotonic()))
+        if not ready:
+            for other in waiting.values():
+                other.kill()
+            deadline = None
+        for sentinel in ready:
             process = waiting.pop(sentinel)
             process.join()
             code = process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
             if failed is None and code not in (0, EXIT_STOPPED):
                 failed = code
+                if code == EXIT_BAD_INPUT:
+                    deadline = time.monotonic() + 30
+                    continue
                 for other in waiting.values():
                     other.kill()  # not SIGTERM: that asks for a checkpoint, which needs the dead rank
     return failed if failed is not None else max(p.exitcode for p in context.processes)
@@ -244,6 +270,9 @@ def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_di
     if stopped():  # the workers stopped on a signal and exited 0 so that torchrun would not restart them
         print(message, file=sys.stderr)
         return EXIT_STOPPED
+    if read_status(run_dir).get("state") == "failed":  # they exited 0 on an error a restart cannot mend
+        print(f"trainbox: the workers stopped on the error above (exit {EXIT_BAD_INPUT})", file=sys.stderr)
+        return read_status(run_dir).get("exit_code", EXIT_BAD_INPUT)
     return 0
 
 

@@ -26,12 +26,14 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
-from train.checks import check_precision, check_same_model, check_steps
+from train.checks import check_precision, check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir
 from train.data import build_datasets, build_train_loader, build_val_loader, prepare_inputs
-from train.distributed import (StopSignal, broadcast_from_main, gather, identity, init, is_main, on_main,
-                               Identity, ordered_allreduce_hook, teardown, usable_cores, watch_limit)
-from train.errors import EXIT_DONE, EXIT_STOPPED, ConfigError
+from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
+                               is_main, on_main, peer_unrecoverable, Identity,
+                               ordered_allreduce_hook, teardown, usable_cores, watch_limit)
+from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
+from train.memory import is_out_of_memory, out_of_memory
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, write_manifest
 from train.models import build_model
 from train.optim import build_optimizer, lr_factor
@@ -49,7 +51,7 @@ def run(cfg: Config) -> int:
     device = pick_device(cfg.device, ident)
     init(device, cfg.timeout_s)
     stop = StopSignal()
-    clean, code, tracker = False, None, None
+    clean, code, tracker, trainer, run_dir = False, None, None, None, None
     try:
         run_dir = resolve_run_dir(cfg)
         if already_finished(run_dir, cfg):
@@ -61,6 +63,12 @@ def run(cfg: Config) -> int:
             code = trainer.train()
         clean = True
         return code
+    except Exception as e:
+        error = unrecoverable(e, trainer, device, cfg)
+        if error is None:
+            raise
+        end_unrecoverable(error, run_dir, trainer)
+        raise error from None
     finally:
         try:
             stop.close(wait=clean)
@@ -316,8 +324,7 @@ class Trainer:
             if freed:
                 print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
 
-        on_main(prepare, lambda e: f"run directory {self.run_dir} is not writable ({e.strerror}): "
-                                   f"pass a writable --run-dir")
+        on_main(prepare, lambda e: not_writable(self.run_dir, e.strerror or str(e)))
         setup_logging(self.run_dir if is_main() else None)
 
     def _build_data(self) -> None:
@@ -385,6 +392,41 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- pieces the Trainer uses
+
+def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device,
+                  cfg: Config) -> ConfigError | None:
+    """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, or a peer's
+    such error), or None: a crash or a lost peer, which a restart may mend."""
+    if isinstance(error, ConfigError):
+        return error
+    if is_out_of_memory(error):
+        if watchdog.phase == "training" and trainer is not None:
+            where = f"training step {trainer.step + 1}"
+        else:
+            where = watchdog.phase if watchdog.phase != "start-up" else "start-up (the data and the model)"
+        return out_of_memory(error, where, device, cfg)
+    peer = peer_unrecoverable()
+    if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
+        status = ckpt.read_status(trainer.run_dir)
+        peer = status.get("error") if status.get("state") == "failed" and "exit_code" in status else None
+    return PeerGaveUp(peer) if peer is not None else None
+
+
+def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer | None) -> None:
+    """Every rank ends with exit code 2 and no restart (train/launch.py): this rank's line goes to its
+    peers (a peer blocked in a collective with it reads it there once this rank has exited), rank 0
+    records it in status.json. Nothing already saved is touched."""
+    if not isinstance(error, PeerGaveUp):
+        error.first = announce_unrecoverable(str(error))  # every rank may meet it: one of them prints it
+    if is_main() and run_dir is not None and run_dir.is_dir():
+        last = ckpt.read_status(run_dir)
+        kept = {k: v for k, v in last.items() if k not in ("state", "step", "slurm_job_id", "slurm_restart_count")} \
+            if last.get("state") == "failed" else {}  # a failed save's own record (the space it needed) stays
+        with contextlib.suppress(OSError):
+            ckpt.write_status(run_dir, "failed", trainer.step if trainer else last.get("step", -1),
+                              **{"error": str(error), **kept, "exit_code": EXIT_BAD_INPUT})
+            error.recorded = True
+
 
 def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
     """A position inside the epoch saved with (workers, batch, accumulation) `saved`, in steps of `now`:

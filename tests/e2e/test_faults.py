@@ -267,7 +267,9 @@ def _unshare() -> list[str]:
 
 
 def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, tmp_path):
-    """The run directory on a 2.5 MB tmpfs: the checkpoints of steps 20 and 40 (0.9 MB each) fit, 60 does not."""
+    """The run directory on a 2.5 MB tmpfs: the checkpoints of steps 20 and 40 (0.9 MB each) fit, 60 does not.
+    A restart cannot free space: torchrun restarts nothing (restarts=2 left), and the same command run again
+    before space is freed fails at start-up, in seconds, instead of training up to the save again."""
     out = tmp_path / "out"
     out.mkdir()
     mnt = tmp_path / "mnt"
@@ -278,6 +280,7 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
         mount -t tmpfs -o size=2500k tmpfs {mnt} || exit 90
         {cmd} >{out}/out1 2>{out}/err1; echo $? >{out}/code1
         cp -a {mnt}/run {out}/after_failure
+        {cmd} >{out}/out_again 2>{out}/err_again; echo $? >{out}/code_again
         mount -o remount,size=64m {mnt}     # space freed
         {cmd} >{out}/out2 2>{out}/err2; echo $? >{out}/code2
         cp -a {mnt}/run {out}/after_resume
@@ -290,8 +293,12 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
     failed = [line for line in err1.splitlines() if "could not save the checkpoint" in line]
     assert len(failed) == 1, err1[-4000:]  # one save failed; the restarts did not train up to it again
     assert "No space left on device" in failed[0] and "kept step_00000040.pt" in failed[0]
-    assert "MiB free but a checkpoint needs" in err1  # what each restart said, within seconds
+    assert "trainbox: the workers stopped on the error above (exit 2)" in err1
+    again = (out / "err_again").read_text()
+    assert (out / "code_again").read_text().strip() == "2", again[-4000:]
+    assert "MiB free but a checkpoint needs" in again and "resumed from" not in again  # at start-up
     after = out / "after_failure"
+    assert (after / "train.log").read_text().count(f"run {mnt / 'run'}:") == 1  # torchrun restarted nothing
     assert ckpt.newest_valid(after).name == "step_00000040.pt"
     assert not list((after / "checkpoints").glob(".*")), "a partial file was left behind"
     assert status(after)["state"] == "failed"
