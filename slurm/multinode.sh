@@ -37,15 +37,16 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
-# NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN, and the
-# torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py.
-plan=$(python3 slurm/plan.py plan) || exit 2
+# NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN TRAINER_ARGS,
+# and the torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py. A
+# --run-dir among the arguments is the run's folder (RUN_DIR), as RUNS_DIR=its parent RUN_NAME=its name.
+plan=$(python3 slurm/plan.py plan -- "$@") || exit 2
 eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --nodes="$NNODES" --cpus-per-task="$CPUS_PER_TASK" \
-    "${LAUNCH[@]}" "${TORCHRUN[@]}" -m train --run-dir "$RUN_DIR_ARG" "$@" &
+    "${LAUNCH[@]}" "${TORCHRUN[@]}" -m train --run-dir "$RUN_DIR_ARG" "${TRAINER_ARGS[@]}" &
 step=$!
 # The signal reaches this shell only (B:); pass it to the step's processes on every node. USR2 is the
 # preemption notice (requeue after the checkpoint); TERM is a cancel (`scancel`, a time limit): the run
@@ -56,12 +57,14 @@ trap 'echo "trainbox: cancelled: checkpointing, no requeue"; scancel --signal=US
 while kill -0 "$step" 2>/dev/null; do wait "$step"; done   # wait returns early when a trap runs
 wait "$step"; code=$?                                       # the step's own exit code
 
-case "$(python3 slurm/plan.py after "$RUN_DIR" ${preempted:+--preempted})" in
+read -r verdict recorded < <(python3 slurm/plan.py after "$RUN_DIR" ${preempted:+--preempted})
+case "$verdict" in
   done)    echo "trainbox: finished: $RUN_DIR/model.pt"; exit 0 ;;
   requeue) echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"
            scontrol requeue "$SLURM_JOB_ID"; exit 0 ;;
   stopped) echo "trainbox: stopped at a checkpoint, not requeued (not a preemption): resubmit to resume"
            exit 75 ;;
-  *)       echo "trainbox: the run failed (step exit code $code): not requeued; see the log above"
-           exit "$(( code == 0 ? 1 : code ))" ;;
+  *)       code=$(( ${recorded:-0} != 0 ? recorded : code == 0 ? 1 : code ))   # the run's own code first
+           echo "trainbox: the run failed (exit code $code): not requeued; see the log above"
+           exit "$code" ;;
 esac

@@ -1,13 +1,16 @@
 """The decisions behind the cluster launchers, in Python (standard library only: the batch shell's or
 the cloud node's python3 runs it).
 
-  python3 slurm/plan.py plan                     for slurm/multinode.sh, shell assignments: NNODES,
+  python3 slurm/plan.py plan -- TRAINER ARGS     for slurm/multinode.sh, shell assignments: NNODES,
                                                  NPROC_PER_NODE, CPUS_PER_TASK, MASTER_ADDR, MASTER_PORT,
-                                                 RUN_DIR, RUN_DIR_ARG, LAUNCH (the runtime's command
-                                                 prefix) and TORCHRUN (torchrun's arguments)
+                                                 RUN_DIR (a --run-dir among the trainer's arguments, else
+                                                 RUNS_DIR/RUN_NAME), RUN_DIR_ARG, LAUNCH (the runtime's
+                                                 command prefix), TORCHRUN (torchrun's arguments) and
+                                                 TRAINER_ARGS (the trainer's, without --run-dir)
   python3 slurm/plan.py after RUN_DIR [--preempted]
-                                                 what the batch shell does once the step ended:
-                                                 done | requeue | stopped | failed (from RUN_DIR/status.json)
+                                                 what the batch shell does once the step ended, and the
+                                                 job's exit code: done | requeue | stopped | failed CODE
+                                                 (from RUN_DIR/status.json)
   python3 slurm/plan.py sky                      the same assignments for one node of a SkyPilot task
                                                  (slurm/skypilot.yaml), from SkyPilot's environment
 
@@ -112,8 +115,66 @@ def cpus_per_task(env) -> int:
     return min(counts) if counts else 1
 
 
-def plan(env) -> dict[str, str | list[str]]:
-    """Everything the batch script needs to start one torchrun per node, checked first."""
+def split_run_dir(args: list[str]) -> tuple[str | None, list[str]]:
+    """The trainer's --run-dir among its arguments (the last one, as the trainer takes it; or run_dir in
+    its --config file), and the arguments without it."""
+    run_dir, rest, config, i = None, [], None, 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--run-dir" and i + 1 < len(args):
+            run_dir, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--run-dir="):
+            run_dir, i = arg.partition("=")[2], i + 1
+            continue
+        if arg == "--config" and i + 1 < len(args):
+            config = args[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.partition("=")[2]
+        rest.append(arg)
+        i += 1
+    if run_dir is None and config:
+        run_dir = _config_run_dir(Path(config))
+    return run_dir or None, rest
+
+
+def _config_run_dir(path: Path) -> str | None:
+    """run_dir in a trainer config file (JSON, or TOML where this python3 reads it), if it sets one; a file
+    that cannot be read is the trainer's to report."""
+    try:
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib  # noqa: PLC0415 - Python 3.11+; an older python3 leaves a TOML file to the trainer
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (OSError, ValueError, ImportError):
+        return None
+    value = data.get("run_dir") if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def run_location(env, trainer_args: list[str], base: Path, where: str,
+                 default_name: str | None) -> tuple[Path, str, list[str]]:
+    """(runs folder, run name, the trainer's arguments without --run-dir). A --run-dir among the trainer's
+    arguments is the run's folder for everything the job decides (resume, requeue, done, MLflow): the same
+    as RUNS_DIR=its parent RUN_NAME=its name, which it must not contradict."""
+    run_dir, rest = split_run_dir(trainer_args)
+    if run_dir is None:
+        return _runs_dir(env, base, where), env.get("RUN_NAME") or default_name or "", rest
+    path = Path(os.path.normpath(base / run_dir))
+    named = Path(env["RUNS_DIR"]) / (env.get("RUN_NAME") or path.name) if env.get("RUNS_DIR") else None
+    if env.get("RUN_NAME") and env["RUN_NAME"] != path.name or named and named.resolve() != path.resolve():
+        raise PlanError(f"--run-dir {run_dir} and RUNS_DIR/RUN_NAME ({named or env['RUN_NAME']}) name two "
+                        f"different run folders: give one of them")
+    if path.name in ("", ".", ".."):
+        raise PlanError(f"--run-dir {run_dir}: name the run's own folder, e.g. --run-dir /nas/runs/exp1")
+    return _runs_dir({**env, "RUNS_DIR": str(path.parent)}, base, where), path.name, rest
+
+
+def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
+    """Everything the batch script needs to start one torchrun per node, checked first. trainer_args: the
+    script's arguments (TRAINER_ARGS is them without a --run-dir, which becomes RUN_DIR)."""
     if "SLURM_JOB_ID" not in env:
         raise PlanError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
     runtime = env.get("RUNTIME", "local")
@@ -122,11 +183,11 @@ def plan(env) -> dict[str, str | list[str]]:
     workers = _nproc_per_node(env) or gpus_on_node(env) or 1
     count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES)  # checked now, used after the step
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
-    runs_dir = _runs_dir(env, trainbox_dir, where=env.get("SLURMD_NODENAME", "this node"))
+    runs_dir, run_name, rest = run_location(env, list(trainer_args), trainbox_dir,
+                                            env.get("SLURMD_NODENAME", "this node"), f"slurm-{env['SLURM_JOB_ID']}")
     data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
     if env.get("DATA_DIR") and not data_dir.is_dir():
         raise PlanError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
-    run_name = env.get("RUN_NAME") or f"slurm-{env['SLURM_JOB_ID']}"
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"))
     port = env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"]))
     out: dict[str, str | list[str]] = {
@@ -138,6 +199,7 @@ def plan(env) -> dict[str, str | list[str]]:
         "RUN_DIR": str(runs_dir / run_name),
         "TORCHRUN": multinode_torchrun(len(nodes), workers, f"{nodes[0]}:{port}", env["SLURM_JOB_ID"],
                                        env.get("MAX_RESTARTS")),
+        "TRAINER_ARGS": rest,
     }
     if runtime == "local":
         out["LAUNCH"] = [_python(env, trainbox_dir)]
@@ -165,19 +227,24 @@ def plan(env) -> dict[str, str | list[str]]:
 def plan_sky(env) -> dict[str, str | list[str]]:
     """One node of a SkyPilot task (slurm/skypilot.yaml): one torchrun per node, c10d rendezvous on the
     first node of SKYPILOT_NODE_IPS, which hosts the store; the run in RUNS_DIR/RUN_NAME on the task's
-    mounted storage, so that a relaunch (a managed job recovered after a preemption) resumes it."""
+    mounted storage (or the --run-dir in ARGS), so that a relaunch (a managed job recovered after a
+    preemption) resumes it. TRAINER_ARGS: ARGS as words, without the --run-dir."""
     ips = env.get("SKYPILOT_NODE_IPS", "").split()
     if not ips or not env.get("SKYPILOT_NODE_RANK", "").isdigit():
         raise PlanError("not inside a SkyPilot task (no SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK): launch with "
                         "sky launch slurm/skypilot.yaml")
-    run_name = env.get("RUN_NAME", "")
+    try:
+        args = shlex.split(env.get("ARGS", ""))
+    except ValueError as e:
+        raise PlanError(f"ARGS={env.get('ARGS')!r} cannot be split into words ({e}): check its quotes") from None
+    trainbox_dir = Path(env.get("TRAINBOX_DIR") or ".")
+    where = f"node {env['SKYPILOT_NODE_RANK']}"
+    runs_dir, run_name, rest = run_location(env, args, trainbox_dir, where, None)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name):
         raise PlanError(f"RUN_NAME={run_name!r}: name the run (letters, digits, . _ -), e.g. sky launch "
                         f"--env RUN_NAME=resnet50-a slurm/skypilot.yaml; a relaunch with the same name resumes it")
     gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
     workers = _nproc_per_node(env) or (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
-    trainbox_dir = Path(env.get("TRAINBOX_DIR") or ".")
-    runs_dir = _runs_dir(env, trainbox_dir, where=f"node {env['SKYPILOT_NODE_RANK']}")
     port = env.get("MASTER_PORT") or "29400"
     rank = int(env["SKYPILOT_NODE_RANK"])
     return {
@@ -190,6 +257,7 @@ def plan_sky(env) -> dict[str, str | list[str]]:
         "LAUNCH": [_python(env, trainbox_dir)],
         "TORCHRUN": multinode_torchrun(len(ips), workers, f"{ips[0]}:{port}", run_name, env.get("MAX_RESTARTS"),
                                        host=rank == 0),
+        "TRAINER_ARGS": rest,
     }
 
 
@@ -226,29 +294,37 @@ def _python(env, trainbox_dir: Path) -> str:
     return python
 
 
-def after(run_dir: Path, env, preempted: bool) -> str:
-    """What the batch shell does once the step ended: requeue (stopped at a checkpoint on a preemption
-    notice, requeues left), done, stopped (at a checkpoint, on a cancel or a signal of the user's: not
-    requeued), or failed."""
+def after(run_dir: Path, env, preempted: bool) -> tuple[str, int]:
+    """What the batch shell does once the step ended, and the job's exit code: requeue (stopped at a
+    checkpoint on a preemption notice, requeues left), done, stopped (at a checkpoint, on a cancel or a
+    signal of the user's: not requeued), or failed (with the code the run recorded: 2 for an error a
+    restart cannot mend, such as out of memory; else 0, the step's own code stands)."""
     try:
         status = json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         status = {}
     state = status.get("state")
     if state == "done":
-        return "done"
+        return "done", 0
     attempt = int(env.get("SLURM_RESTART_COUNT", "0"))
-    if state != "stopped" or status.get("slurm_restart_count", attempt) != attempt:
-        return "failed"  # a crash, or an earlier attempt's status: this one never started training
+    this_attempt = status.get("slurm_restart_count", attempt) == attempt
+    if state == "failed" and this_attempt and isinstance(status.get("exit_code"), int):
+        return "failed", status["exit_code"]
+    if state != "stopped" or not this_attempt:
+        return "failed", 0  # a crash, or an earlier attempt's status: this one never started training
     if not preempted:
-        return "stopped"
-    return "requeue" if attempt < count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES) else "failed"
+        return "stopped", 75
+    if attempt < count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES):
+        return "requeue", 0
+    return "failed", 0
 
 
 def main(argv: list[str]) -> int:
     try:
         if argv[:1] in (["plan"], ["sky"]):
-            for key, value in (plan if argv[0] == "plan" else plan_sky)(os.environ).items():
+            trainer_args = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+            planned = plan(os.environ, trainer_args) if argv[0] == "plan" else plan_sky(os.environ)
+            for key, value in planned.items():
                 if isinstance(value, list):
                     print(f"{key}=({' '.join(shlex.quote(v) for v in value)})")
                 else:
@@ -257,12 +333,12 @@ def main(argv: list[str]) -> int:
                 print(f"export {key}={shlex.quote(os.environ.get(key, value))}")
             return 0
         if argv[:1] == ["after"] and len(argv) in (2, 3) and argv[2:] in ([], ["--preempted"]):
-            print(after(Path(argv[1]), os.environ, preempted=argv[2:] == ["--preempted"]))
+            print(*after(Path(argv[1]), os.environ, preempted=argv[2:] == ["--preempted"]))
             return 0
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("usage: python3 slurm/plan.py plan | after RUN_DIR [--preempted] | sky", file=sys.stderr)
+    print("usage: python3 slurm/plan.py plan [-- TRAINER ARGS] | after RUN_DIR [--preempted] | sky", file=sys.stderr)
     return 2
 
 

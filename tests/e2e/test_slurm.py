@@ -42,14 +42,18 @@ def nas(tmp_path):
 
 
 def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run):
+    """With the run's folder named by the trainer's own --run-dir (not RUN_NAME): the job's verdict reads
+    that folder, so a finished run ends `finished`, exit code 0, not requeued."""
     env, runs = nas(tmp_path)
+    env.pop("RUNS_DIR")
     log = tmp_path / "job.out"
-    job = sbatch(cluster, "multinode.sh", *DEBUG, "--deterministic", sbatch_args=("--nodes=2", f"--output={log}"),
-                 env={**env, "NPROC_PER_NODE": "2"})
+    run_dir = runs / "exp1"
+    job = sbatch(cluster, "multinode.sh", *DEBUG, "--deterministic", "--run-dir", run_dir,
+                 sbatch_args=("--nodes=2", f"--output={log}"), env={**env, "NPROC_PER_NODE": "2"})
     info = wait_job(cluster, job)
-    assert info["JobState"] == "COMPLETED", log.read_text()
-    assert info["Restarts"] == "0" and "trainbox: finished:" in log.read_text()  # a finished run is not requeued
-    run_dir = runs / f"slurm-{job}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log.read_text()
+    assert info["Restarts"] == "0" and f"trainbox: finished: {run_dir}/model.pt" in log.read_text()
+    assert not (REPO / "runs" / f"slurm-{job}").exists()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and sorted(set(manifest["hostnames"])) == ["n1", "n2"]
     assert manifest["slurm_job_id"] == job
@@ -65,17 +69,17 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
 
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
+    run_dir = runs / "preempted"  # named by the trainer's --run-dir: the requeue decision reads it there
     tracking = tracked_env(f"http://{CLUSTER_HOST}:{mlflow_server.port}", tmp_path)
-    job = sbatch(cluster, "multinode.sh", *SLURM_LONG, sbatch_args=("--nodes=2", f"--output={log}"),
-                 env={**env, "NPROC_PER_NODE": "2", **{k: tracking[k] for k in ("MLFLOW_TRACKING_URI",
-                                                                                "MLFLOW_EXPERIMENT_NAME")}})
-    run_dir = runs / f"slurm-{job}"
+    to_track = {k: tracking[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    job = sbatch(cluster, "multinode.sh", *SLURM_LONG, "--run-dir", run_dir,
+                 sbatch_args=("--nodes=2", f"--output={log}"), env={**env, "NPROC_PER_NODE": "2", **to_track})
     wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
     run(["scancel", "--signal=USR2", "--batch", job], env=cluster)
     info = wait_job(cluster, job, timeout=900)
     text = log.read_text()
-    assert info["JobState"] == "COMPLETED", text
-    assert info["Restarts"] == "1", text
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    assert info["Restarts"] == "1" and f"trainbox: finished: {run_dir}/model.pt" in text, text
     assert "preemption signal: checkpointing" in text and "requeueing job" in text and "resumed from" in text
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["resumed_from_step"] and 15 <= manifest["resumed_from_step"] < 160

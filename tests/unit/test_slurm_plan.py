@@ -72,17 +72,67 @@ def test_plan_refuses_bad_input(tmp_path, extra, message):
 
 
 @pytest.mark.parametrize("state, restarts, preempted, decision", [
-    ("done", "0", False, "done"), ("done", "0", True, "done"),
-    ("stopped", "0", True, "requeue"),  # a preemption notice: the checkpoint is made, the job comes back
-    ("stopped", "0", False, "stopped"),  # a cancel or the user's own signal: stopped, not requeued
-    ("stopped", "10", True, "failed"),  # MAX_REQUEUES used up
-    ("running", "0", True, "failed"), ("failed", "0", False, "failed"), (None, "0", True, "failed"),
+    ("done", "0", False, ("done", 0)), ("done", "0", True, ("done", 0)),
+    ("stopped", "0", True, ("requeue", 0)),  # a preemption notice: the checkpoint is made, the job comes back
+    ("stopped", "0", False, ("stopped", 75)),  # a cancel or the user's own signal: stopped, not requeued
+    ("stopped", "10", True, ("failed", 0)),  # MAX_REQUEUES used up
+    ("running", "0", True, ("failed", 0)), ("failed", "0", False, ("failed", 0)), (None, "0", True, ("failed", 0)),
 ])
 def test_after_the_step(tmp_path, state, restarts, preempted, decision):
     if state:
         (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
     env = {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}
     assert slurm.after(tmp_path, env, preempted=preempted) == decision
+
+
+def test_after_an_error_a_restart_cannot_mend_the_job_exits_with_its_code(tmp_path):
+    """Out of memory: the workers exit 0 (so that torchrun does not restart them) and status.json holds 2."""
+    (tmp_path / "status.json").write_text(json.dumps({"state": "failed", "step": 5, "exit_code": 2,
+                                                      "slurm_restart_count": 1}))
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=False) == ("failed", 2)
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=True) == ("failed", 2)  # not requeued
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "2"}, preempted=False) == ("failed", 0)  # an earlier attempt's
+
+
+def test_a_run_dir_among_the_trainer_arguments_is_the_run_folder(tmp_path):
+    env = {k: v for k, v in _job_env(tmp_path).items() if k != "RUNS_DIR"}
+    nas = tmp_path / "nas" / "runs"
+    nas.mkdir(parents=True)
+    args = ["--preset", "debug", "--run-dir", str(nas / "exp1"), "--max-steps", "6"]
+    out = slurm.plan(env, args)
+    assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(nas / "exp1")
+    assert out["TRAINER_ARGS"] == ["--preset", "debug", "--max-steps", "6"]
+    assert slurm.plan(env, [f"--run-dir={nas / 'exp2'}"])["RUN_DIR"] == str(nas / "exp2")
+    assert slurm.plan({**env, "RUN_NAME": "exp1", "RUNS_DIR": str(nas)}, args)["RUN_DIR"] == str(nas / "exp1")
+    # relative to the checkout, as the trainer would take it there
+    assert slurm.plan({**env, "TRAINBOX_DIR": str(tmp_path / "nas")}, ["--run-dir", "runs/exp3"])["RUN_DIR"] == \
+        str(nas / "exp3")
+    config = tmp_path / "exp.json"
+    config.write_text(json.dumps({"run_dir": str(nas / "exp4")}))
+    assert slurm.plan(env, ["--config", str(config)])["RUN_DIR"] == str(nas / "exp4")
+    assert slurm.plan(env, ["--config", str(config), "--run-dir", str(nas / "exp5")])["RUN_DIR"] == str(nas / "exp5")
+    (tmp_path / "i.sqsh").write_text("x")
+    pyxis = slurm.plan({**env, "RUNTIME": "pyxis", "IMAGE": str(tmp_path / "i.sqsh")}, args)
+    assert pyxis["RUN_DIR"] == str(nas / "exp1") and pyxis["RUN_DIR_ARG"] == "runs/exp1"  # its parent mounted
+    assert f"{nas}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
+    sky = slurm.plan_sky({**_sky_env(tmp_path, 0), "RUNS_DIR": str(nas), "RUN_NAME": "exp1",
+                          "ARGS": f"--preset debug --run-dir {nas / 'exp1'}"})
+    assert sky["RUN_DIR"] == str(nas / "exp1") and sky["TRAINER_ARGS"] == ["--preset", "debug"]
+
+
+@pytest.mark.parametrize("extra, args, message", [
+    ({"RUN_NAME": "other"}, ["--run-dir", "{nas}/exp1"], "name two different run folders: give one of them"),
+    ({"RUNS_DIR": "{tmp}/runs"}, ["--run-dir", "{nas}/exp1"], "name two different run folders"),
+    ({}, ["--run-dir", "{tmp}/not-mounted/exp1"], "RUNS_DIR={tmp}/not-mounted does not exist"),
+    ({}, ["--run-dir", "/"], "name the run's own folder"),
+])
+def test_a_run_dir_that_contradicts_the_job_or_is_missing_is_refused(tmp_path, extra, args, message):
+    env = {k: v for k, v in _job_env(tmp_path).items() if k != "RUNS_DIR"}
+    (tmp_path / "nas").mkdir()
+    fill = {"nas": tmp_path / "nas", "tmp": tmp_path}
+    with pytest.raises(slurm.PlanError) as e:
+        slurm.plan({**env, **{k: v.format(**fill) for k, v in extra.items()}}, [a.format(**fill) for a in args])
+    assert message.format(**fill) in str(e.value)
 
 
 def test_make_train_and_the_slurm_template_take_their_torchrun_flags_from_here(tmp_path):
@@ -105,8 +155,8 @@ def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
     write_status(tmp_path, "stopped", 30)  # what attempt 0 wrote, under Slurm
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True) == "requeue"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True) == "failed"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True)[0] == "requeue"
+    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True)[0] == "failed"
 
 
 def _sky_env(tmp_path, rank: int, **extra):
