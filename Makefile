@@ -18,7 +18,8 @@ SHELL := /bin/bash
 #                see docker/Dockerfile)
 #   EXTRA_CA     a CA bundle for builds behind a TLS-intercepting proxy (BuildKit secret, never stored)
 #   BUILD_FLAGS  extra `docker build` flags, e.g. --no-cache or --progress=plain
-#   HOST_UID/HOST_GID  the container user (default: yours; 1000 when you are root)
+#   HOST_UID/HOST_GID  the container user (default: yours, root's too; the image's own default user is
+#                never root: 1000 when you are root)
 #   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
 #   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (empty: 3, slurm/plan.py;
@@ -103,6 +104,7 @@ train-local: $(STAMP) ## train in the local environment (what RUNTIME=local sele
 
 train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNTIME=docker selects)
 	@echo "trainbox: container $(IMAGE) via $(COMPOSE); RUNTIME=local for the local environment" >&2
+	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE) -- $(ARGS)
 	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
@@ -133,6 +135,7 @@ image: ## build the image only if it is missing (warns when it was built from an
 	    built=$${built:0:12}; echo "warning: $(IMAGE) was built from $${built:-an unknown commit}, this checkout is $${head:0:12}$${dirty:+ with changes}: run 'make build' to train this code" >&2; fi
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
+	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
 
 tensorboard: ## TensorBoard over the runs folder on port 6006 (container or local, as RUNTIME)

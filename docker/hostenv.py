@@ -1,5 +1,7 @@
 """`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files, the MLflow
-server the trainer tracks to).
+server the trainer tracks to). The containers run as the host user, root included (`container_ids`), so a
+local run and a container run share runs/ and the NAS in any order; `make train` and `make shell` check
+before a container starts that its user can write there (--check-writable).
 `make doctor` also asks it, on the host, whether the driver can run the image's CUDA (--check-driver):
 inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
 start an image whose CUDA the driver is too old for.
@@ -68,12 +70,70 @@ def check_driver(cuda: str) -> int:
     return 0
 
 
-def container_ids() -> tuple[int, int, str]:
-    """The host user's UID/GID; root maps to 1000 because the image never runs as root."""
+def container_ids() -> tuple[int, int]:
+    """The UID/GID the containers run as (compose `user:`): the host user's own, root's too, as cresset does.
+    Files in runs/ and on the NAS then belong to whoever trains, in the container or not, in any order; a
+    container run as root has no more power than the root user who starts it."""
+    return os.getuid(), os.getgid()
+
+
+def image_ids() -> tuple[int, int]:
+    """The image's own user (`make build`), for a `docker run` without compose: the host user, but never
+    root (1000 for root), so that the image's default user is not root."""
     uid, gid = os.getuid(), os.getgid()
+    return (1000, 1000) if uid == 0 else (uid, gid)
+
+
+def writable_by(path: Path, uid: int, gid: int) -> bool:
+    """Whether a process of uid:gid (no supplementary groups, as a compose `user:`) may create files in the
+    folder `path` (or write the file `path`), by its owner, group and mode."""
     if uid == 0:
-        return 1000, 1000, "running as root: the container user gets UID/GID 1000 (set HOST_UID/HOST_GID to change)"
-    return uid, gid, ""
+        return True
+    st = path.stat()
+    need = 0o3 if path.is_dir() else 0o2  # a folder: write and search
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+    return (st.st_mode >> shift) & need == need
+
+
+def run_folder(runs_dir: Path, trainer_args: list[str]) -> Path | None:
+    """The host folder of the run that trainer_args name with --run-dir under the runs volume, if any."""
+    run_dir = None
+    for i, arg in enumerate(trainer_args):
+        if arg == "--run-dir" and i + 1 < len(trainer_args):
+            run_dir = trainer_args[i + 1]
+        elif arg.startswith("--run-dir="):
+            run_dir = arg.partition("=")[2]
+    if not run_dir:
+        return None
+    for inside in ("runs/", "/opt/trainbox/runs/", "./runs/"):
+        if run_dir.startswith(inside):
+            return runs_dir / run_dir[len(inside):]
+    return None
+
+
+def check_writable(env_file: Path, trainer_args: list[str]) -> int:
+    """Before a container starts: can the container user write RUNS_DIR (and the run that --run-dir names,
+    its files and folders)? If not, one line with the folder, its owner, the container's UID and the fix."""
+    values = read_env(env_file)
+    uid, gid = int(values.get("HOST_UID") or 1000), int(values.get("HOST_GID") or 1000)
+    runs_dir = Path(values.get("RUNS_DIR") or "runs")
+    if not runs_dir.is_dir():
+        return 0  # compose makes it (as root); the trainer's own check names the folder
+    paths = [runs_dir]
+    run = run_folder(runs_dir, trainer_args)
+    if run is not None and run.is_dir():
+        paths += [run, *sorted(p for p in run.iterdir() if p.is_file() or p.name in ("checkpoints", "tensorboard"))]
+    for path in paths:
+        if writable_by(path, uid, gid):
+            continue
+        st = path.stat()
+        mine = (os.getuid(), os.getgid()) == (uid, gid)
+        fix = (f"`sudo chown -R {uid}:{gid} {runs_dir}`" if mine else
+               f"`make env` (the container then runs as you, uid {os.getuid()}) or `chown -R {uid}:{gid} {runs_dir}`")
+        print(f"error: {path} belongs to uid {st.st_uid} (gid {st.st_gid}) and the container runs as uid {uid} (gid "
+              f"{gid}, HOST_UID/HOST_GID in {env_file}), which cannot write it: run {fix}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def read_env(path: Path) -> dict[str, str]:
@@ -95,17 +155,23 @@ def main(argv: list[str]) -> int:
                         "(http://mlflow:5000: the compose service); empty: no tracking")
     parser.add_argument("--file", default=".env")
     parser.add_argument("--check-driver", metavar="CUDA", help="only check the host driver against CUDA (13.0, ...)")
-    parser.add_argument("--ids", action="store_true", help="only print the container user's UID and GID (make build)")
+    parser.add_argument("--ids", action="store_true", help="only print the image user's UID and GID (make build)")
+    parser.add_argument("--check-writable", action="store_true", help="only check that the container user can "
+                        "write RUNS_DIR of --file (and the run that trainer arguments after -- name)")
+    parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.check_driver:
         return check_driver(args.check_driver)
     if args.ids:
-        print(*container_ids()[:2])
+        print(*image_ids())
         return 0
+    if args.check_writable:
+        trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+        return check_writable(Path(args.file), trainer_args)
 
     path = Path(args.file)
     values = read_env(path)
-    uid, gid, note = container_ids()
+    uid, gid = container_ids()
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)
     values["HOST_GID"] = os.environ.get("HOST_GID") or str(gid)
     for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs")):
@@ -119,7 +185,7 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr)
                 return 2
             folder.mkdir(parents=True, exist_ok=True)
-            if os.getuid() == 0:  # made by root for a container user: hand it over
+            if os.getuid() == 0:  # made by root for a container user of another UID (HOST_UID=...): hand it over
                 os.chown(folder, int(values["HOST_UID"]), int(values["HOST_GID"]))
         values[key] = str(folder.resolve())
     if args.image:
@@ -130,8 +196,6 @@ def main(argv: list[str]) -> int:
     path.write_text("# written by `make env`; keys other than these are kept\n"
                     + "".join(f"{k}={v}\n" for k, v in values.items()))
     print(f"wrote {path}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
-    if note:
-        print(f"note: {note}")
     return 0
 
 

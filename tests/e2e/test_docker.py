@@ -286,6 +286,60 @@ def test_make_train_and_doctor_in_the_container(docker, image, nas, tmp_path):
     assert "all-reduce     2 workers (gloo)" in doctor.stdout and "all checks passed" in doctor.stdout
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="the root host user's case (rented cloud GPU machines)")
+def test_a_root_user_alternates_local_and_container_runs_on_the_default_runs_folder(docker, image, tmp_path,
+                                                                                     reference_run):
+    """As root, with `make env`'s defaults: a local run makes runs/ (root's), the container resumes it,
+    a local run finishes it, and the end is bit-identical to an uninterrupted run."""
+    import shutil as _shutil
+
+    from tests.helpers import assert_bit_identical
+
+    env_file = tmp_path / "compose.env"
+    common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}", "GPUS=0"]
+    run(["make", "--no-print-directory", "env", f"ENV_FILE={env_file}"], cwd=REPO)
+    assert "HOST_UID=0\n" in env_file.read_text() and f"RUNS_DIR={REPO / 'runs'}\n" in env_file.read_text()
+    name = f"root-alternates-{uuid.uuid4().hex[:8]}"
+    try:
+        local = run(["make", "--no-print-directory", "train", "RUNTIME=local", *common,
+                     f"ARGS=--preset debug --stop-at 15 --run-dir runs/{name}"], cwd=REPO, expect=75)
+        assert "trainbox: local environment" in local.stderr
+        container = run(["make", "--no-print-directory", "train", "RUNTIME=docker", *common,
+                         f"ARGS=--preset debug --stop-at 30 --run-dir runs/{name}"], cwd=REPO, expect=75, timeout=600)
+        assert f"trainbox: container {IMAGE}" in container.stderr
+        assert f"resumed from runs/{name}/checkpoints/step_00000015.pt" in container.stderr, container.stderr[-3000:]
+        local = run(["make", "--no-print-directory", "train", "RUNTIME=local", *common,
+                     f"ARGS=--preset debug --run-dir runs/{name}"], cwd=REPO)
+        assert f"resumed from runs/{name}/checkpoints/step_00000030.pt" in local.stderr, local.stderr[-3000:]
+        run_dir = REPO / "runs" / name
+        for path in [run_dir, *run_dir.rglob("*")]:
+            assert (path.stat().st_uid, path.stat().st_gid) == (0, 0), path
+        assert_bit_identical(run_dir, reference_run("--preset", "debug", workers=1))
+    finally:
+        _shutil.rmtree(REPO / "runs" / name, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the root host user's case")
+def test_a_root_owned_nas_folder_works_as_root_and_is_named_for_another_container_user(docker, image, tmp_path):
+    """RUNS_DIR on the NAS, root's: a root user's container writes it; a container user of another UID
+    (an older .env, HOST_UID=1234) is stopped by make, before the container starts, with the fix."""
+    runs = tmp_path / "nas" / "runs"
+    runs.mkdir(parents=True)
+    env_file = tmp_path / "compose.env"
+    run(["make", "--no-print-directory", "env", f"ENV_FILE={env_file}", f"RUNS_DIR={runs}"], cwd=REPO)
+    common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}", "GPUS=0", "RUNTIME=docker"]
+    run(["make", "--no-print-directory", "train", *common, "ARGS=--preset debug --max-steps 5 --run-dir runs/r1"],
+        cwd=REPO, timeout=600)
+    assert (runs / "r1" / "model.pt").stat().st_uid == 0
+    env_file.write_text(env_file.read_text().replace("HOST_UID=0", f"HOST_UID={USER}").replace("HOST_GID=0",
+                                                                                               f"HOST_GID={USER}"))
+    refused = run(["make", "--no-print-directory", "train", *common,
+                   "ARGS=--preset debug --max-steps 5 --run-dir runs/r2"], cwd=REPO, expect=2)
+    assert (f"error: {runs} belongs to uid 0 (gid 0) and the container runs as uid {USER} (gid {USER}, "
+            f"HOST_UID/HOST_GID in {env_file}), which cannot write it: run `make env`") in refused.stderr
+    assert "1 worker on CPU" not in refused.stderr and not (runs / "r2").exists()  # no container started
+
+
 def test_make_train_falls_back_to_the_local_environment_without_an_engine(tmp_path):
     proc = run(["make", "--no-print-directory", "train", "DOCKER=/nonexistent/docker",
                 f"ARGS=--preset debug --max-steps 5 --run-dir {tmp_path / 'run'}"], cwd=REPO, timeout=600)

@@ -21,9 +21,8 @@ def test_writes_ids_paths_and_compose_files_and_keeps_other_keys(tmp_path, monke
     assert hostenv.main(["--file", str(env_file), "--data-dir", str(data), "--runs-dir", str(runs),
                          "--image", "trainbox:x"]) == 0
     values = hostenv.read_env(env_file)
-    uid, gid, _ = hostenv.container_ids()
-    assert values["HOST_UID"] == str(uid) and values["HOST_GID"] == str(gid)
-    assert uid != 0  # the container never runs as root, even for a root host user
+    # the host user's own, root's too: files written in the container and outside belong to the same user
+    assert values["HOST_UID"] == str(os.getuid()) and values["HOST_GID"] == str(os.getgid())
     assert values["DATA_DIR"] == str(data) and values["RUNS_DIR"] == str(runs)
     assert values["WANDB_PROJECT"] == "demo" and values["TRAINBOX_IMAGE"] == "trainbox:x"
     expected = hostenv.GPU_COMPOSE if hostenv.host_has_gpus() else hostenv.CPU_COMPOSE
@@ -40,9 +39,8 @@ def test_a_named_folder_must_exist_and_only_the_defaults_are_made(tmp_path, monk
     assert hostenv.main(["--file", str(env_file)]) == 0  # the defaults, ./data and ./runs, are made
     values = hostenv.read_env(env_file)
     assert values["RUNS_DIR"] == str(tmp_path / "runs") and (tmp_path / "runs").is_dir()
-    if os.getuid() == 0:  # made by root: handed to the container user
-        uid, gid, _ = hostenv.container_ids()
-        assert ((tmp_path / "runs").stat().st_uid, (tmp_path / "runs").stat().st_gid) == (uid, gid)
+    owner = (tmp_path / "runs").stat()
+    assert (owner.st_uid, owner.st_gid) == (os.getuid(), os.getgid())
     assert values["DATA_DIR"] == str(tmp_path / "data") and (tmp_path / "data").is_dir()
     (tmp_path / "runs").rmdir()  # the default, deleted: a later `make env` makes it again
     assert hostenv.main(["--file", str(env_file)]) == 0 and (tmp_path / "runs").is_dir()
@@ -71,3 +69,45 @@ def test_driver_against_the_image_cuda(driver, cuda, too_old):
     assert (problem is not None) == too_old
     if too_old:
         assert problem.startswith(f"driver {driver} is too old for CUDA {cuda}") and "TORCH_FLAVOUR=cu128" in problem
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
+def test_root_hands_the_default_folders_to_a_container_user_it_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOST_UID", "1234")
+    monkeypatch.setenv("HOST_GID", "1235")
+    assert hostenv.main(["--file", str(tmp_path / ".env")]) == 0
+    for name in ("runs", "data"):
+        assert ((tmp_path / name).stat().st_uid, (tmp_path / name).stat().st_gid) == (1234, 1235)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
+def test_a_folder_the_container_user_cannot_write_is_named_before_the_container_starts(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    (runs / "exp1" / "checkpoints").mkdir(parents=True)
+    runs.chmod(0o755)
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"HOST_UID=1234\nHOST_GID=1234\nRUNS_DIR={runs}\n")
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--preset", "debug"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {runs} belongs to uid 0 (gid 0) and the container runs as uid 1234 (gid 1234, "
+                   f"HOST_UID/HOST_GID in {env_file}), which cannot write it: run `make env` (the container then "
+                   f"runs as you, uid 0) or `chown -R 1234:1234 {runs}`")
+    os.chown(runs, 1234, 1234)
+    assert hostenv.main(["--check-writable", "--file", str(env_file)]) == 0
+    # the run a --run-dir names, and what is in it (a resume appends to train.log), root's from a local run
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir", "runs/exp1"]) == 2
+    assert f"error: {runs / 'exp1'} belongs to uid 0" in capsys.readouterr().err
+    os.chown(runs / "exp1", 1234, 1234)
+    (runs / "exp1" / "train.log").write_text("")
+    (runs / "exp1" / "train.log").chmod(0o644)
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir=runs/exp1"]) == 2
+    assert f"error: {runs / 'exp1' / 'checkpoints'} belongs to uid 0" in capsys.readouterr().err
+    for path in (runs / "exp1" / "checkpoints", runs / "exp1" / "train.log"):
+        os.chown(path, 1234, 1234)
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir", "runs/exp1"]) == 0
+    (runs / "exp1" / "checkpoints").chmod(0o577)  # the owner's own write bit off
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir", "runs/exp1"]) == 2
+    capsys.readouterr()
+    env_file.write_text(f"HOST_UID=0\nHOST_GID=0\nRUNS_DIR={runs}\n")  # root in the container writes anywhere
+    assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir", "runs/exp1"]) == 0
