@@ -30,7 +30,10 @@ SHELL := /bin/bash
 #   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 #   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
+#   TENSORBOARD_PORT  the port `make tensorboard` serves on, on 127.0.0.1 (6006)
 #   MLFLOW_PORT  the port `make mlflow` serves on (5000); MLFLOW_IMAGE, MLFLOW_BASE_IMAGE: its image
+#   MLFLOW_EXPOSE=1  a team server: on MLFLOW_BIND (then 0.0.0.0) with a login for every request (basic auth)
+#   MLFLOW_ADMIN_PASSWORD_FILE  the admin's password (a file only you can read), needed with MLFLOW_EXPOSE=1
 #   MLFLOW_VENV  the server's local environment (`make mlflow RUNTIME=local`), from docker/mlflow.lock
 #   SKY_VENV     SkyPilot's environment (`make sky-setup`), from tests/skypilot.lock
 GPUS ?=
@@ -58,6 +61,10 @@ SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
 RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
 MLFLOW_PORT ?= 5000
+TENSORBOARD_PORT ?= 6006
+MLFLOW_EXPOSE ?=
+MLFLOW_BIND ?= $(if $(filter 1,$(MLFLOW_EXPOSE)),0.0.0.0,127.0.0.1)
+MLFLOW_ADMIN_PASSWORD_FILE ?=
 MLFLOW_IMAGE ?= trainbox-mlflow:local
 MLFLOW_BASE_IMAGE ?= python:3.12-slim
 MLFLOW_VENV ?= .venv-mlflow
@@ -76,8 +83,8 @@ LOCK := $(if $(filter cu130,$(TORCH_FLAVOUR)),requirements.lock,docker/locks/$(T
 LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version 3.10,--index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --python-version 3.12 --python-platform x86_64-manylinux_2_28)
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
-# Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these two come from make's knobs.
-export GPUS MAX_RESTARTS MLFLOW_PORT
+# Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these come from make's knobs.
+export GPUS MAX_RESTARTS TENSORBOARD_PORT MLFLOW_PORT MLFLOW_EXPOSE MLFLOW_BIND MLFLOW_ADMIN_PASSWORD_FILE
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
@@ -138,19 +145,21 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
 
-tensorboard: ## TensorBoard over the runs folder on port 6006 (container or local, as RUNTIME)
+tensorboard: ## TensorBoard over the runs folder on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: README)
 ifeq ($(RUNTIME),docker)
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) up tensorboard
 else
-	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --bind_all --port 6006
+	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TENSORBOARD_PORT)
 endif
 
-mlflow: ## MLflow tracking server on port 5000, its store in runs/mlflow (container, detached; or local, as RUNTIME)
+mlflow: ## MLflow server on 127.0.0.1:5000, store in runs/mlflow (MLFLOW_EXPOSE=1: a team server with a login)
 ifeq ($(RUNTIME),docker)
-	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && MLFLOW_PORT=$(MLFLOW_PORT) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
-	@echo "MLflow on http://localhost:$(MLFLOW_PORT); compose runs track to it after: make env MLFLOW_TRACKING_URI=http://mlflow:5000"
+	@$(PYTHON) docker/mlflow_server.py --check runs
+	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after: make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
-	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH docker/mlflow-server.sh runs
+	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && \
+	  PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
 endif
 
 mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment from docker/mlflow.lock (hash-checked)

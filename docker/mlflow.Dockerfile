@@ -1,6 +1,6 @@
 # The MLflow tracking server image (compose service `mlflow`; `make mlflow` builds it when missing):
 # mlflow from docker/mlflow.lock (hash-checked), the same version as the trainer's client. It runs as
-# the host user (compose `user:`), its store on the runs volume of the NAS (docker/mlflow-server.sh).
+# the host user (compose `user:`), its store on the runs volume of the NAS (docker/mlflow_server.py).
 ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE}
 
@@ -31,7 +31,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip install $cert --require-hashes --no-deps -r /tmp/mlflow.lock; \
     rm -f /tmp/ca.pem /tmp/mlflow.lock
 
-COPY docker/mlflow-server.sh /usr/local/bin/mlflow-server
+COPY docker/mlflow_server.py /usr/local/lib/trainbox/mlflow_server.py
 LABEL org.opencontainers.image.title="trainbox-mlflow"
+ENV TRAINBOX_MLFLOW_IN_CONTAINER=1
 EXPOSE 5000
-ENTRYPOINT ["mlflow-server", "/opt/trainbox/runs"]
+ENTRYPOINT ["python", "/usr/local/lib/trainbox/mlflow_server.py", "/opt/trainbox/runs"]

@@ -57,6 +57,16 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def team_mlflow_server(tmp_path_factory):
+    """A team server (MLFLOW_EXPOSE=1): every interface, a login for every request; `.credentials` to pass."""
+    make("mlflow-setup", timeout=900)
+    server = MlflowServer(tmp_path_factory.mktemp("team-mlflow"), free_port(), exposed=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def cluster():
     """A real 2-node Slurm cluster (tests/cluster/up.sh): slurmd n1 and n2 in network namespaces slnode1 and
     slnode2 on a private bridge, for the session. The environment that reaches it (SLURM_CONF)."""

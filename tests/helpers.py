@@ -3,6 +3,7 @@ what a run left behind, and find its processes. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -86,6 +87,13 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
 
 def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
+
+
+def attempts(run_dir: Path) -> int:
+    """How many attempts started training in run_dir: each logs its "run RUN_DIR: N worker(s) ..." line to
+    train.log once (a torchrun restart, a requeue or a resume is one more)."""
+    log = run_dir / "train.log"
+    return sum(1 for line in log.read_text().splitlines() if f" run {run_dir}: " in line) if log.is_file() else 0
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -197,19 +205,33 @@ def assert_mlflow_run_complete(client, tracked, run_dir: Path, tmp_path: Path, m
 
 
 class MlflowServer:
-    """A real MLflow tracking server (docker/mlflow-server.sh, from the environment `make mlflow-setup`
-    makes), its store in `root`; stop() kills it, start() brings it back on the same store and port."""
+    """A real MLflow tracking server (docker/mlflow_server.py, as `make mlflow` runs it, from the environment
+    `make mlflow-setup` makes), its store in `root`; stop() kills it, start() brings it back on the same
+    store and port. exposed: a team server (MLFLOW_EXPOSE=1) on every interface with a login, the admin's
+    password in `root`/admin-password; `credentials` are then what a client passes."""
 
-    def __init__(self, root: Path, port: int):
-        self.root, self.port, self.proc = root, port, None
+    def __init__(self, root: Path, port: int, exposed: bool = False):
+        self.root, self.port, self.proc, self.exposed = root, port, None, exposed
         self.uri = f"http://127.0.0.1:{port}"
+        self.credentials: dict[str, str] = {}
+        if exposed:
+            password = self.root / "admin-password"
+            password.write_text(base64.urlsafe_b64encode(os.urandom(18)).decode() + "\n")
+            password.chmod(0o600)
+            self.credentials = {"MLFLOW_TRACKING_USERNAME": "admin",
+                                "MLFLOW_TRACKING_PASSWORD": password.read_text().strip()}
 
     def start(self) -> None:
         venv = REPO / ".venv-mlflow" / "bin"
         env = {**env_for_tests(MLFLOW_PORT=str(self.port)), "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
+        for key in ("MLFLOW_EXPOSE", "MLFLOW_BIND", "MLFLOW_ADMIN_PASSWORD_FILE", "MLFLOW_TRACKING_USERNAME",
+                    "MLFLOW_TRACKING_PASSWORD"):
+            env.pop(key, None)
+        if self.exposed:
+            env.update(MLFLOW_EXPOSE="1", MLFLOW_ADMIN_PASSWORD_FILE=str(self.root / "admin-password"))
         log = open(self.root / "server.log", "a")
-        self.proc = subprocess.Popen([str(REPO / "docker" / "mlflow-server.sh"), str(self.root)], env=env,
-                                     stdout=log, stderr=log, start_new_session=True)
+        self.proc = subprocess.Popen([str(venv / "python"), str(REPO / "docker" / "mlflow_server.py"), str(self.root)],
+                                     env=env, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:

@@ -9,6 +9,7 @@ real docker/Dockerfile.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from pathlib import Path
@@ -276,11 +277,13 @@ def test_compose_run_with_no_arguments_starts_the_default_run(docker, image, nas
 def test_make_train_and_doctor_in_the_container(docker, image, nas, tmp_path):
     root, env_file = nas
     common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}"]
-    proc = run(["make", "--no-print-directory", "train", *common, "GPUS=0",
-                "ARGS=--preset debug --max-steps 10 --run-dir runs/m1"], cwd=REPO, timeout=600)
-    assert f"trainbox: container {IMAGE}" in proc.stderr
+    run(["make", "--no-print-directory", "train", *common, "GPUS=0",
+         "ARGS=--preset debug --max-steps 10 --run-dir runs/m1"], cwd=REPO, timeout=600)
     manifest = json.loads((root / "runs" / "m1" / "manifest.json").read_text())
-    assert manifest["image"] == IMAGE and manifest["image_digest"].startswith("sha256:")
+    # it ran in the container: the image's digest as the engine has it, on the container's own host name
+    digest = run([docker, "image", "inspect", "--format", "{{.Id}}", IMAGE]).stdout.strip()
+    assert manifest["image"] == IMAGE and manifest["image_digest"] == digest
+    assert manifest["hostnames"] != [socket.gethostname()] and manifest["python"].startswith("3.")
     doctor = run(["make", "--no-print-directory", "doctor", "RUNTIME=docker", *common], cwd=REPO, timeout=600)
     assert f"runs is writable as uid {USER}" in doctor.stdout
     assert "all-reduce     2 workers (gloo)" in doctor.stdout and "all checks passed" in doctor.stdout
@@ -301,12 +304,13 @@ def test_a_root_user_alternates_local_and_container_runs_on_the_default_runs_fol
     assert "HOST_UID=0\n" in env_file.read_text() and f"RUNS_DIR={REPO / 'runs'}\n" in env_file.read_text()
     name = f"root-alternates-{uuid.uuid4().hex[:8]}"
     try:
+        # make reports a recipe's exit 75 (stopped at a checkpoint) as "Error 75" and exits 2 itself
         local = run(["make", "--no-print-directory", "train", "RUNTIME=local", *common,
-                     f"ARGS=--preset debug --stop-at 15 --run-dir runs/{name}"], cwd=REPO, expect=75)
-        assert "trainbox: local environment" in local.stderr
+                     f"ARGS=--preset debug --stop-at 15 --run-dir runs/{name}"], cwd=REPO, expect=2)
+        assert "trainbox: local environment" in local.stderr and "Error 75" in local.stderr, local.stderr[-3000:]
         container = run(["make", "--no-print-directory", "train", "RUNTIME=docker", *common,
-                         f"ARGS=--preset debug --stop-at 30 --run-dir runs/{name}"], cwd=REPO, expect=75, timeout=600)
-        assert f"trainbox: container {IMAGE}" in container.stderr
+                         f"ARGS=--preset debug --stop-at 30 --run-dir runs/{name}"], cwd=REPO, expect=2, timeout=600)
+        assert f"trainbox: container {IMAGE}" in container.stderr and "Error 75" in container.stderr
         assert f"resumed from runs/{name}/checkpoints/step_00000015.pt" in container.stderr, container.stderr[-3000:]
         local = run(["make", "--no-print-directory", "train", "RUNTIME=local", *common,
                      f"ARGS=--preset debug --run-dir runs/{name}"], cwd=REPO)
@@ -373,11 +377,17 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
         compose(env_file, *project, "down", expect=None)
 
 
-def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, standin_base, image, nas):
+def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, standin_base, image, nas, cluster,
+                                                                        tmp_path):
     """`make mlflow` builds the server image (docker/mlflow.Dockerfile) and starts the compose service; a
     compose run pointed at it (`make env MLFLOW_TRACKING_URI=http://mlflow:5000`) is tracked there, and
-    the server keeps its store and the uploaded model on the NAS, as the host user."""
+    the server keeps its store and the uploaded model on the NAS, as the host user. Published on the
+    host's loopback only: node n1 of the test cluster, another host, cannot reach it; with MLFLOW_EXPOSE=1
+    it can, with a login only (the admin password a secret file of the user's)."""
     from mlflow import MlflowClient
+
+    from tests.e2e.test_services import SEARCH, from_n1
+    from tests.helpers import CLUSTER_HOST
 
     from train.distributed import free_port
 
@@ -393,8 +403,9 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
         # The system CA bundle as the build's extra CA: here PyPI is reached through a TLS-intercepting proxy.
         up = run(["make", "--no-print-directory", "mlflow", "RUNTIME=docker", f"MLFLOW_BASE_IMAGE={standin_base}",
                   "EXTRA_CA=/etc/ssl/certs/ca-certificates.crt", *common], cwd=REPO, timeout=1200)
-        assert f"MLflow on http://localhost:{port}" in up.stdout
+        assert f"MLflow on http://127.0.0.1:{port}" in up.stdout
         wait_for(lambda: _answers(f"http://127.0.0.1:{port}/health"), 120, "the MLflow service")
+        assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}") == "ConnectionRefusedError"
         client = MlflowClient(f"http://127.0.0.1:{port}")
         trained = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--max-steps", "10",
                           "--run-dir", "runs/ml1")
@@ -411,6 +422,24 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
         assert len(stored) == 1 and stored[0].read_bytes() == (root / "runs" / "ml1" / "model.pt").read_bytes()
         for path in (root / "runs" / "mlflow" / "mlflow.db", stored[0]):
             assert (path.stat().st_uid, path.stat().st_gid) == (USER, USER), path
+        compose(env_file, "down")
+        # A team server: on every interface, a login for every request
+        password = tmp_path / "mlflow-admin"
+        password.write_text("Zq8-vT3r_Lm2Wx9K\n")
+        os.chown(password, USER, USER)  # the host user's file, readable in the container as that user
+        password.chmod(0o600)
+        weak = run(["make", "--no-print-directory", "mlflow", "RUNTIME=docker", "MLFLOW_EXPOSE=1", *common],
+                   cwd=REPO, expect=2)
+        assert "error: MLFLOW_EXPOSE=1 opens the server to the network only with a login" in weak.stderr
+        run(["make", "--no-print-directory", "mlflow", "RUNTIME=docker", "MLFLOW_EXPOSE=1",
+             f"MLFLOW_ADMIN_PASSWORD_FILE={password}", *common], cwd=REPO, timeout=600)
+        wait_for(lambda: from_n1(f"http://{CLUSTER_HOST}:{port}/health") == "200", 120, "the exposed service")
+        assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}") == "401"
+        assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}", "admin", "Zq8-vT3r_Lm2Wx9X") == "401"
+        assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}", "admin", "Zq8-vT3r_Lm2Wx9K") == "200"
+        config = run([docker, "inspect", "--format", "{{json .Config}}",
+                      run([*COMPOSE, "--env-file", str(env_file), "ps", "-q", "mlflow"], cwd=REPO).stdout.strip()])
+        assert "Zq8-vT3r_Lm2Wx9K" not in config.stdout  # not in the container's command line or environment
     finally:
         compose(env_file, "down", expect=None)
         subprocess.run([docker, "image", "rm", "-f", tag], capture_output=True)

@@ -62,16 +62,22 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run)
 
 
 def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run,
-                                                                     mlflow_server):
+                                                                     team_mlflow_server, monkeypatch):
     """USR2 mid-run: checkpoint, requeue, resume; the weights of an uninterrupted run, and one MLflow run
-    (the server on the host, reached from the nodes over the cluster's bridge) with each step once."""
+    (the team server on the host, with a login, reached from the nodes over the cluster's bridge) with each
+    step once."""
     from mlflow import MlflowClient
+
+    mlflow_server = team_mlflow_server
+    for key, value in mlflow_server.credentials.items():  # this test's own client, as the nodes' trainers
+        monkeypatch.setenv(key, value)
 
     env, runs = nas(tmp_path)
     log = tmp_path / "job.out"
     run_dir = runs / "preempted"  # named by the trainer's --run-dir: the requeue decision reads it there
     tracking = tracked_env(f"http://{CLUSTER_HOST}:{mlflow_server.port}", tmp_path)
-    to_track = {k: tracking[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    to_track = {**{k: tracking[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")},
+                **mlflow_server.credentials}
     job = sbatch(cluster, "multinode.sh", *SLURM_LONG, "--run-dir", run_dir,
                  sbatch_args=("--nodes=2", f"--output={log}"), env={**env, "NPROC_PER_NODE": "2", **to_track})
     wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
@@ -118,10 +124,10 @@ def test_a_cancelled_job_checkpoints_and_is_not_requeued(cluster, tmp_path):
     run_dir = runs / f"slurm-{job}"
     wait_for(reached_step(run_dir, 10), 300, "step 10 of the Slurm job")
     run(["scancel", job], env=cluster)  # SIGTERM to the batch shell and the step, as a user's cancel
+    # The batch shell's verdict is its last word: a wrong `scontrol requeue` would come before that line.
     wait_for(lambda: "not requeued" in log.read_text() or "trainbox: the run failed" in log.read_text(), 60,
              "the batch shell's verdict")
-    time.sleep(3)  # a wrong `scontrol requeue` would have landed by now
-    info = job_info(cluster, job)
+    info = wait_job(cluster, job, timeout=120)
     text = log.read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", text
     assert "trainbox: cancelled: checkpointing, no requeue" in text and "requeueing" not in text
