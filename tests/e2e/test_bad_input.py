@@ -154,9 +154,19 @@ def test_an_mlflow_server_that_does_not_answer_stops_a_new_run_before_torchrun(f
 
 
 def test_cuda_visible_devices_naming_a_missing_gpu(finished_run, capsys, monkeypatch):
+    """On a GPU host NVML counts the GPUs and the line names the index the host lacks; on a host without a
+    driver nothing can be counted and no GPU is visible at all: the generic line, which must not claim a
+    count. (The index check itself, with counts: tests/unit/test_checks.py.)"""
+    from train.checks import host_gpu_count
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
-    # On a GPU host NVML counts the GPUs and names the bad index; on a CPU host no GPU is visible at all.
-    _refused(finished_run, capsys, ["--device", "cuda"], "CUDA_VISIBLE_DEVICES=7")
+    gpus = host_gpu_count()
+    if gpus is not None and gpus <= 7:
+        expected = f"error: CUDA_VISIBLE_DEVICES=7 names GPU 7 but this host has {gpus} (0-{gpus - 1}): fix"
+    else:
+        assert not torch.cuda.is_available()
+        expected = "error: --device cuda but no CUDA GPU is visible (CUDA_VISIBLE_DEVICES=7): use --device cpu"
+    _refused(finished_run, capsys, ["--device", "cuda"], expected.removeprefix("error: "))
 
 
 def _trainer_refuses(run_dir, argv, expected):

@@ -23,7 +23,11 @@ def _worker(rank, world, port, bucket_cap_mb, use_hook, queue):
         ddp.register_comm_hook(None, ordered_allreduce_hook)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    # Twice: DDP's first backward runs with every gradient in one bucket, whatever bucket_cap_mb says; it then
+    # rebuilds the buckets in the order the gradients became ready, at bucket_cap_mb, for the second.
+    for _ in range(2):
+        ddp.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters()])
     # The gradient of the mean loss over all ranks' data, computed locally for comparison.
     local = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -66,3 +70,6 @@ def test_ordered_reduction_does_not_depend_on_bucket_layout():
     small, _, _ = _ddp_gradients(3, 0.01, True)  # many tiny buckets
     large, _, _ = _ddp_gradients(3, 100, True)   # one bucket
     assert torch.equal(small, large)
+    # The control: DDP's own all-reduce over the same two layouts sums in another order, and the bits differ
+    # (so the equality above is the hook's doing, and this check could see it fail).
+    assert not torch.equal(_ddp_gradients(3, 0.01, False)[0], _ddp_gradients(3, 100, False)[0])

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, children, env_for_tests,
-                           metrics, python_cmd, reached_step, run, status, wait_for, worker_pid)
+from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, attempts, children,
+                           env_for_tests, metrics, python_cmd, reached_step, run, status, wait_for, worker_pid)
 from train import checkpoint as ckpt
 
 FAULT = LONG
@@ -106,6 +106,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, 
     out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-4000:]
     assert "resumed from" in err, "the restarted workers did not resume from a checkpoint"
+    assert attempts(run_dir) == 2  # one restart, seen in train.log (torchrun logs its own at INFO only)
     assert status(run_dir)["state"] == "done"
     assert_logged_once(run_dir)
     assert_bit_identical(run_dir, reference)
@@ -126,7 +127,8 @@ def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(r
 
 
 def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path):
-    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 60)
+    """Within seconds (README): the dead peer's closed connection, not the collective timeout (600 s here)."""
+    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 600)
     wait_for(reached_step(tmp_path / "run", 30), 120, "step 30", procs[0])
     procs[1].kill()
     started = time.monotonic()
@@ -134,7 +136,7 @@ def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path)
     waited = time.monotonic() - started
     procs[1].communicate()
     assert procs[0].returncode == 1
-    assert waited < 60, f"rank 0 took {waited:.0f}s to notice its dead peer"
+    assert waited < 20, f"rank 0 took {waited:.0f}s to notice its dead peer"
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "[rank 0] lost contact with the other workers" in errors[0], err[-3000:]
     assert "run the same command to resume" in errors[0]
@@ -171,7 +173,7 @@ def test_a_signal_at_a_random_moment_stops_every_rank_at_one_step(reference, tmp
     assert stopped["state"] == "stopped"
     newest = ckpt.newest_valid(run_dir)
     assert newest is not None and newest.name == f"step_{stopped['step']:08d}.pt"  # complete and verified
-    assert "will restart worker group" not in err  # torchrun did not restart the stopped workers
+    assert attempts(run_dir) == 1  # torchrun did not restart the stopped workers
     run(launch_cmd(2, run_dir))  # the same command resumes
     assert status(run_dir)["state"] == "done"
     assert_logged_once(run_dir)

@@ -5,9 +5,9 @@ import signal
 import subprocess
 import time
 
-
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
                            python_cmd, reached_step, run, status, wait_for, worker_pid)
+from train import checkpoint as ckpt
 
 
 def _start(cmd, run_dir):
@@ -24,9 +24,11 @@ def _finish_and_compare(proc, run_dir, resume_cmd, straight, expected_code):
     assert stopped["state"] == "stopped"
     step = stopped["step"]
     assert 20 <= step < 240
-    assert (run_dir / "checkpoints" / f"step_{step:08d}.pt").is_file()
+    newest = ckpt.newest_valid(run_dir)  # the stop's own checkpoint, whole: its size and CRC32 verified
+    assert newest is not None and newest.name == f"step_{step:08d}.pt"
     assert not (run_dir / "model.pt").exists()
-    run(resume_cmd)  # resume to the end
+    resumed = run(resume_cmd)  # resume to the end, from that checkpoint (not an earlier one)
+    assert f"resumed from {newest}" in resumed.stderr, resumed.stderr[-3000:]
     assert status(run_dir)["state"] == "done"
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged))  # nothing logged twice

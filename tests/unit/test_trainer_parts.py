@@ -20,18 +20,24 @@ def test_a_resume_with_another_layout_keeps_the_samples_seen_rounded_down_to_a_w
     assert relayout(position, saved, now) == expected
 
 
-def test_the_logging_window_averages_over_its_steps_and_starts_anew():
+def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch):
+    now = [100.0]  # the clock the window reads, moved by hand
+    monkeypatch.setattr("train.metrics.time.perf_counter", lambda: now[0])
     window = LogWindow(torch.device("cpu"), samples_per_step=32)
     window.add([torch.tensor([1.0]), torch.tensor([0.5])])  # two micro-batches: the step's loss is 1.5
     window.add([torch.tensor([0.25]), torch.tensor([0.25])])
-    window.wait += 0.01
+    window.wait += 0.1
+    now[0] = 100.5
     values = window.report(world=1)
     assert values["loss"] == pytest.approx(1.0)  # (1.5 + 0.5) / 2 steps
-    assert values["samples_per_s"] * values["step_time_s"] == pytest.approx(32)
-    assert values["data_wait_frac"] == pytest.approx(0.01 / (2 * values["step_time_s"]))
+    assert values["step_time_s"] == pytest.approx(0.25)  # 0.5 s over 2 steps
+    assert values["samples_per_s"] == pytest.approx(128)  # 2 steps x 32 samples in 0.5 s
+    assert values["data_wait_frac"] == pytest.approx(0.2)  # 0.1 s of the 0.5 s
     assert (window.steps, window.wait, window.loss.item()) == (0, 0.0, 0.0)
     window.add([torch.tensor([2.0])])
-    assert window.report(world=1)["loss"] == pytest.approx(2.0)
+    now[0] = 101.25
+    again = window.report(world=1)  # a new window, opened at the report: 0.75 s for its one step
+    assert (again["loss"], again["step_time_s"], again["samples_per_s"]) == pytest.approx((2.0, 0.75, 32 / 0.75))
 
 
 def test_a_status_record_says_which_attempt_of_a_slurm_job_wrote_it():
