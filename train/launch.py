@@ -61,7 +61,12 @@ def run_worker(cfg: Config) -> int:
     rank = identity().global_rank
     try:
         code = trainer.run(cfg)
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
+        if _interrupted(e):  # a second Ctrl-C (StopSignal): now, without the checkpoint the first asked for
+            if watchdog.claim_report():
+                print(f"error: [rank {rank}] interrupted by a second Ctrl-C during {watchdog.phase}: stopped without "
+                      f"saving; run the same command to resume from the newest checkpoint", file=sys.stderr)
+            return 128 + signal.SIGINT
         if not watchdog.claim_report():  # the watchdog named the phase and is printing the stacks
             traceback.print_exception(e, file=sys.stderr)
             return EXIT_FAILED
@@ -83,6 +88,17 @@ def run_worker(cfg: Config) -> int:
         # status.json ("stopped") and exit 75.
         return 0
     return code
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """A KeyboardInterrupt, also one that a library turned into another error while unwinding (torch.save)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _unrecoverable_exit(recorded: bool) -> int:

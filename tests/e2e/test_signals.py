@@ -71,3 +71,28 @@ def test_spawn_stops_the_other_workers_when_one_crashes(tmp_path):
                           "--run-dir", tmp_path / "run"), expect=None, timeout=120)
     assert proc.returncode not in (0, 75)
     assert "deliberate failure on rank 1" in proc.stderr
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the process group) asks for a checkpoint; a second one while that
+    checkpoint is being written (a 240 MB model, so the write takes a while) stops at once: the half-written
+    file is never taken for a checkpoint, the earlier one stays the newest, status.json does not say stopped."""
+    run_dir = tmp_path / "run"
+    cmd = python_cmd(*DEBUG, "--model", "tests.models:wide_mlp", "--max-steps", 40, "--save-every", 5,
+                     "--log-every", 1, "--eval-every", 0, "--run-dir", run_dir)
+    proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    folder = run_dir / "checkpoints"
+    wait_for(lambda: (folder / "step_00000005.pt.crc32").exists(), 180, "the first checkpoint", proc)
+    os.killpg(proc.pid, signal.SIGINT)  # the first Ctrl-C: stop after this step, saving it
+    wait_for(lambda: any(p.stat().st_size > 0 for p in folder.glob(".step_*.pt.tmp.*")), 180, "the stop's save",
+             proc)
+    os.killpg(proc.pid, signal.SIGINT)  # the second: now, without the checkpoint
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "SIGINT: saving at step" in err, err[-3000:]  # 128 + SIGINT, as a shell says
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: [rank 0] interrupted by a second Ctrl-C during the checkpoint save of step "
+                      f"{errors[0].split('step ')[1].split(':')[0]}: stopped without saving; run the same command to "
+                      "resume from the newest checkpoint"] and "Traceback" not in err, err[-3000:]
+    assert ckpt.newest_valid(run_dir).name == "step_00000005.pt"
+    assert status(run_dir)["state"] != "stopped"
