@@ -4,6 +4,7 @@ what a run left behind, and find its processes. Fixtures live in conftest.py."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib.util
 import json
 import os
@@ -87,6 +88,12 @@ def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
 
 def status(run_dir: Path) -> dict:
     return json.loads((run_dir / "status.json").read_text())
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under folder and its SHA-256: what a refused run must leave as it was."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def attempts(run_dir: Path) -> int:

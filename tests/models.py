@@ -80,3 +80,29 @@ def out_of_memory_on_rank_1_at_step_3(num_classes: int) -> nn.Module:
 
     rank_1 = os.environ.get("RANK") == "1"
     return _NeedsTooMuchMemory(num_classes, lambda m: rank_1 and m.training and m.calls >= 3)
+
+
+class _PausesInItsFirstEvaluation(nn.Module):
+    """The built-in CNN's numbers; the first evaluation of a run whose TRAINBOX_TEST_MARKER file does not exist
+    yet writes it and pauses 10 s, so that a test can kill a worker there, surely inside it."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        from train.models import SmallCNN
+
+        self.net = SmallCNN(num_classes, width=8)
+
+    def forward(self, x):
+        import os
+        import time
+        from pathlib import Path
+
+        marker = os.environ.get("TRAINBOX_TEST_MARKER")
+        if not self.training and marker and not Path(marker).exists():
+            Path(marker).write_text(os.environ.get("RANK", "0"))
+            time.sleep(10)
+        return self.net(x)
+
+
+def pauses_in_its_first_evaluation(num_classes: int) -> nn.Module:
+    return _PausesInItsFirstEvaluation(num_classes)

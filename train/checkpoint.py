@@ -310,6 +310,9 @@ def read_status(run_dir: Path) -> dict:
         return {}
 
 
-def finished(status: dict, max_steps: int, model_written: bool) -> bool:
-    """A run that is done up to max_steps with its model.pt written: nothing to train, evaluate or write."""
+def finished(status: dict, max_steps: int, model_written: bool, epochs: int = 0) -> bool:
+    """A run that is done up to max_steps (or, given in epochs, up to the steps its --epochs came to) with its
+    model.pt written: nothing to train, evaluate or write."""
+    if epochs:
+        max_steps = status.get("max_steps", -1) if status.get("epochs") == epochs else float("inf")
     return status.get("state") == "done" and status.get("step", -1) >= max_steps and model_written

@@ -39,6 +39,9 @@ class Config:
     preset: str = _f("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
     seed: int = _f(0, "seed for the model, the built-in data, sampling and augmentation")
     max_steps: int = _f(600, "total optimizer steps of the run, counted across resumes")
+    epochs: int = _f(0, "train for N passes over the training set instead of --max-steps: the steps follow from "
+                        "its size, the workers, --batch-size and --grad-accum (printed at start, in config.json); "
+                        "0: --max-steps")
     stop_at: int = _f(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
     deterministic: bool = _f(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
     threads: int = _f(0, "CPU threads per process; 0: the cores available divided by the local workers")
@@ -81,6 +84,7 @@ class Config:
     weight_decay: float = _f(0.05, "weight decay")
     momentum: float = _f(0.9, "sgd momentum")
     warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
+    warmup_epochs: float = _f(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: --warmup-steps")
     min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     precision: str = _f("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
@@ -105,7 +109,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
         non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
-                        "momentum")
+                        "momentum", "epochs", "warmup_epochs")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
@@ -117,6 +121,9 @@ class Config:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}: pass a fraction of "
                               f"--lr, e.g. 0.1")
+        if self.warmup_epochs and not self.epochs:
+            raise ConfigError(f"--warmup-epochs {self.warmup_epochs} needs --epochs: give the run's length in epochs "
+                              f"too, or the warm-up in --warmup-steps")
         if self.image_size < 8:
             raise ConfigError(f"--image-size must be at least 8, got {self.image_size}: pass 8 or more (pixels)")
         for f in fields(self):
@@ -139,6 +146,14 @@ PRESETS: dict[str, dict] = {
 
 # Keys that define what the weights are; a checkpoint made with other values cannot be resumed.
 MODEL_KEYS = ("model", "width", "image_size", "dataset")
+
+
+def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
+    """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
+    if not cfg.epochs:
+        return cfg.max_steps, cfg.warmup_steps
+    warmup = round(cfg.warmup_epochs * steps_per_epoch) if cfg.warmup_epochs else cfg.warmup_steps
+    return cfg.epochs * steps_per_epoch, warmup
 
 
 def default_run_dir(started: float | None = None) -> str:
@@ -241,6 +256,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
     preset = args.get("preset", file_values.get("preset", ""))
     if preset not in PRESETS and preset != "":
         raise ConfigError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    given = {**file_values, **args}  # what the user set (a preset's values are defaults, not choices)
+    for length, steps in (("epochs", "max_steps"), ("warmup_epochs", "warmup_steps")):
+        if given.get(length) and steps in given:
+            raise ConfigError(f"--{_flag(length)} and --{_flag(steps)} both set the same length: give one of them")
     values = {**PRESETS.get(preset, {}), **file_values, **args}
     cfg = Config(**values)
     cfg.validate()

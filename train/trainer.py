@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train.checks import check_precision, check_same_model, check_steps, not_writable
-from train.config import Config, default_run_dir
+from train.config import Config, default_run_dir, steps_for_epochs
 from train.data import build_datasets, build_train_loader, build_val_loader, prepare_inputs
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, Identity,
@@ -240,7 +240,7 @@ class Trainer:
 
     def write_status(self, state: str, **extra) -> None:
         if is_main():
-            ckpt.write_status(self.run_dir, state, self.step, max_steps=self.cfg.max_steps, **extra)
+            ckpt.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **extra)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -299,6 +299,11 @@ class Trainer:
         self.step, self.epoch = state["step"], state["epoch"]
         self.eval_owed = state.get("eval_owed", False) and self.step < cfg.max_steps  # older checkpoints: none
         saved = (state["world_size"], state["batch_size"], state["grad_accum"])
+        if cfg.epochs and saved != (self.world, cfg.batch_size, cfg.grad_accum):
+            raise ConfigError(f"{source} is a run of --epochs {cfg.epochs} with {saved[0]} workers x batch {saved[1]} "
+                              f"x accumulation {saved[2]}; with {self.world} x {cfg.batch_size} x {cfg.grad_accum} "
+                              f"its steps, schedule and position would change: resume with the same workers, "
+                              f"--batch-size and --grad-accum, or start a new --run-dir")
         self.step_in_epoch = relayout(state["step_in_epoch"], saved, (self.world, cfg.batch_size, cfg.grad_accum))
         if saved != (self.world, cfg.batch_size, cfg.grad_accum):
             log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
@@ -333,6 +338,12 @@ class Trainer:
         self.train_loader, self.sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
         self.val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
         self.steps_per_epoch = check_steps(len(train_set), self.world, cfg)
+        if cfg.epochs:  # the run's length in steps, from its length in epochs on this layout
+            cfg.max_steps, cfg.warmup_steps = steps_for_epochs(cfg, self.steps_per_epoch)
+            if is_main():
+                log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
+                         "warm-up %d steps", cfg.epochs, cfg.max_steps, self.steps_per_epoch, len(train_set),
+                         self.world, cfg.batch_size, cfg.grad_accum, cfg.warmup_steps)
 
     def _build_model(self) -> None:
         cfg = self.cfg
@@ -380,7 +391,7 @@ class Trainer:
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             write_manifest(run_dir, build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from))
-            ckpt.write_status(run_dir, "running", self.step, max_steps=cfg.max_steps)
+            ckpt.write_status(run_dir, "running", self.step, **run_length(cfg))
 
         on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
                                  f"permissions")
@@ -426,6 +437,11 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
             ckpt.write_status(run_dir, "failed", trainer.step if trainer else last.get("step", -1),
                               **{"error": str(error), **kept, "exit_code": EXIT_BAD_INPUT})
             error.recorded = True
+
+
+def run_length(cfg: Config) -> dict:
+    """What status.json says of the run's length: its steps, and its epochs when given in --epochs."""
+    return {"max_steps": cfg.max_steps, **({"epochs": cfg.epochs} if cfg.epochs else {})}
 
 
 def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
@@ -505,11 +521,12 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
     """A restart after the run ended (a worker lost during shutdown), or the same command again: the run's
     figures stand, and nothing is evaluated or written again (rank 0 decides for all)."""
     status = ckpt.read_status(run_dir) if is_main() else {}
-    done = broadcast_from_main(ckpt.finished(status, cfg.max_steps, (run_dir / "model.pt").is_file())
+    done = broadcast_from_main(ckpt.finished(status, cfg.max_steps, (run_dir / "model.pt").is_file(), cfg.epochs)
                                if is_main() else None)
     if done and is_main():
+        longer = "--epochs" if cfg.epochs else "--max-steps"
         print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
-              f"do; pass a larger --max-steps to train on, or a new --run-dir", file=sys.stderr)
+              f"do; pass a larger {longer} to train on, or a new --run-dir", file=sys.stderr)
     return done
 
 

@@ -1,6 +1,5 @@
 """Every user mistake: one line naming the cause and the fix, exit 2, and existing run data untouched."""
 
-import hashlib
 import json
 import shutil
 import socket
@@ -9,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run
+from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run, snapshot
 from train.__main__ import main as train_main
 from train.launch import launch_main
 
@@ -19,11 +18,6 @@ def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("existing") / "run"
     run(python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir))
     return run_dir
-
-
-def snapshot(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _files(tmp_path):

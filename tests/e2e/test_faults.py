@@ -239,6 +239,26 @@ def test_killed_while_writing_a_checkpoint_the_previous_one_is_used(tmp_path):
     assert status(run_dir)["state"] == "done" and not list(folder.glob(".*tmp*"))
 
 
+def test_a_worker_killed_during_an_evaluation_restarts_and_ends_bit_identical(reference_run, tmp_path):
+    """Killed surely inside the evaluation of step 20 (the test model pauses there, once): torchrun restarts
+    the workers, they resume from the checkpoint and evaluate again; the end equals an uninterrupted run."""
+    args = [*DEBUG, "--model", "tests.models:pauses_in_its_first_evaluation", "--log-every", 1, "--save-every", 10]
+    marker = tmp_path / "evaluating"
+    run_dir = tmp_path / "run"
+    proc = start([PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, args), "--run-dir", str(run_dir)],
+                 env=env_for_tests(TRAINBOX_TEST_MARKER=str(marker)))
+    wait_for(marker.exists, 120, "the evaluation of step 20", proc)
+    assert [m["step"] for m in metrics(run_dir, "eval")] == []  # inside it: its record not written yet
+    os.kill(worker_pid(proc, 1), signal.SIGKILL)
+    out, err = finish(proc, 300)
+    assert proc.returncode == 0, err[-4000:]
+    assert attempts(run_dir) == 2 and "step_00000010.pt (step 10 of 40)" in err  # the checkpoint before it
+    assert [m["step"] for m in metrics(run_dir, "eval")] == [20, 40]  # the killed one done again, once
+    reference = reference_run(*args)
+    assert_bit_identical(run_dir, reference)
+    assert_same_final_figures(run_dir, reference)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(reference_run, tmp_path, damage):
     single = [*FAULT, "--save-every", 40]
