@@ -93,6 +93,7 @@ class Trainer:
         self.step = self.epoch = self.step_in_epoch = 0
         self.resumed_from: int | None = None
         self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
+        self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
         torch.manual_seed(cfg.seed)
@@ -206,12 +207,31 @@ class Trainer:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         result = evaluate(self.raw_model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
-                          watchdog.progress)
+                          watchdog.progress, top5=self.num_classes > 5)
         watchdog.enter("training", self.limit)
-        log.info("eval step %d: loss %.4f, accuracy %.2f%% over %d samples",
-                 self.step, result["loss"], 100 * result["accuracy"], result["samples"])
+        top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
+        log.info("eval step %d: loss %.4f, accuracy %.2f%%%s over %d samples",
+                 self.step, result["loss"], 100 * result["accuracy"], top5, result["samples"])
         self.metrics.write(self.step, "eval", result)
+        self.keep_best(result)
         return result
+
+    def keep_best(self, result: dict) -> None:
+        """best.pt: the model of the evaluation with the highest top-1 so far (a tie keeps the earlier), apart
+        from the newest-K checkpoints, written atomically; status.json names it."""
+        if self.best is not None and result["accuracy"] <= self.best["val_accuracy"]:
+            return
+        self.best = {"step": self.step, **{f"val_{k}": v for k, v in result.items()}}
+        path = self.run_dir / "best.pt"
+
+        def write() -> None:
+            ckpt.atomic_write(path, _serialise({"model": self.raw_model.state_dict(), **self.best,
+                                                "config": self.cfg.to_dict()}))
+            if self.tracker:
+                self.tracker.upload(path)
+
+        on_main(write, lambda e: f"could not write {path} ({e.strerror or e}): free space or fix permissions, then "
+                                 f"run the same command to resume")
 
     def stop_here(self, reason: str, save: bool = True) -> int:
         """A stop signal (agreed by every rank), or --stop-at: checkpoint, status 'stopped', exit 75."""
@@ -240,7 +260,8 @@ class Trainer:
 
     def write_status(self, state: str, **extra) -> None:
         if is_main():
-            ckpt.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **extra)
+            best = {"best": {"path": "best.pt", **self.best}} if self.best else {}
+            ckpt.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **best, **extra)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -278,7 +299,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "world_size": self.world, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
-                "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step}
+                "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step,
+                "best": self.best}
 
     def load_state_dict(self, state: dict, source: Path) -> None:
         """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included."""
@@ -298,6 +320,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.eval_owed = state.get("eval_owed", False) and self.step < cfg.max_steps  # older checkpoints: none
+        self.best = state.get("best")
         saved = (state["world_size"], state["batch_size"], state["grad_accum"])
         if cfg.epochs and saved != (self.world, cfg.batch_size, cfg.grad_accum):
             raise ConfigError(f"{source} is a run of --epochs {cfg.epochs} with {saved[0]} workers x batch {saved[1]} "
@@ -391,7 +414,7 @@ class Trainer:
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             write_manifest(run_dir, build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from))
-            ckpt.write_status(run_dir, "running", self.step, **run_length(cfg))
+            self.write_status("running")
 
         on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
                                  f"permissions")
@@ -453,8 +476,10 @@ def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, in
 
 
 @torch.inference_mode()
-def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None) -> dict:
-    """Loss and accuracy over the whole validation set, each sample counted once across ranks.
+def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None,
+             top5: bool = False) -> dict:
+    """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
+    set, each sample counted once across ranks.
 
     Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
     hold: a rank's own differ after its last training batch, and the figures would then depend on
@@ -463,7 +488,7 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, correct in the top 5
     for x, y in loader:
         x, y = prepare_inputs(x, device, channels_last), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -471,12 +496,15 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += y.numel()
+        if top5:
+            totals[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(1).sum()
         progress()
     if dist.is_initialized():
         dist.all_reduce(totals)
-    loss, correct, count = totals.tolist()
+    loss, correct, count, in_top5 = totals.tolist()
     model.train()
-    return {"loss": loss / count, "accuracy": correct / count, "samples": int(count)}
+    return {"loss": loss / count, "accuracy": correct / count, **({"top5": in_top5 / count} if top5 else {}),
+            "samples": int(count)}
 
 
 def pick_device(requested: str, ident: Identity) -> torch.device:

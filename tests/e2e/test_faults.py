@@ -257,6 +257,12 @@ def test_a_worker_killed_during_an_evaluation_restarts_and_ends_bit_identical(re
     reference = reference_run(*args)
     assert_bit_identical(run_dir, reference)
     assert_same_final_figures(run_dir, reference)
+    # best.pt through the restart: the uninterrupted run's, step, figures and weights
+    best, theirs = (torch.load(d / "best.pt", weights_only=True) for d in (run_dir, reference))
+    assert {k: v for k, v in best.items() if k not in ("model", "config")} == \
+        {k: v for k, v in theirs.items() if k not in ("model", "config")}
+    assert all(torch.equal(best["model"][k], theirs["model"][k]) for k in theirs["model"])
+    assert status(run_dir)["best"] == status(reference)["best"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -29,7 +29,10 @@ def test_stop_and_resume_equals_one_uninterrupted_run(reference_2ranks, tmp_path
     # The debug preset has 16 steps per epoch with 2 workers: both stops fall inside an epoch.
     run_dir = tmp_path / "resumed"
     run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
-    assert status(run_dir) == {"state": "stopped", "step": stop_at, "max_steps": 40, "exit_code": 75}
+    stopped = status(run_dir)
+    best = stopped.pop("best", None)  # the evaluation of step 20, if the run got there
+    assert stopped == {"state": "stopped", "step": stop_at, "max_steps": 40, "exit_code": 75}
+    assert (best and best["step"]) == (20 if stop_at > 20 else None)
     assert not (run_dir / "model.pt").exists()
     resumed = run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir))
     assert f"resumed from {run_dir}/checkpoints/step_{stop_at:08d}.pt" in resumed.stderr

@@ -156,3 +156,20 @@ def test_make_pack_then_training_on_the_shards_equals_training_on_the_files(tmp_
     assert_bit_identical(tmp_path / "on-shards", tmp_path / "on-files")
     assert make("pack", f"DST={packed}", expect=2).stderr.splitlines()[0] == \
         "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards"
+
+
+def test_best_pt_holds_the_best_evaluation_and_the_figures_include_top5(tmp_path):
+    """best.pt: the evaluation with the highest top-1 (the earlier of a tie), its model bit for bit the one
+    evaluated (the checkpoint of the same step), named in status.json; top-5 beside top-1 (10 classes)."""
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--eval-every", 5, "--save-every", 5, "--keep-checkpoints", 20, "--run-dir", run_dir))
+    evals = metrics(run_dir, "eval")
+    assert [m["step"] for m in evals] == list(range(5, 41, 5)) and all(m["top5"] >= m["accuracy"] for m in evals)
+    top = max(m["accuracy"] for m in evals)
+    expected = next(m for m in evals if m["accuracy"] == top)  # the first of the best
+    best = torch.load(run_dir / "best.pt", weights_only=True)
+    assert (best["step"], best["val_accuracy"], best["val_top5"]) == (expected["step"], top, expected["top5"])
+    saved = torch.load(run_dir / "checkpoints" / f"step_{expected['step']:08d}.pt", weights_only=True)["model"]
+    assert saved.keys() == best["model"].keys() and all(torch.equal(saved[k], best["model"][k]) for k in saved)
+    assert status(run_dir)["best"] == {"path": "best.pt", **{k: v for k, v in best.items() if k not in
+                                                              ("model", "config")}}
