@@ -28,6 +28,7 @@ SHELL := /bin/bash
 #   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
+#   RUN / WEIGHTS  `make export`: the run's folder, and model (model.pt), best (best.pt) or a checkpoint file
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 #   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
 #   TENSORBOARD_PORT  the port `make tensorboard` serves on, on 127.0.0.1 (6006)
@@ -56,6 +57,8 @@ ENV_FILE ?= .env
 PYTEST_ARGS ?=
 SRC ?=
 DST ?=
+RUN ?=
+WEIGHTS ?= model
 CHAOS_ARGS ?=
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
@@ -87,7 +90,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS MAX_RESTARTS TENSORBOARD_PORT MLFLOW_PORT MLFLOW_EXPOSE MLFLOW_BIND MLFLOW_ADMIN_PASSWORD_FILE
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench export chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -123,6 +126,10 @@ bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input,
 pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index): SRC=folder DST=folder
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards" >&2; exit 2; }
 	$(PY) -m train.pack "$(SRC)" "$(DST)"
+
+export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best] -> RUN/model.pt2 + .json
+	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; exit 2; }
+	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)"
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
 	$(PY) -m train.chaos $(CHAOS_ARGS)

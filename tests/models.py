@@ -106,3 +106,20 @@ class _PausesInItsFirstEvaluation(nn.Module):
 
 def pauses_in_its_first_evaluation(num_classes: int) -> nn.Module:
     return _PausesInItsFirstEvaluation(num_classes)
+
+
+class _BranchesOnItsInput(nn.Module):
+    """A branch on the value of its input: a graph that torch.export cannot capture."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.net = tiny_groupnorm_cnn(num_classes)
+
+    def forward(self, x):
+        if x.mean() > 0:
+            x = x * 2
+        return self.net(x)
+
+
+def branches_on_its_input(num_classes: int) -> nn.Module:
+    return _BranchesOnItsInput(num_classes)

@@ -423,6 +423,13 @@ def _transforms(cfg: Config, train: bool):
     return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
 
 
+def class_names(dataset) -> list[str]:
+    """The class names of a dataset that build_datasets made, in label order (through its wrappers)."""
+    while not hasattr(dataset, "classes") and hasattr(dataset, "source"):
+        dataset = dataset.source
+    return [str(c) for c in dataset.classes]
+
+
 def build_datasets(cfg: Config):
     """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device)."""
     if cfg.dataset in ("shapes", "synthetic"):
@@ -517,7 +524,20 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
     return DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader
 
 
+# The input normalisation: (x / 255 - MEAN) / STD on every channel (recorded beside an exported model).
+MEAN, STD = 0.5, 0.25
+
+
+def preprocessing(cfg: Config, classes: list[str]) -> dict:
+    """What a caller of the trained model does to an RGB image before it: the evaluation's own steps."""
+    size = cfg.image_size
+    resize = eval_resize(size) if cfg.dataset not in ("shapes", "synthetic") and recipe(cfg) == "imagenet" else size
+    return {"resize": resize, "resize_of": "the shorter side", "interpolation": "bilinear", "antialias": True,
+            "center_crop": size, "scale": 1 / 255, "mean": [MEAN] * 3, "std": [STD] * 3, "channels": "RGB",
+            "layout": "N x 3 x H x W float32", "classes": classes}
+
+
 def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
     """A batch of uint8 images onto the device (non-blocking from pinned memory), normalised there."""
-    x = x.to(device, non_blocking=True).float().div_(255).sub_(0.5).div_(0.25)
+    x = x.to(device, non_blocking=True).float().div_(255).sub_(MEAN).div_(STD)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import checkpoint as ckpt
 from train.checks import check_precision, check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir, steps_for_epochs
-from train.data import build_datasets, build_train_loader, build_val_loader, prepare_inputs
+from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, Identity,
                                ordered_allreduce_hook, teardown, usable_cores, watch_limit)
@@ -358,6 +358,7 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, pin = self.cfg, self.device.type == "cuda"
         train_set, val_set, self.num_classes = build_datasets(cfg)
+        self.class_names = class_names(train_set)
         self.train_loader, self.sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
         self.val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
         self.steps_per_epoch = check_steps(len(train_set), self.world, cfg)
@@ -413,6 +414,7 @@ class Trainer:
 
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (run_dir / "classes.json").write_text(json.dumps(self.class_names) + "\n")  # label i is name i
             write_manifest(run_dir, build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from))
             self.write_status("running")
 

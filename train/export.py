@@ -1,0 +1,105 @@
+"""python -m train.export RUN_DIR (make export RUN=...): the run's model as an ExportedProgram that needs only
+torch to run, with the preprocessing a caller needs recorded beside it.
+
+  python -m train.export runs/exp1                      model.pt (the final model) -> runs/exp1/model.pt2
+  python -m train.export runs/exp1 --weights best       best.pt (the best evaluation)
+  python -m train.export runs/exp1 --weights runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
+
+Writes OUT (torch.export, the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation,
+mean, std and the class names. A caller:
+
+  program = torch.export.load("model.pt2").module()
+  logits = program(batch)          # batch: N x 3 x H x W float32, normalised as model.pt2.json says
+
+A model that cannot be exported is one line naming why, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from train.checkpoint import atomic_write
+from train.config import Config
+from train.data import preprocessing
+from train.errors import ConfigError, end_process, fail
+from train.models import build_model
+
+MAX_BATCH = 4096
+
+
+def load_run(run_dir: Path, weights: str) -> tuple[Config, list[str], dict, Path]:
+    """The run's config, class names and the weights to use (model.pt, best.pt or a checkpoint's model)."""
+    config, classes = run_dir / "config.json", run_dir / "classes.json"
+    if not config.is_file() or not classes.is_file():
+        raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
+                          f"folder a run trained in (runs/<name>)")
+    cfg = Config(**json.loads(config.read_text()))
+    path = {"model": run_dir / "model.pt", "best": run_dir / "best.pt"}.get(weights, Path(weights))
+    if not path.is_file():
+        what = "the run has not finished (no model.pt)" if weights == "model" else \
+            "no evaluation yet (no best.pt)" if weights == "best" else "no such file"
+        raise ConfigError(f"{path}: {what}: pass --weights best, model or a checkpoint file of the run")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
+        raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
+                          f"best.pt or a checkpoint of the run") from None
+    state = state.get("model", state) if isinstance(state, dict) else state
+    return cfg, json.loads(classes.read_text()), state, path
+
+
+def export(run_dir: Path, weights: str, out: Path) -> Path:
+    cfg, classes, state, source = load_run(run_dir, weights)
+    model = build_model(cfg, len(classes))
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{source} does not fit the run's --model {cfg.model} ({str(e).splitlines()[0][:160]}): "
+                          f"pass weights of this run") from None
+    model.eval()
+    example = torch.zeros(2, 3, cfg.image_size, cfg.image_size)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    try:
+        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    except Exception as e:  # noqa: BLE001 - torch.export's errors are many; its first line says why
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        raise ConfigError(f"--model {cfg.model} cannot be exported with torch.export ({why}): nothing was "
+                          f"written") from None
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}.pt2")  # torch.export.save wants the .pt2 suffix
+    try:
+        torch.export.save(program, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    record = {"weights": str(source), "model": cfg.model, "image_size": cfg.image_size, "max_batch": MAX_BATCH,
+              **preprocessing(cfg, classes)}
+    atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
+    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt) or a "
+                                                           "checkpoint file of the run")
+    parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2; OUT.json beside)")
+    ns = parser.parse_args(argv)
+    out = ns.out or ns.run_dir / ("best.pt2" if ns.weights == "best" else "model.pt2")
+    try:
+        if ns.out and not out.parent.is_dir():
+            raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")
+        written = export(ns.run_dir, ns.weights, out)
+    except ConfigError as e:
+        return fail(str(e))
+    print(f"exported {written} (+ {written.name}.json: size, mean, std, interpolation, classes)")
+    return 0
+
+
+if __name__ == "__main__":
+    end_process(main(sys.argv[1:]))
