@@ -28,7 +28,8 @@ SHELL := /bin/bash
 #   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
-#   RUN / WEIGHTS  `make export`: the run's folder, and model (model.pt), best (best.pt) or a checkpoint file
+#   RUN / WEIGHTS  `make evaluate`, `make export`: the run's folder, and model (model.pt), best (best.pt) or a
+#                checkpoint file
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 #   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
 #   TENSORBOARD_PORT  the port `make tensorboard` serves on, on 127.0.0.1 (6006)
@@ -90,7 +91,7 @@ STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 export GPUS MAX_RESTARTS TENSORBOARD_PORT MLFLOW_PORT MLFLOW_EXPOSE MLFLOW_BIND MLFLOW_ADMIN_PASSWORD_FILE
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench export chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench evaluate export chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -126,6 +127,11 @@ bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input,
 pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index): SRC=folder DST=folder
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards" >&2; exit 2; }
 	$(PY) -m train.pack "$(SRC)" "$(DST)"
+
+evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [WEIGHTS=best] [DATA_DIR=another set] [GPUS=N workers]
+	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; exit 2; }
+	$(PY) -m train.evaluate "$(RUN)" --weights "$(WEIGHTS)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
+	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS))
 
 export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best] -> RUN/model.pt2 + .json
 	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; exit 2; }

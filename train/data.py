@@ -304,10 +304,10 @@ def _imagefolder_split(root: Path, split: str, loader=load_image):
         raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
 
 
-def check_imagefolder(root: Path) -> None:
+def check_imagefolder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
     """The folder layout, checked before any worker starts: both splits, the same non-empty class list."""
-    classes = {}
-    for split in ("train", "val"):
+    classes = {"train": None, "val": None}
+    for split in splits:
         path = root / split
         if not path.is_dir():
             raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
@@ -315,7 +315,7 @@ def check_imagefolder(root: Path) -> None:
         classes[split] = sorted(d.name for d in path.iterdir() if d.is_dir())
         if not classes[split]:
             raise ConfigError(f"{path} has no class folders: put images in {path}/<class>/")
-    if classes["train"] != classes["val"]:
+    if None not in classes.values() and classes["train"] != classes["val"]:
         only = sorted(set(classes["train"]) ^ set(classes["val"]))
         raise ConfigError(f"{root}: train and val hold different classes (only in one: {', '.join(only[:5])}): "
                           f"give both the same class folders")
@@ -430,47 +430,77 @@ def class_names(dataset) -> list[str]:
     return [str(c) for c in dataset.classes]
 
 
-def build_datasets(cfg: Config):
-    """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device)."""
+def build_datasets(cfg: Config, train: bool = True):
+    """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device).
+    train=False: the validation set alone (train is None; an ImageFolder needs no train/ then)."""
+    root = Path(cfg.data_dir)
+    if not train:
+        val = _validation_set(cfg, root)
+        return None, val, len(class_names(val))
     if cfg.dataset in ("shapes", "synthetic"):
         kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
-        train = kind(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
-        val = kind(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
-        return train, val, len(train.classes)
-    root = Path(cfg.data_dir)
+        train_set = kind(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
+    elif cfg.dataset == "cifar10":
+        train_set = _cifar_train(cfg, root)
+    elif cfg.dataset == "shards":
+        split = ShardSplit(root, "train")
+        train_set = (FileBytes if cfg.decode == "gpu" else Decoded)(split, _transforms(cfg, True), split.name)
+    else:
+        check_imagefolder(root)
+        if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
+            split = _imagefolder_split(root, "train", loader=read_bytes)
+            train_set = FileBytes(split, _transforms(cfg, True), partial(_path_of, split))
+        else:
+            train_set = _imagefolder_split(root, "train")
+            train_set.transform = _transforms(cfg, True)
+    return train_set, _validation_set(cfg, root), len(class_names(train_set))
+
+
+def _validation_set(cfg: Config, root: Path):
+    """The validation set, with the evaluation's transforms."""
+    if cfg.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
+        return kind(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
     if cfg.dataset == "cifar10":
         from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
 
-        check_cifar(root, cfg.download)
-        error = None
-        if identity().local_rank == 0 and cfg.download:  # once per node
-            try:
-                datasets.CIFAR10(str(root), train=True, download=True)
-            except (OSError, RuntimeError) as e:
-                error = f"downloading CIFAR-10 into {root} failed ({e}): check the network or download it by hand"
-        failed = [e for e in gather(error) if e]  # every rank learns of a failed download; none waits
-        if failed:
-            raise ConfigError(failed[0])
-        try:
-            train = datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True))
-            val = datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False))
-        except RuntimeError as e:  # torchvision's checksum test failed
-            raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
-                              f"{root / 'cifar-10-batches-py'} and pass --download") from None
-        return train, val, 10
+        check_cifar(root, False)
+        return _cifar_checked(root, lambda: datasets.CIFAR10(str(root), train=False, transform=_transforms(cfg, False)))
     if cfg.dataset == "shards":
-        train, val = ShardSplit(root, "train"), ShardSplit(root, "val")
-        kind = FileBytes if cfg.decode == "gpu" else Decoded
-        return (kind(train, _transforms(cfg, True), train.name), kind(val, _transforms(cfg, False), val.name),
-                len(train.classes))
-    check_imagefolder(root)
-    if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
-        train, val = (_imagefolder_split(root, split, loader=read_bytes) for split in ("train", "val"))
-        return (FileBytes(train, _transforms(cfg, True), partial(_path_of, train)),
-                FileBytes(val, _transforms(cfg, False), partial(_path_of, val)), len(train.classes))
-    train, val = _imagefolder_split(root, "train"), _imagefolder_split(root, "val")
-    train.transform, val.transform = _transforms(cfg, True), _transforms(cfg, False)
-    return train, val, len(train.classes)
+        split = ShardSplit(root, "val")
+        return (FileBytes if cfg.decode == "gpu" else Decoded)(split, _transforms(cfg, False), split.name)
+    check_imagefolder(root, ("val",))
+    if cfg.decode == "gpu":
+        split = _imagefolder_split(root, "val", loader=read_bytes)
+        return FileBytes(split, _transforms(cfg, False), partial(_path_of, split))
+    split = _imagefolder_split(root, "val")
+    split.transform = _transforms(cfg, False)
+    return split
+
+
+def _cifar_train(cfg: Config, root: Path):
+    """CIFAR-10's training set, downloaded first with --download (once per node)."""
+    from torchvision import datasets  # noqa: PLC0415 - torchvision: see the module docstring
+
+    check_cifar(root, cfg.download)
+    error = None
+    if identity().local_rank == 0 and cfg.download:  # once per node
+        try:
+            datasets.CIFAR10(str(root), train=True, download=True)
+        except (OSError, RuntimeError) as e:
+            error = f"downloading CIFAR-10 into {root} failed ({e}): check the network or download it by hand"
+    failed = [e for e in gather(error) if e]  # every rank learns of a failed download; none waits
+    if failed:
+        raise ConfigError(failed[0])
+    return _cifar_checked(root, lambda: datasets.CIFAR10(str(root), train=True, transform=_transforms(cfg, True)))
+
+
+def _cifar_checked(root: Path, load):
+    try:
+        return load()
+    except RuntimeError as e:  # torchvision's checksum test failed
+        raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
+                          f"{root / 'cifar-10-batches-py'} and pass --download") from None
 
 
 def default_num_workers(cfg: Config) -> int:

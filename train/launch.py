@@ -14,6 +14,7 @@ import argparse
 import atexit
 import contextlib
 import faulthandler
+import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # its exit hook must be registered before ours (see _kill_loader_workers)
@@ -23,6 +24,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -153,11 +155,11 @@ def _kill_loader_workers() -> None:
 
 # ---------------------------------------------------------------- --spawn N
 
-def _spawned(local_rank: int, cfg: Config, nprocs: int) -> None:
+def _spawned(local_rank: int, work: Callable[[], int], nprocs: int) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
     try:
-        code = run_worker(cfg)
+        code = work()
     except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
         traceback.print_exc()
         code = 1
@@ -165,12 +167,17 @@ def _spawned(local_rank: int, cfg: Config, nprocs: int) -> None:
 
 
 def spawn(cfg: Config) -> int:
-    """Start cfg.spawn local workers and wait for all of them; signals are passed on to them."""
+    """Start cfg.spawn local training workers and wait for all of them; signals are passed on to them."""
+    cfg.run_dir = cfg.run_dir or default_run_dir()
+    return spawn_workers(cfg.spawn, functools.partial(run_worker, cfg))
+
+
+def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
+    """Start nprocs local workers, each running work() as its rank (python -m train --spawn, python -m
+    train.evaluate --spawn), and wait for all of them; signals are passed on to them."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    cfg.run_dir = cfg.run_dir or default_run_dir()
-    context = mp.start_processes(_spawned, args=(cfg, cfg.spawn), nprocs=cfg.spawn, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(_spawned, args=(work, nprocs), nprocs=nprocs, join=False, start_method="spawn")
 
     def forward(signum, _frame):
         for process in context.processes:

@@ -1,0 +1,59 @@
+"""make evaluate / python -m train.evaluate: a run's model scored again, under any launcher, equal to the run's
+own final evaluation on the same data and layout."""
+
+import json
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.helpers import DEBUG, PY, make, python_cmd, run, status
+
+
+def _equal_to_the_final_evaluation(run_dir, report):
+    final = status(run_dir)
+    assert (report["loss"], report["accuracy"], report["top5"], report["samples"]) == \
+        (final["val_loss"], final["val_accuracy"], final["val_top5"], final["val_samples"])  # bit for bit
+    confusion = torch.tensor(report["confusion"])
+    assert confusion.sum() == report["samples"] and confusion.diag().sum() / report["samples"] == report["accuracy"]
+    for i, name in enumerate(report["classes"]):
+        assert report["per_class_accuracy"][name] == (confusion[i, i] / confusion[i].sum()).item()
+
+
+def test_make_evaluate_equals_the_final_evaluation_of_one_process(tmp_path):
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--run-dir", run_dir))
+    proc = make("evaluate", f"RUN={run_dir}")
+    assert f"{run_dir}/model.pt: loss" in proc.stdout
+    report = json.loads((run_dir / "eval-model.json").read_text())
+    _equal_to_the_final_evaluation(run_dir, report)
+    assert report["classes"] == json.loads((run_dir / "classes.json").read_text()) and report["world_size"] == 1
+    assert (run_dir / "eval-model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    board = EventAccumulator(str(run_dir / "tensorboard" / "eval-model"))
+    board.Reload()
+    assert board.Scalars("eval/accuracy")[0].value == report["accuracy"]
+
+
+def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
+    """255 validation images on 2 workers (128 + 127, no padding): the 2-worker run's figures, from either
+    launcher; best.pt scored the same way."""
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--val-samples", 255, "--spawn", 2, "--run-dir", run_dir))
+    run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.evaluate",
+         str(run_dir)])
+    report = json.loads((run_dir / "eval-model.json").read_text())
+    assert report["samples"] == 255 and report["world_size"] == 2
+    _equal_to_the_final_evaluation(run_dir, report)
+    run([PY, "-m", "train.evaluate", str(run_dir), "--weights", "best", "--spawn", "2"])
+    best = json.loads((run_dir / "eval-best.json").read_text())
+    recorded = status(run_dir)["best"]
+    assert (best["loss"], best["accuracy"], best["samples"]) == \
+        (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"])
+
+
+def test_bad_input_is_one_line(tmp_path):
+    missing = run([PY, "-m", "train.evaluate", str(tmp_path / "nowhere")], expect=2)
+    assert missing.stderr.startswith("error: ") and "is not a trainbox run directory" in missing.stderr
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--max-steps", 3, "--eval-every", 0, "--stop-at", 2, "--run-dir", run_dir), expect=75)
+    unfinished = run([PY, "-m", "train.evaluate", str(run_dir)], expect=2)
+    assert "the run has not finished (no model.pt)" in unfinished.stderr and "Traceback" not in unfinished.stderr
