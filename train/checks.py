@@ -21,8 +21,9 @@ from train.data import check_cifar, check_imagefolder, read_index
 from train.distributed import resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
-from train.models import check_model_spec
+from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
+from train.weights import fitted, frozen_names, read_weights, resolve
 
 
 
@@ -40,6 +41,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     if cfg.dataset == "shards":
         read_index(Path(cfg.data_dir))
     check_model_spec(cfg)
+    check_weights(cfg)
     if cfg.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
         check_steps(cfg.train_samples, world or cfg.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
@@ -51,6 +53,19 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     if cfg.run_dir:
         check_run_dir(cfg, Path(cfg.run_dir))
     check_tracking(cfg, ident.global_rank)
+
+
+def check_weights(cfg: Config) -> None:
+    """--weights that name nothing or no file, and --freeze prefixes that match no parameter (the names, on a
+    model built on the meta device: no memory, no time), answered before any worker starts."""
+    if not cfg.weights and not cfg.freeze:
+        return
+    with torch.device("meta"):
+        model = build_model(cfg, 1000)
+    resuming = bool(cfg.run_dir) and Path(cfg.run_dir).is_dir() and bool(checkpoint.list_checkpoints(Path(cfg.run_dir)))
+    if cfg.weights and resolve(cfg) is None and not resuming:  # a file (named weights: fetched by the workers)
+        fitted(cfg, read_weights(cfg, fetched=False)[0], model, None)
+    frozen_names(cfg, model, 1000)
 
 
 def check_tracking(cfg: Config, rank: int) -> None:

@@ -69,6 +69,14 @@ class Config:
                               "auto: imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
     # --- model ---
     model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
+    weights: str = _f("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or DEFAULT "
+                          "for --model's default; fetched once per node into TORCH_HOME) or a file (model.pt, best.pt, "
+                          "a checkpoint, a state_dict); a head of another class count is replaced; a resume ignores it")
+    freeze: str = _f("", "freeze parameters: backbone (all but the classifier head) or name prefixes, comma-separated "
+                         "(no gradient, no optimizer state, BatchNorm statistics kept)")
+    normalize: str = _f("auto", "input normalisation: imagenet (the published weights' mean and std), trainbox "
+                                "(0.5, 0.25); auto: imagenet with named --weights, else trainbox",
+                        choices=("auto", "imagenet", "trainbox"))
     width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
     channels_last: bool = _f(False, "use the channels_last memory format for model and inputs")

@@ -558,16 +558,17 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
 MEAN, STD = 0.5, 0.25
 
 
-def preprocessing(cfg: Config, classes: list[str]) -> dict:
+def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> dict:
     """What a caller of the trained model does to an RGB image before it: the evaluation's own steps."""
     size = cfg.image_size
     resize = eval_resize(size) if cfg.dataset not in ("shapes", "synthetic") and recipe(cfg) == "imagenet" else size
     return {"resize": resize, "resize_of": "the shorter side", "interpolation": "bilinear", "antialias": True,
-            "center_crop": size, "scale": 1 / 255, "mean": [MEAN] * 3, "std": [STD] * 3, "channels": "RGB",
+            "center_crop": size, "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
             "layout": "N x 3 x H x W float32", "classes": classes}
 
 
-def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """A batch of uint8 images onto the device (non-blocking from pinned memory), normalised there."""
-    x = x.to(device, non_blocking=True).float().div_(255).sub_(MEAN).div_(STD)
+def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool, mean=MEAN, std=STD) -> torch.Tensor:
+    """A batch of uint8 images onto the device (non-blocking from pinned memory), normalised there (mean and std:
+    numbers, or per-channel tensors of shape 1 x 3 x 1 x 1 on the device)."""
+    x = x.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x

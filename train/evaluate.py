@@ -32,6 +32,7 @@ from train.export import load_run
 from train.launch import spawn_workers
 from train.models import build_model
 from train.trainer import configure_runtime, evaluate, pick_device, resolve_precision
+from train.weights import normalisation_on
 
 
 @dataclass
@@ -68,7 +69,7 @@ def score(job: Job) -> int:
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
         result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
-                          top5=len(classes) > 5, confusion_of=len(classes))
+                          top5=len(classes) > 5, confusion_of=len(classes), norm=normalisation_on(cfg, device))
         if is_main():
             report(job, cfg, classes, source, result)
         clean = True

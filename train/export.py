@@ -29,6 +29,7 @@ from train.config import Config
 from train.data import preprocessing
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
+from train.weights import normalisation
 
 MAX_BATCH = 4096
 
@@ -78,7 +79,7 @@ def export(run_dir: Path, weights: str, out: Path) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     record = {"weights": str(source), "model": cfg.model, "image_size": cfg.image_size, "max_batch": MAX_BATCH,
-              **preprocessing(cfg, classes)}
+              **preprocessing(cfg, classes, *normalisation(cfg))}
     atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
     return out
 

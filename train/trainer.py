@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import checkpoint as ckpt
 from train.checks import check_precision, check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir, steps_for_epochs
-from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs
+from train.data import (MEAN, STD, build_datasets, build_train_loader, build_val_loader, class_names,
+                        prepare_inputs)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, Identity,
                                ordered_allreduce_hook, teardown, usable_cores, watch_limit)
@@ -39,6 +40,7 @@ from train.models import build_model
 from train.optim import build_optimizer, lr_factor
 from train.tracking import Tracker, start_tracking, tracking_uri
 from train.watchdog import watchdog
+from train.weights import fitted, freeze, frozen_names, normalisation_on, read_weights
 
 log = logging.getLogger("train")
 
@@ -94,12 +96,16 @@ class Trainer:
         self.resumed_from: int | None = None
         self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
+        self.norm = normalisation_on(cfg, device)  # the inputs' mean and std (--normalize, --weights)
+        self.weights: dict = {"weights": cfg.weights} if cfg.weights else {}  # what the manifest records
+        # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
+        initial = read_weights(cfg) if cfg.weights and not self._has_checkpoint() else None
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
         torch.manual_seed(cfg.seed)
         self._build_data()
         self._build_model()
-        self._resume()
+        self._resume(initial)
         self.model = self._wrap(self.raw_model)
         self._write_run_files()
         self.last_saved = self.step if self.resumed_from is not None else -1
@@ -173,7 +179,8 @@ class Trainer:
                 waiting = time.perf_counter()
                 x, y = next(loader)
                 self.window.wait += time.perf_counter() - waiting
-                yield prepare_inputs(x, self.device, cfg.channels_last), y.to(self.device, non_blocking=True)
+                x = prepare_inputs(x, self.device, cfg.channels_last, *self.norm)
+                yield x, y.to(self.device, non_blocking=True)
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
     def after_step(self, losses: list[torch.Tensor]) -> None:
@@ -207,7 +214,7 @@ class Trainer:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         result = evaluate(self.raw_model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
-                          watchdog.progress, top5=self.num_classes > 5)
+                          watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
         watchdog.enter("training", self.limit)
         top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
         log.info("eval step %d: loss %.4f, accuracy %.2f%%%s over %d samples",
@@ -372,6 +379,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         model = build_model(cfg, self.num_classes)
+        freeze(model, frozen_names(cfg, model, self.num_classes))  # before the optimizer: no state for them
         if cfg.sync_bn and self.world > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(self.device)
@@ -382,14 +390,25 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
 
-    def _resume(self) -> None:
-        """Rank 0 picks the newest checkpoint that verifies; every rank loads it. Without one, a fresh
-        per-rank random stream (dropout and the like)."""
+    def _has_checkpoint(self) -> bool:
+        """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""
+        run_dir = self.run_dir
+        found = on_main(lambda: run_dir.is_dir() and bool(ckpt.list_checkpoints(run_dir)),
+                        lambda e: f"cannot read {run_dir} ({e.strerror or e}): check the disk and permissions")
+        return bool(broadcast_from_main(found))
+
+    def _resume(self, initial: tuple[dict, dict] | None) -> None:
+        """Rank 0 picks the newest checkpoint that verifies; every rank loads it. Without one, the starting
+        --weights (initial: read before, or now when every checkpoint was damaged) and a fresh per-rank random
+        stream (dropout and the like)."""
         newest = on_main(lambda: ckpt.newest_valid(self.run_dir),
                          lambda e: f"cannot read the checkpoints in {self.run_dir} ({e.strerror or e}): check the "
                                    f"disk and permissions")
         newest = broadcast_from_main(str(newest) if newest else None)
         if newest is None:
+            if self.cfg.weights:  # a new run: its starting weights (a resume has them in its checkpoint)
+                state, self.weights = initial or read_weights(self.cfg)
+                self.raw_model.load_state_dict(fitted(self.cfg, state, self.raw_model, self.num_classes))
             torch.manual_seed(self.cfg.seed * 7919 + self.rank)
             return
         state = ckpt.load_checkpoint(Path(newest), self.device)
@@ -415,7 +434,8 @@ class Trainer:
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (run_dir / "classes.json").write_text(json.dumps(self.class_names) + "\n")  # label i is name i
-            write_manifest(run_dir, build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from))
+            write_manifest(run_dir, {**build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from),
+                                     **self.weights})
             self.write_status("running")
 
         on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
@@ -479,7 +499,7 @@ def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, in
 
 @torch.inference_mode()
 def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None,
-             top5: bool = False, confusion_of: int = 0) -> dict:
+             top5: bool = False, confusion_of: int = 0, norm: tuple = (MEAN, STD)) -> dict:
     """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
     set, each sample counted once across ranks; with confusion_of=C classes, the C x C confusion matrix too
     (rows: the true class, columns: the predicted one).
@@ -494,7 +514,7 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, correct in the top 5
     confusion = torch.zeros(confusion_of, confusion_of, dtype=torch.int64, device=device)
     for x, y in loader:
-        x, y = prepare_inputs(x, device, channels_last), y.to(device, non_blocking=True)
+        x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(x)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")

@@ -1,0 +1,69 @@
+"""--normalize and --weights' statistics, the classifier head, --freeze: no trainer, no network."""
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from train.config import parse_config
+from train.data import prepare_inputs
+from train.errors import ConfigError
+from train.models import build_model
+from train.weights import IMAGENET, freeze, frozen_names, head_name, normalisation, normalisation_on
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], ((0.5,) * 3, (0.25,) * 3)),
+    (["--normalize", "imagenet"], IMAGENET),
+    (["--model", "resnet18", "--weights", "ResNet18_Weights.IMAGENET1K_V1"], IMAGENET),  # named: their own
+    (["--model", "resnet18", "--weights", "DEFAULT"], IMAGENET),
+    (["--weights", "runs/a/model.pt"], ((0.5,) * 3, (0.25,) * 3)),  # a file: trainbox's unless told
+    (["--model", "resnet18", "--weights", "DEFAULT", "--normalize", "trainbox"], ((0.5,) * 3, (0.25,) * 3)),
+])
+def test_the_normalisation_follows_the_weights_unless_set(argv, expected):
+    assert normalisation(parse_config(argv)) == expected
+
+
+def test_the_inputs_are_normalised_as_torchvision_normalize_does():
+    from torchvision.models import ResNet18_Weights
+
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    cfg = parse_config(["--model", "resnet18", "--weights", "ResNet18_Weights.DEFAULT"])
+    ours = prepare_inputs(images, torch.device("cpu"), False, *normalisation_on(cfg, torch.device("cpu")))
+    weights = ResNet18_Weights.DEFAULT.transforms()  # the published weights' own preprocessing
+    theirs = v2.Normalize(weights.mean, weights.std)(images.float() / 255)
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("model, head", [("cnn", "head.2"), ("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
+                                         ("vit_b_16", "heads.head"), ("efficientnet_b0", "classifier.1")])
+def test_the_classifier_head_is_found(model, head):
+    with torch.device("meta"):
+        built = build_model(parse_config(["--model", model]), 37)
+    assert head_name(built, 37) == head
+
+
+def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
+    cfg = parse_config(["--freeze", "backbone", "--width", "8"])
+    model = build_model(cfg, 10)
+    names = frozen_names(cfg, model, 10)
+    assert names and not any(n.startswith("head.2.") for n in names)
+    freeze(model, names)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    model(torch.randn(8, 3, 16, 16)).sum().backward()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats untouched by a training forward
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"head.2.weight", "head.2.bias"}
+    unfrozen = build_model(cfg, 10)
+    unfrozen.train()
+    unfrozen(torch.randn(8, 3, 16, 16))  # the control: without --freeze a training forward moves them
+    assert not torch.equal(unfrozen.features[0][1].running_mean, torch.zeros(8))
+
+
+def test_freeze_prefixes_and_their_mistakes():
+    cfg = parse_config(["--freeze", "features.0,features.1", "--width", "8"])
+    names = frozen_names(cfg, build_model(cfg, 10), 10)
+    assert names and all(n.startswith(("features.0.", "features.1.")) for n in names)
+    with pytest.raises(ConfigError, match="--freeze head.9: no parameter of --model cnn is named so"):
+        bad = parse_config(["--freeze", "head.9"])
+        frozen_names(bad, build_model(bad, 10), 10)

@@ -1,0 +1,202 @@
+"""Starting from trained weights (--weights) and freezing parts of a model (--freeze).
+
+  --weights ResNet50_Weights.IMAGENET1K_V2   torchvision's named weights (DEFAULT: the model's default), fetched
+                                             once per node into TORCH_HOME (put it on the NAS), checked against
+                                             the SHA-256 prefix in the file's name
+  --weights runs/a/model.pt                  a trainbox model.pt, best.pt or checkpoint, or a plain state_dict
+  --freeze backbone                          every parameter but the classifier head (a linear probe)
+  --freeze conv1,layer1                      parameters whose names start with these prefixes
+
+The classifier head (the last linear layer with as many outputs as classes) is replaced when the weights have
+another class count; every other tensor must fit exactly. Frozen parameters get no gradient and no optimizer
+state, and their BatchNorm layers stay in evaluation mode, so their running statistics do not move either.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from train.config import Config
+from train.data import MEAN, STD
+from train.distributed import gather, identity
+from train.errors import ConfigError
+
+log = logging.getLogger("train")
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+def head_name(model: nn.Module, num_classes: int) -> str:
+    """The classifier head: the last nn.Linear with num_classes outputs (fc, classifier.1, heads.head, ...)."""
+    heads = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    if not heads:
+        raise ConfigError(f"--model {type(model).__name__} has no linear layer with {num_classes} outputs to take as "
+                          f"its classifier head: give a model whose last layer is an nn.Linear")
+    return heads[-1]
+
+
+def frozen_names(cfg: Config, model: nn.Module, num_classes: int) -> list[str]:
+    """The parameter names --freeze selects; a prefix that selects nothing is a mistake."""
+    if not cfg.freeze:
+        return []
+    names = [name for name, _ in model.named_parameters()]
+    if cfg.freeze == "backbone":
+        head = head_name(model, num_classes) + "."
+        return [n for n in names if not n.startswith(head)]
+    chosen = []
+    for prefix in (p.strip() for p in cfg.freeze.split(",") if p.strip()):
+        matched = [n for n in names if n == prefix or n.startswith(prefix + ".")]
+        if not matched:
+            close = difflib.get_close_matches(prefix, sorted({n.rsplit(".", 1)[0] for n in names}), n=3)
+            raise ConfigError(f"--freeze {prefix}: no parameter of --model {cfg.model} is named so"
+                              f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give name prefixes such as "
+                              f"{names[0].split('.')[0]}, or backbone")
+        chosen += matched
+    return chosen
+
+
+def freeze(model: nn.Module, names: list[str]) -> None:
+    """No gradient for these parameters; BatchNorm layers whose parameters are all frozen stay in eval mode."""
+    frozen = set(names)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    for name, module in model.named_modules():
+        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and own and frozen.issuperset(own):
+            module.register_forward_pre_hook(_stay_in_eval)
+
+
+def _stay_in_eval(module: nn.Module, _inputs) -> None:
+    module.training = False  # its running statistics belong to the frozen weights
+
+
+# ---------------------------------------------------------------- --weights
+
+def resolve(cfg: Config):
+    """The torchvision weights enum entry that cfg.weights names, or None for a file."""
+    if not cfg.weights or Path(cfg.weights).exists() or "/" in cfg.weights or cfg.weights.endswith((".pt", ".pth")):
+        return None
+    from torchvision import models  # noqa: PLC0415 - torchvision: only the runs that use it pay its import
+
+    own = models.get_model_weights(cfg.model) if cfg.model in models.list_models() else None
+    if cfg.weights == "DEFAULT":
+        if own is None:
+            raise ConfigError(f"--weights DEFAULT: --model {cfg.model} is not a torchvision model with named weights: "
+                              f"give a weights file")
+        return own.DEFAULT
+    try:
+        entry = models.get_weight(cfg.weights)
+    except (ValueError, KeyError, AttributeError):
+        every = [f"{enum.__name__}.{e.name}" for enum in
+                 ([own] if own else [models.get_model_weights(m) for m in models.list_models(module=models)])
+                 for e in enum]
+        close = difflib.get_close_matches(cfg.weights, every, n=3, cutoff=0.4)
+        raise ConfigError(f"--weights {cfg.weights} is neither a file nor torchvision weights"
+                          f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give a file or a name such as "
+                          f"{(close or every)[0]}") from None
+    if own is None or type(entry) is not own:
+        raise ConfigError(f"--weights {cfg.weights} are weights of another architecture than --model {cfg.model}"
+                          f"{': ' + own.__name__ + '.DEFAULT fits it' if own else ''}")
+    return entry
+
+
+def normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The input's mean and std (--normalize): ImageNet's, the published weights' own; or trainbox's (0.5, 0.25)."""
+    imagenet = cfg.normalize == "imagenet" or (cfg.normalize == "auto" and resolve(cfg) is not None)
+    return IMAGENET if imagenet else ((MEAN,) * 3, (STD,) * 3)
+
+
+def normalisation_on(cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """normalisation(cfg) as tensors of shape 1 x 3 x 1 x 1 on the device, for prepare_inputs."""
+    return tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in normalisation(cfg))
+
+
+def cached_file(entry) -> Path:
+    """Where the named weights' file lies: TORCH_HOME/hub/checkpoints/<its name>, as torch.hub keeps it."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(entry.url).name
+
+
+def fetch(entry) -> Path:
+    """The named weights' file, on this node: local rank 0 fetches it once (or checks the cached copy against
+    the SHA-256 prefix in its name); every rank learns whether that worked, and none waits without bound."""
+    path = cached_file(entry)
+    prefix = re.search(r"-([a-f0-9]+)\.", path.name)
+    error = None
+    if identity().local_rank == 0:
+        try:
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.hub.download_url_to_file(entry.url, str(path), prefix.group(1) if prefix else None)
+            elif prefix and not _sha256(path).startswith(prefix.group(1)):
+                error = (f"{path} is damaged (its SHA-256 does not start with {prefix.group(1)}), refused: delete it "
+                         f"and run again, or place the file from {entry.url} there")
+        except (OSError, RuntimeError) as e:
+            error = (f"cannot fetch {path.name} ({str(e).splitlines()[0][:120]}): offline? place the file from "
+                     f"{entry.url} at {path} (TORCH_HOME on the NAS shares it with every node)")
+    failed = [e for e in gather(error) if e]  # the other ranks wait here for local rank 0, bounded
+    if failed:
+        raise ConfigError(failed[0])
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_weights(cfg: Config, fetched: bool = True) -> tuple[dict, dict]:
+    """(state_dict, what the manifest records) of cfg.weights: named weights fetched once per node, a file read
+    memory-mapped (fetched=False: the checks before any worker starts, which skip the SHA-256)."""
+    entry = resolve(cfg)
+    path = fetch(entry) if entry is not None else Path(cfg.weights)
+    if not path.is_file():
+        raise ConfigError(f"--weights {cfg.weights}: no such file: give a model.pt, checkpoint or state_dict file, or "
+                          f"torchvision weights such as ResNet50_Weights.DEFAULT")
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # a file in torch.save's legacy format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
+        raise ConfigError(f"--weights {path} cannot be read as weights ({type(e).__name__}): give a model.pt, "
+                          f"checkpoint or state_dict file saved by torch.save") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):  # a trainbox checkpoint or best.pt
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--weights {path} holds no state_dict of tensors: give a model.pt, checkpoint or "
+                          f"state_dict file")
+    return state, {"weights": cfg.weights, "weights_file": str(path), "weights_sha256": _sha256(path) if fetched
+                   else None}
+
+
+def fitted(cfg: Config, state: dict, model: nn.Module, num_classes: int | None) -> dict:
+    """state, fitted to model: the head left to the model (initialised anew) where the class count differs
+    (num_classes None: the head is not compared); any other difference is one line naming the first key."""
+    own = model.state_dict()
+    head = head_name(model, num_classes or next(m.out_features for m in reversed(list(model.modules()))
+                                                if isinstance(m, nn.Linear)))
+    keys = [k for k in (f"{head}.weight", f"{head}.bias") if k in own]
+    if keys and keys[0] in state and (num_classes is None or state[keys[0]].shape != own[keys[0]].shape):
+        if num_classes is not None:
+            log.info("head %s: %d -> %d classes, initialised anew", head, state[keys[0]].shape[0], num_classes)
+        state = {**{k: v for k, v in state.items() if k not in keys}, **{k: own[k] for k in keys}}
+    mismatch = next((k for k in own if k not in state or state[k].shape != own[k].shape), None) or \
+        next((k for k in state if k not in own), None)
+    if mismatch is not None:
+        theirs = tuple(state[mismatch].shape) if mismatch in state else "missing"
+        ours = tuple(own[mismatch].shape) if mismatch in own else "missing"
+        raise ConfigError(f"--weights {cfg.weights} do not fit --model {cfg.model}: {mismatch} is {theirs} in the "
+                          f"weights and {ours} in the model: give weights of this architecture")
+    return state
