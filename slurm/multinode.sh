@@ -8,7 +8,8 @@
 #   RUNTIME=apptainer IMAGE=/nas/trainbox.sif sbatch slurm/multinode.sh     # Apptainer (make apptainer)
 #
 # Arguments go to the trainer. Knobs (environment, defaults below): RUNTIME, IMAGE, TRAINBOX_DIR,
-# RUNS_DIR, DATA_DIR, RUN_NAME, NPROC_PER_NODE, MASTER_PORT, MAX_RESTARTS, MAX_REQUEUES, PYTHON.
+# RUNS_DIR, DATA_DIR, RUN_NAME, NPROC_PER_NODE, MASTER_PORT, MAX_RESTARTS, MAX_REQUEUES, PYTHON, and
+# TORCH_HOME (the cache of named --weights on the NAS: fetched once per node, or placed there for offline nodes).
 # Submit from the checkout on the NAS (or set TRAINBOX_DIR); the log lands beside it.
 #
 # Preemption: Slurm sends USR2 to this script GRACE seconds before the end (USR1 is taken by NCCL).

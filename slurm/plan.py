@@ -213,6 +213,8 @@ def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
     mounts = [(str(runs_dir), f"{WORKDIR}/runs", "rw")]
     if data_dir.is_dir():
         mounts.append((str(data_dir), f"{WORKDIR}/data", "ro"))
+    if env.get("TORCH_HOME"):  # the cache of named --weights on the NAS, at the same path inside
+        mounts.append((env["TORCH_HOME"], env["TORCH_HOME"], "rw"))
     if runtime == "pyxis":
         out["LAUNCH"] = [f"--container-image={image}",
                          "--container-mounts=" + ",".join(f"{s}:{d}:{m}" for s, d, m in mounts),
