@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from train.config import Config
 from train.distributed import gather, identity, usable_cores
 from train.errors import ConfigError, DataError
+from train.weights import MEAN, STD, resolve
 
 NUM_SHAPE_CLASSES = 10
 SYNTHETIC_CLASSES = 1000
@@ -413,7 +414,11 @@ def _transforms(cfg: Config, train: bool):
     from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
     size = cfg.image_size
-    if recipe(cfg) == "imagenet":
+    if not train and resolve(cfg) is not None:  # the named weights' own evaluation transforms
+        resize, crop, interpolation = eval_steps(cfg)
+        steps = [v2.Resize(resize, interpolation=v2.InterpolationMode(interpolation), antialias=True),
+                 v2.CenterCrop(crop)]
+    elif recipe(cfg) == "imagenet":
         steps = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if train else \
             [v2.Resize(eval_resize(size), antialias=True), v2.CenterCrop(size)]
     else:
@@ -554,17 +559,24 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
     return DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader
 
 
-# The input normalisation: (x / 255 - MEAN) / STD on every channel (recorded beside an exported model).
-MEAN, STD = 0.5, 0.25
-
-
 def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> dict:
     """What a caller of the trained model does to an RGB image before it: the evaluation's own steps."""
-    size = cfg.image_size
-    resize = eval_resize(size) if cfg.dataset not in ("shapes", "synthetic") and recipe(cfg) == "imagenet" else size
-    return {"resize": resize, "resize_of": "the shorter side", "interpolation": "bilinear", "antialias": True,
-            "center_crop": size, "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
+    resize, crop, interpolation = eval_steps(cfg)
+    return {"resize": resize, "resize_of": "the shorter side", "interpolation": interpolation, "antialias": True,
+            "center_crop": crop, "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
             "layout": "N x 3 x H x W float32", "classes": classes}
+
+
+def eval_steps(cfg: Config) -> tuple[int, int, str]:
+    """The evaluation's (resize, centre crop, interpolation): the named --weights' own transforms (their
+    resize, crop and interpolation), else the recipe's (size / 0.875 and size, bilinear; shapes: as made)."""
+    entry = resolve(cfg)
+    if entry is not None and cfg.dataset not in ("shapes", "synthetic"):
+        preset = entry.transforms()
+        return preset.resize_size[0], preset.crop_size[0], preset.interpolation.value
+    size = cfg.image_size
+    files = cfg.dataset not in ("shapes", "synthetic")
+    return (eval_resize(size) if files and recipe(cfg) == "imagenet" else size), size, "bilinear"
 
 
 def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool, mean=MEAN, std=STD) -> torch.Tensor:

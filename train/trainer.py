@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import checkpoint as ckpt
 from train.checks import check_precision, check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir, steps_for_epochs
-from train.data import (MEAN, STD, build_datasets, build_train_loader, build_val_loader, class_names,
+from train.data import (build_datasets, build_train_loader, build_val_loader, class_names,
                         prepare_inputs)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, Identity,
@@ -40,7 +40,7 @@ from train.models import build_model
 from train.optim import build_optimizer, lr_factor
 from train.tracking import Tracker, start_tracking, tracking_uri
 from train.watchdog import watchdog
-from train.weights import fitted, freeze, frozen_names, normalisation_on, read_weights
+from train.weights import MEAN, STD, fitted, freeze, frozen_names, normalisation_on, read_weights
 
 log = logging.getLogger("train")
 

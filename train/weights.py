@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from train.config import Config
-from train.data import MEAN, STD
 from train.distributed import gather, identity
 from train.errors import ConfigError
 
 log = logging.getLogger("train")
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+# trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (data.prepare_inputs)
+MEAN, STD = 0.5, 0.25
 
 
 def head_name(model: nn.Module, num_classes: int) -> str:

@@ -67,3 +67,25 @@ def test_freeze_prefixes_and_their_mistakes():
     with pytest.raises(ConfigError, match="--freeze head.9: no parameter of --model cnn is named so"):
         bad = parse_config(["--freeze", "head.9"])
         frozen_names(bad, build_model(bad, 10), 10)
+
+
+def test_named_weights_bring_their_own_evaluation_transforms():
+    """resize, crop and interpolation of the weights' transforms (ResNet50's V2: 232, 224, bilinear), then the
+    trainer's normalisation: the weights' own preprocessing on the same image, within one level of 255 (the
+    trainer resizes uint8 with transforms v2, which rounds a few pixels one level apart from theirs)."""
+    from torchvision.models import ResNet50_Weights
+
+    from train.data import _transforms, eval_steps
+
+    cfg = parse_config(["--dataset", "imagefolder", "--image-size", "224", "--model", "resnet50",
+                        "--weights", "ResNet50_Weights.IMAGENET1K_V2"])
+    assert eval_steps(cfg) == (232, 224, "bilinear")
+    image = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8)
+    ours = prepare_inputs(_transforms(cfg, False)(image)[None], torch.device("cpu"), False,
+                          *normalisation_on(cfg, torch.device("cpu")))
+    theirs = ResNet50_Weights.IMAGENET1K_V2.transforms()(image)[None]
+    level = 1 / 255 / min(IMAGENET[1])
+    assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= level + 1e-6
+    assert (ours - theirs).abs().mean() < level / 4
+    plain = parse_config(["--dataset", "imagefolder", "--image-size", "224"])
+    assert eval_steps(plain) == (256, 224, "bilinear")  # without them: the recipe's size / 0.875
