@@ -350,11 +350,13 @@ def test_make_train_falls_back_to_the_local_environment_without_an_engine(tmp_pa
     assert "trainbox: local environment" in proc.stderr
 
 
-def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
+def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas, cluster):
+    """On the host's loopback only: node n1 of the test cluster, another host, cannot reach it."""
     import time
     import urllib.request
 
-    from tests.helpers import python_cmd
+    from tests.e2e.test_services import from_n1
+    from tests.helpers import CLUSTER_HOST, python_cmd
     from train.distributed import free_port
 
     root, env_file = nas
@@ -373,6 +375,7 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas):
         assert "tb1/tensorboard" in seen
         tags = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5).read()
         assert b"train/loss" in tags and b"eval/accuracy" in tags
+        assert from_n1(f"http://{CLUSTER_HOST}:{port}/data/runs") == "ConnectionRefusedError"
     finally:
         compose(env_file, *project, "down", expect=None)
 
