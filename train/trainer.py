@@ -128,6 +128,7 @@ class Trainer:
             if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < cfg.max_steps:
                 return self.stop_here(f"--stop-at {cfg.stop_at}: already at step {self.step}", save=False)
             self.model.train()
+            self.settle_buckets()
             batches = self.batches()
             while self.step < cfg.max_steps:
                 losses = self.train_step(batches)
@@ -167,6 +168,33 @@ class Trainer:
         self.step += 1
         self.step_in_epoch += 1
         return losses
+
+    def settle_buckets(self) -> None:
+        """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
+        order the gradients became ready; with more than 2 ranks the all-reduce's summation order depends on
+        where a value sits in its bucket. So every attempt (a fresh start, a resume, a restart) makes that
+        first backward here, on a batch of zeros, and leaves no trace: the gradients dropped, the parameters
+        untouched (no optimizer step), the buffers (BatchNorm statistics) and every RNG stream restored. Its
+        first real step then runs with the rebuilt layout, as an uninterrupted run's every step does."""
+        if not isinstance(self.model, DDP):
+            return
+        cfg = self.cfg
+        buffers = [b.detach().clone() for b in self.raw_model.buffers()]
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        x = torch.zeros(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=self.device)
+        x = x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+        for _ in range(2 if cfg.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                y = torch.zeros(cfg.batch_size, dtype=torch.long, device=self.device)
+                loss = self.criterion(self.model(x), y)
+            loss.backward()
+            self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(self.raw_model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], self.device)
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time

@@ -53,23 +53,36 @@ def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(referen
     assert evals == [(m["step"], m["loss"], m["accuracy"]) for m in metrics(reference_2ranks, "eval")]
 
 
-def test_deterministic_mode_resumes_bit_identically_with_three_workers(tmp_path):
-    # With 3+ ranks DDP's rebuilt buckets change the summation order after a restart; the
-    # deterministic mode's ordered reduction must make two restarts invisible.
-    def straight_and_resumed(*flags):
-        straight, resumed = tmp_path / f"straight{len(flags)}", tmp_path / f"resumed{len(flags)}"
-        run(python_cmd(*DEBUG, "--spawn", 3, *flags, "--run-dir", straight))
-        run(python_cmd(*DEBUG, "--spawn", 3, *flags, "--run-dir", resumed, "--stop-at", 7), expect=75)
-        run(python_cmd(*DEBUG, "--spawn", 3, *flags, "--run-dir", resumed, "--stop-at", 25), expect=75)
-        run(python_cmd(*DEBUG, "--spawn", 3, *flags, "--run-dir", resumed))
-        return load_model(straight), load_model(resumed)
+@pytest.mark.parametrize("workers, flags, stops", [
+    (3, [], [7, 25]), (4, [], [8, 13]),  # 8: an epoch boundary (512 images / (4 x 16))
+    (4, ["--grad-accum", "2"], [5]), (4, ["--static-graph"], [11]), (3, ["--deterministic"], [7, 25]),
+], ids=["3-workers", "4-workers", "4-grad-accum", "4-static-graph", "3-deterministic"])
+def test_a_stopped_and_resumed_run_is_bit_identical_at_any_world_size(reference_run, tmp_path, workers, flags, stops):
+    """DDP lays its gradient buckets out anew after its first backward, and with more than 2 ranks the
+    all-reduce's sums depend on the layout: every attempt settles it first (Trainer.settle_buckets)."""
+    straight = reference_run(*DEBUG, *flags, workers=workers)
+    resumed = tmp_path / "resumed"
+    for stop in stops:
+        run(python_cmd(*DEBUG, *flags, "--spawn", workers, "--run-dir", resumed, "--stop-at", stop), expect=75)
+    run(python_cmd(*DEBUG, *flags, "--spawn", workers, "--run-dir", resumed))
+    assert_bit_identical(straight, resumed)
+    assert_same_final_figures(straight, resumed)
 
-    straight, resumed = straight_and_resumed("--deterministic")
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    # The control, without --deterministic: the same stops change the bits (so the equality above is the
-    # flag's doing, and this test could see it fail)
-    straight, resumed = straight_and_resumed()
-    assert not all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+def test_deterministic_reduction_does_not_depend_on_the_bucket_size(tmp_path):
+    """--deterministic sums every gradient in rank order: the bucket size changes nothing. The control,
+    without it: DDP's all-reduce of 3 ranks over 5 buckets of 1 MB or one of 25 MB gives other bits."""
+    def model(*flags, cap):
+        run_dir = tmp_path / f"{len(flags)}-{cap}"
+        run(python_cmd(*DEBUG, "--width", 64, "--max-steps", 6, "--spawn", 3, "--bucket-cap-mb", cap, *flags,
+                       "--run-dir", run_dir))
+        return load_model(run_dir)
+
+    def equal(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    assert equal(model("--deterministic", cap=1), model("--deterministic", cap=25))
+    assert not equal(model(cap=1), model(cap=25))
 
 
 def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
