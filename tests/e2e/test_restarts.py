@@ -67,7 +67,9 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     # What each kill left behind, seen by the restarted workers: a kill in a save left its half-written file
     # (removed at the restart); after a kill mid-run they resumed from a checkpoint; after the kill at
     # shutdown they found the run done.
-    assert not trials[1]["landed"] or "of unfinished checkpoint files" in logs[1], logs[1][-3000:]
+    # (rank 0 writes the checkpoints: a kill of rank 1 lets it finish the file before torchrun stops it)
+    if trials[1]["landed"] and trials[1]["target"] == "kill -9 rank 0":
+        assert "of unfinished checkpoint files" in logs[1], logs[1][-3000:]
     assert all("resumed from" in logs[i] for i in (0, 1, 2, 4)), [log[-2000:] for log in logs]
     assert "already finished at step 24" in logs[3], logs[3][-3000:]
     reference = reference_run(*chaos.ARGS)

@@ -1,6 +1,7 @@
 """What a run leaves in its directory: config, manifest, status, metrics.jsonl, TensorBoard, model.pt."""
 
 import json
+import os
 import platform
 import subprocess
 
@@ -48,8 +49,11 @@ def test_manifest_records_what_made_the_run(torchrun_run):
     assert manifest["cudnn"] == (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     assert (manifest["backend"], manifest["device"], manifest["local_world_size"]) == ("gloo", "cpu", 2)
     assert manifest["threads"] >= 1 and manifest["deterministic"] is False and manifest["resumed_from_step"] is None
-    # Outside a container, a Slurm job and a GPU host these say so, rather than something made up
-    assert (manifest["image"], manifest["image_digest"], manifest["slurm_job_id"]) == (None, None, None)
+    # What the environment says (make exports TRAINBOX_IMAGE; the container sets both), and outside a Slurm job
+    # and a GPU host these say so, rather than something made up
+    assert (manifest["image"], manifest["image_digest"]) == (os.environ.get("TRAINBOX_IMAGE"),
+                                                              os.environ.get("TRAINBOX_IMAGE_DIGEST"))
+    assert manifest["slurm_job_id"] is None
     if not torch.cuda.is_available():
         assert (manifest["nccl"], manifest["gpus"]) == (None, [])
         assert manifest["driver"] is None or isinstance(manifest["driver"], str)  # a driver without a GPU
