@@ -126,6 +126,19 @@ def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(r
     assert_bit_identical(run_dir, straight)
 
 
+def test_with_four_workers_the_default_path_survives_a_kill_bit_identically(reference_run, tmp_path):
+    """No --deterministic: the restarted attempt settles DDP's bucket layout before its first step."""
+    straight = reference_run(*FAULT, workers=4)
+    run_dir = tmp_path / "run"
+    proc = start(launch_cmd(4, run_dir))
+    wait_for(reached_step(run_dir, 70), 240, "step 70", proc)
+    os.kill(worker_pid(proc, 3), signal.SIGKILL)
+    out, err = finish(proc, 400)
+    assert proc.returncode == 0, err[-4000:]
+    assert attempts(run_dir) == 2 and "resumed from" in err
+    assert_bit_identical(run_dir, straight)
+
+
 def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path):
     """Within seconds (README): the dead peer's closed connection, not the collective timeout (600 s here)."""
     procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 600)
