@@ -21,7 +21,6 @@ SHELL := /bin/bash
 #   HOST_UID/HOST_GID  the container user (default: yours, root's too; the image's own default user is
 #                never root: 1000 when you are root)
 #   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
-#   TORCH_HOME   the cache of named --weights for `make env` (default runs/.torch), fetched once, shared
 #   ENV_FILE     the compose settings file that `make env` writes and compose reads
 #   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (empty: 3, slurm/plan.py;
 #                resumes from the newest checkpoint)
@@ -198,7 +197,6 @@ $(SKY_VENV)/.installed: tests/skypilot.lock
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) docker/hostenv.py --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
-	  $(if $(filter command line,$(origin TORCH_HOME)),--torch-home "$(TORCH_HOME)") \
 	  $(if $(filter command line,$(origin MLFLOW_TRACKING_URI)),--mlflow-uri "$(MLFLOW_TRACKING_URI)")
 
 $(ENV_FILE):

@@ -150,7 +150,6 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="make env", description=__doc__)
     parser.add_argument("--data-dir", default="", help="datasets on the NAS (mounted read-only)")
     parser.add_argument("--runs-dir", default="", help="runs and checkpoints on the NAS (read-write)")
-    parser.add_argument("--torch-home", default="", help="the cache of named --weights (TORCH_HOME) on the NAS")
     parser.add_argument("--image", default="", help="image tag the services run")
     parser.add_argument("--mlflow-uri", default=None, help="the MLflow server the trainer tracks to "
                         "(http://mlflow:5000: the compose service); empty: no tracking")
@@ -175,9 +174,7 @@ def main(argv: list[str]) -> int:
     uid, gid = container_ids()
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)
     values["HOST_GID"] = os.environ.get("HOST_GID") or str(gid)
-    for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs"),
-                                ("TORCH_HOME", args.torch_home, None)):
-        default = default or str(Path(values["RUNS_DIR"]) / ".torch")  # TORCH_HOME: beside the runs, on the NAS
+    for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs")):
         # Named on the command line or in .env (not the default an earlier `make env` wrote there): it must
         # exist, the NAS mounted.
         named = given or (values.get(key) if values.get(key) != str(Path(default).resolve()) else None)
