@@ -75,6 +75,8 @@ MLFLOW_VENV ?= .venv-mlflow
 SKY_VENV ?= .venv-sky
 
 PY := $(VENV)/bin/python
+# The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
+MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -88,7 +90,7 @@ LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these come from make's knobs.
-export GPUS MAX_RESTARTS TENSORBOARD_PORT MLFLOW_PORT MLFLOW_EXPOSE MLFLOW_BIND MLFLOW_ADMIN_PASSWORD_FILE
+export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test bench evaluate export chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
@@ -160,19 +162,20 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 
 tensorboard: ## TensorBoard over the runs folder on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: README)
 ifeq ($(RUNTIME),docker)
-	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) up tensorboard
+	$(MAKE) --no-print-directory image $(ENV_FILE) && TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
 else
 	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TENSORBOARD_PORT)
 endif
 
 mlflow: ## MLflow server on 127.0.0.1:5000, store in runs/mlflow (MLFLOW_EXPOSE=1: a team server with a login)
 ifeq ($(RUNTIME),docker)
-	@$(PYTHON) docker/mlflow_server.py --check runs
-	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
+	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && \
+	  $(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
 	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after: make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
 	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && \
-	  PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
+	  $(MLFLOW_KNOBS) PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
 endif
 
 mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment from docker/mlflow.lock (hash-checked)

@@ -170,7 +170,10 @@ def nas(tmp_path):
 
 
 def compose(env_file, *args, expect=0, gpus="", timeout=600):
-    env = {**os.environ, "GPUS": gpus, "TRAINBOX_IMAGE": IMAGE}
+    # The env file's settings are the test's: the shell's own (which compose would prefer) are dropped.
+    env = {k: v for k, v in os.environ.items() if k not in ("TENSORBOARD_PORT", "MLFLOW_PORT", "MLFLOW_BIND",
+                                                            "MLFLOW_EXPOSE", "MLFLOW_ADMIN_PASSWORD_FILE")}
+    env.update(GPUS=gpus, TRAINBOX_IMAGE=IMAGE)
     return run([*COMPOSE, "--env-file", str(env_file), *args], expect=expect, timeout=timeout, cwd=REPO, env=env)
 
 
@@ -372,7 +375,11 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas, clus
                 seen = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=5).read().decode()
             except OSError:
                 time.sleep(1)
-        assert "tb1/tensorboard" in seen
+        if "tb1/tensorboard" not in seen:
+            logs = compose(env_file, *project, "logs", "tensorboard", expect=None)
+            state = run([docker, "ps", "-a", "--filter", f"label=com.docker.compose.project=trainbox-test-{port}"])
+            raise AssertionError(f"TensorBoard did not answer on 127.0.0.1:{port}\n{state.stdout}\n"
+                                 f"{logs.stdout[-3000:]}{logs.stderr[-3000:]}")
         tags = urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5).read()
         assert b"train/loss" in tags and b"eval/accuracy" in tags
         assert from_n1(f"http://{CLUSTER_HOST}:{port}/data/runs") == "ConnectionRefusedError"
@@ -436,7 +443,14 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
         assert "error: MLFLOW_EXPOSE=1 opens the server to the network only with a login" in weak.stderr
         run(["make", "--no-print-directory", "mlflow", "RUNTIME=docker", "MLFLOW_EXPOSE=1",
              f"MLFLOW_ADMIN_PASSWORD_FILE={password}", *common], cwd=REPO, timeout=600)
-        wait_for(lambda: from_n1(f"http://{CLUSTER_HOST}:{port}/health") == "200", 120, "the exposed service")
+        try:
+            wait_for(lambda: from_n1(f"http://{CLUSTER_HOST}:{port}/health") == "200", 120, "the exposed service")
+        except AssertionError as e:
+            logs = compose(env_file, "logs", "mlflow", expect=None)
+            here = _answers(f"http://127.0.0.1:{port}/health")
+            raise AssertionError(f"{e}; on this host it answers: {here}; from n1: "
+                                 f"{from_n1(f'http://{CLUSTER_HOST}:{port}/health')}\n"
+                                 f"{run(['iptables', '-S', 'FORWARD']).stdout}\n{logs.stdout[-3000:]}") from None
         assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}") == "401"
         assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}", "admin", "Zq8-vT3r_Lm2Wx9X") == "401"
         assert from_n1(f"http://{CLUSTER_HOST}:{port}{SEARCH}", "admin", "Zq8-vT3r_Lm2Wx9K") == "200"
