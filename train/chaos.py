@@ -1,9 +1,10 @@
-"""make chaos: a drill of real faults. Each trial starts a 2-worker run, hits it once at a random moment
-(mid-step, during a checkpoint save, during an evaluation, during shutdown) and checks that it still
-ends with model.pt and its final validation figures bit-identical to a run that was never hit.
+"""make chaos: a drill of real faults. Each trial starts a run of 2 or 4 workers on the default path (no
+--deterministic), hits it once at a random moment (mid-step, during a checkpoint save, during an
+evaluation, during shutdown) and checks that it still ends with model.pt and its final validation figures
+bit-identical to a run of as many workers that was never hit.
 
-  python -m train.chaos                                  20 trials per launcher and fault
-  python -m train.chaos --trials 5 --launchers torchrun --faults kill
+  python -m train.chaos                                  20 trials per launcher, fault and world size
+  python -m train.chaos --trials 5 --launchers torchrun --faults kill --workers 4
   python -m train.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
 
 Faults:
@@ -12,14 +13,16 @@ Faults:
           group; Slurm: the preemption notice, USR2 to the batch shell): the run stops at a checkpoint,
           then the same command resumes it (Slurm requeues a preempted job by itself)
 Launchers:
-  torchrun  `torchrun --standalone --max-restarts=3 --nproc-per-node=2 -m train ...` as the tutorials call
+  torchrun  `torchrun --standalone --max-restarts=3 --nproc-per-node=N -m train ...` as the tutorials call
             it: TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset, and no --run-dir in kill trials (the restarts
             must find their own run directory)
-  make      `make train GPUS=2 RUNTIME=local ARGS=...`
+  make      `make train GPUS=N RUNTIME=local ARGS=...`
   slurm     `sbatch slurm/multinode.sh` on the 2-node test cluster (tests/cluster/up.sh; needs root and
-            slurm-wlm + munge, and no other test cluster running), one worker per node
+            slurm-wlm + munge, and no other test cluster running), N/2 workers per node
+World sizes (--workers): 2 and 4. With more than 2 workers the all-reduce's sums depend on DDP's bucket
+layout, which every attempt settles before its first step (Trainer.settle_buckets).
 
-Prints every trial, then ok=N/N per launcher and fault with the recovery times, then the failures with
+Prints every trial, then ok=N/N per launcher, fault and world size with the recovery times, then the failures with
 the end of their logs. Exit 0 when every trial ended bit-identical, 1 otherwise.
 """
 
@@ -43,14 +46,15 @@ from pathlib import Path
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 24, 3, 8
-# A short 2-worker run: 24 steps, a checkpoint every 3 and an evaluation every 8; one thread per worker
-# whatever the launcher gives it (2 workers on one node or one on each), so every launcher computes the same bits.
+# A short run: 24 steps, a checkpoint every 3 and an evaluation every 8; one thread per worker whatever the
+# launcher gives it (all workers on one node or half on each), so every launcher computes the same bits.
 ARGS = ["--preset", "debug", "--seed", "5", "--batch-size", "8", "--max-steps", str(MAX_STEPS),
         "--save-every", str(SAVE_EVERY), "--eval-every", str(EVAL_EVERY), "--log-every", "1", "--timeout-s", "60",
         "--threads", "1"]
 MOMENTS = ("step", "save", "eval", "shutdown")
 LAUNCHERS = ("torchrun", "make", "slurm")
 FAULTS = ("kill", "signal")
+WORKERS = (2, 4)
 TRIAL_TIMEOUT_S = {"torchrun": 300, "make": 300, "slurm": 900}
 
 
@@ -179,14 +183,14 @@ class Local:
     """torchrun or make on this machine: the launcher and everything it starts are one session."""
 
     def __init__(self, name: str, out: Path):
-        self.name, self.out = name, out
+        self.name, self.out, self.workers = name, out, 2
 
     def command(self, trial: Path, run_dir: Path | None) -> list[str]:
         args = [*ARGS, *(["--run-dir", str(run_dir)] if run_dir else [])]
         if self.name == "torchrun":
-            return [PY, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3", "--nproc-per-node=2",
-                    "-m", "train", *args]
-        return ["make", "-C", str(REPO), "--no-print-directory", "train", "GPUS=2", "RUNTIME=local",
+            return [PY, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3",
+                    f"--nproc-per-node={self.workers}", "-m", "train", *args]
+        return ["make", "-C", str(REPO), "--no-print-directory", "train", f"GPUS={self.workers}", "RUNTIME=local",
                 "ARGS=" + " ".join(args)]
 
     def start(self, trial: Path, kind: str, run_dir: Path | None, log_name: str) -> dict:
@@ -216,19 +220,20 @@ class Local:
     def signal_target(self, handle: dict, rng: random.Random) -> tuple[str, int, signal.Signals]:
         """(description, pid, signal): a negative pid is a process group."""
         proc = handle["proc"]
+        ranks = [f"rank {r}" for r in range(self.workers)]
         if self.name == "torchrun":  # plain torchrun passes on SIGTERM only; SIGUSR2 would kill it alone
-            choice = rng.choice(["torchrun", "rank 0", "rank 1"])
+            choice = rng.choice(["torchrun", *ranks])
             sig = signal.SIGTERM if choice == "torchrun" else rng.choice([signal.SIGTERM, signal.SIGUSR2])
-            pid = proc.pid if choice == "torchrun" else self.worker(handle, int(choice[-1]))
+            pid = proc.pid if choice == "torchrun" else self.worker(handle, int(choice[5:]))
             return choice, pid, sig
-        choice = rng.choice(["launcher", "rank 0", "rank 1", "process group"])
+        choice = rng.choice(["launcher", *ranks, "process group"])
         if choice == "process group":  # Ctrl-C in the terminal of `make train`
             return choice, -proc.pid, signal.SIGINT
         sig = rng.choice([signal.SIGTERM, signal.SIGUSR2])
         if choice == "launcher":
             pid = next((p for p in descendants(proc.pid) if "train.launch" in cmdline(p)), None)
             return "the launcher (python -m train.launch)", pid, sig
-        return choice, self.worker(handle, int(choice[-1])), sig
+        return choice, self.worker(handle, int(choice[5:])), sig
 
     def running(self, handle: dict) -> bool:
         return handle["proc"].poll() is None
@@ -264,9 +269,9 @@ class Local:
 
 
 class Slurm:
-    """sbatch slurm/multinode.sh on the 2-node test cluster, one worker per node."""
+    """sbatch slurm/multinode.sh on the 2-node test cluster, half the workers on each node."""
 
-    name = "slurm"
+    name, workers = "slurm", 2
     TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
     def __init__(self, out: Path):
@@ -293,7 +298,8 @@ class Slurm:
 
     def start(self, trial: Path, kind: str, run_dir: Path | None, log_name: str) -> dict:
         name = run_dir.name if run_dir is not None and run_dir.parent == self.runs else trial.name
-        env = {**self.env, "RUNS_DIR": str(self.runs), "RUN_NAME": name, "PYTHON": PY, "NPROC_PER_NODE": "1"}
+        env = {**self.env, "RUNS_DIR": str(self.runs), "RUN_NAME": name, "PYTHON": PY,
+               "NPROC_PER_NODE": str(self.workers // 2)}
         log = trial / log_name
         proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={log}", str(REPO / "slurm/multinode.sh"),
                                *ARGS], cwd=REPO, env=env, capture_output=True, text=True)
@@ -315,7 +321,7 @@ class Slurm:
     def signal_target(self, handle: dict, rng: random.Random) -> tuple[str, int | None, signal.Signals]:
         if rng.random() < 0.5:
             return "the batch shell (preemption notice)", None, signal.SIGUSR2
-        rank = rng.randrange(2)
+        rank = rng.randrange(self.workers)
         return f"rank {rank}", self.worker(handle, rank), signal.SIGTERM
 
     def job(self, handle: dict) -> dict:
@@ -353,6 +359,7 @@ class Slurm:
 class Trial:
     launcher: str
     fault: str
+    workers: int
     index: int
     moment: str
     target: str = ""
@@ -392,7 +399,7 @@ def wait_for_moment(launcher, handle: dict, moment: str, rng: random.Random, vic
             time.sleep(0.002)
             continue
         if not victim_pids:
-            victim_pids.update({r: launcher.worker(handle, r) for r in (0, 1)})
+            victim_pids.update({r: launcher.worker(handle, r) for r in range(launcher.workers)})
         if reached(run_dir):
             if moment == "step":
                 time.sleep(rng.uniform(0, 0.005))
@@ -412,10 +419,10 @@ def back_to_training(run_dir: Path, hit: float) -> float | None:
                  and r["time"] > hit), None)
 
 
-def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, reference: Path) -> Trial:
-    moment = MOMENTS[index % len(MOMENTS)]
-    trial = Trial(launcher.name, fault, index, moment)
-    folder = out / f"{launcher.name}-{fault}-{index:02d}"
+def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, reference: Path,
+              moment: str) -> Trial:
+    trial = Trial(launcher.name, fault, launcher.workers, index, moment)
+    folder = out / f"{launcher.name}-{fault}-{launcher.workers}w-{index:02d}"
     folder.mkdir(parents=True)
     trial.folder = str(folder)
     # Plain torchrun names the run directory itself in kill trials; a resume needs it named.
@@ -430,7 +437,7 @@ def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, r
         trial.problem = f"the run ended before the moment ({moment}) came: nothing was injected"
         return trial
     if fault == "kill":
-        rank = rng.randrange(2)
+        rank = rng.randrange(launcher.workers)
         pid = victims.get(rank)
         trial.target = f"kill -9 rank {rank}"
         trial.landed = bool(pid) and alive(pid) and still()
@@ -471,9 +478,9 @@ def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, r
 
 # ---------------------------------------------------------------- the drill
 
-def reference_run(out: Path) -> Path:
-    run_dir = out / "reference"
-    proc = subprocess.run([PY, "-m", "train", *ARGS, "--spawn", "2", "--run-dir", str(run_dir)], cwd=REPO,
+def reference_run(out: Path, workers: int) -> Path:
+    run_dir = out / f"reference-{workers}w"
+    proc = subprocess.run([PY, "-m", "train", *ARGS, "--spawn", str(workers), "--run-dir", str(run_dir)], cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode:
         raise RuntimeError(f"the uninterrupted reference run failed:\n{proc.stderr[-3000:]}")
@@ -481,13 +488,14 @@ def reference_run(out: Path) -> Path:
 
 
 def summary(trials: list[Trial], skipped: dict) -> list[str]:
-    lines = [f"{'launcher':<9} {'fault':<7} {'ok':>7} {'landed':>7}  training again after s (median, max)"]
+    lines = [f"{'launcher':<9} {'fault':<7} {'workers':>7} {'ok':>7} {'landed':>7}  training again after s "
+             f"(median, max)"]
     for name in dict.fromkeys(t.launcher for t in trials):
-        for fault in dict.fromkeys(t.fault for t in trials if t.launcher == name):
-            group = [t for t in trials if t.launcher == name and t.fault == fault]
+        for fault, workers in dict.fromkeys((t.fault, t.workers) for t in trials if t.launcher == name):
+            group = [t for t in trials if (t.launcher, t.fault, t.workers) == (name, fault, workers)]
             times = [t.recovery_s for t in group if t.recovery_s is not None]
             spread = f"{statistics.median(times):.1f}, {max(times):.1f}" if times else "-"
-            lines.append(f"{name:<9} {fault:<7} {sum(t.ok for t in group):>3}/{len(group):<3} "
+            lines.append(f"{name:<9} {fault:<7} {workers:>7} {sum(t.ok for t in group):>3}/{len(group):<3} "
                          f"{sum(t.landed for t in group):>3}/{len(group):<3}  {spread}")
         group = [t for t in trials if t.launcher == name]
         lines.append(f"{name}: ok={sum(t.ok for t in group)}/{len(group)}")
@@ -497,9 +505,12 @@ def summary(trials: list[Trial], skipped: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20, help="trials per launcher and fault (default 20)")
+    parser.add_argument("--trials", type=int, default=20,
+                        help="trials per launcher, fault and world size (default 20)")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
+    parser.add_argument("--workers", default=",".join(map(str, WORKERS)),
+                        help="comma-separated world sizes, even (Slurm puts half on each node): default 2,4")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     ns = parser.parse_args(argv)
@@ -510,6 +521,12 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown launcher or fault {bad} (or --trials < 1): use --launchers "
               f"{','.join(LAUNCHERS)} --faults {','.join(FAULTS)}", file=sys.stderr)
         return 2
+    sizes = [x for x in ns.workers.split(",") if x]
+    if not sizes or not all(x.isdigit() and int(x) >= 2 and int(x) % 2 == 0 for x in sizes):
+        print(f"error: --workers {ns.workers!r}: give even world sizes of at least 2, e.g. --workers 2,4",
+              file=sys.stderr)
+        return 2
+    sizes = [int(x) for x in sizes]
     out = Path(ns.out).resolve()
     if re.search(r"\s", str(out)):
         print(f"error: --out {out} contains whitespace (make's ARGS would split it): choose another folder",
@@ -519,8 +536,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {out} is not empty: pass a new --out", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers}, seed {ns.seed}, in {out}", flush=True)
-    reference = reference_run(out)
+    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers, seed {ns.seed}, in {out}",
+          flush=True)
+    references = {n: reference_run(out, n) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}
     for name in launchers:
@@ -533,12 +551,14 @@ def main(argv: list[str]) -> int:
                 continue
             launcher.up()
         try:
-            for fault in faults:
-                for index in range(ns.trials):
-                    trial = run_trial(launcher, fault, index, rng, out, reference)
+            for fault, workers in ((f, n) for f in faults for n in sizes):
+                launcher.workers = workers
+                for index in range(ns.trials):  # the moments go round the whole drill: a short one covers them all
+                    moment = MOMENTS[len(trials) % len(MOMENTS)]
+                    trial = run_trial(launcher, fault, index, rng, out, references[workers], moment)
                     trials.append(trial)
                     verdict = "ok" if trial.ok else f"FAILED: {trial.problem}"
-                    print(f"{name} {fault} #{index}: {trial.target or '-'} {trial.moment}"
+                    print(f"{name} {fault} {workers}w #{index}: {trial.target or '-'} {trial.moment}"
                           f"{'' if trial.landed else ' (landed after the moment)'}: {verdict}, "
                           f"training again {trial.recovery_s} s after it", flush=True)
         finally:
@@ -547,7 +567,7 @@ def main(argv: list[str]) -> int:
     (out / "results.json").write_text(json.dumps([asdict(t) for t in trials], indent=1) + "\n")
     print("\n".join(["", *summary(trials, skipped)]))
     for t in (t for t in trials if not t.ok):
-        print(f"\n--- {t.launcher} {t.fault} #{t.index} failed: {t.problem}")
+        print(f"\n--- {t.launcher} {t.fault} {t.workers}w #{t.index} failed: {t.problem}")
         for log in t.logs:
             text = Path(log).read_text(errors="replace") if Path(log).exists() else "(no log)"
             print(f"--- {log} (last 40 lines)\n" + "\n".join(text.splitlines()[-40:]))

@@ -52,12 +52,16 @@ def end_process(code: int) -> NoReturn:
     C++ teardown of what it leaves behind (the group itself after an error, a lost peer or a timeout;
     the rendezvous store and gloo's threads even after a clean end) can abort the process at exit
     ("terminate called without an active exception", exit 134) after it reported its result. Such a
-    process waits for its threads (as the interpreter would: a checkpoint prune), runs its exit handlers
+    process waits for its threads as the interpreter would (a checkpoint prune), runs its exit handlers
     (logging, loader workers), flushes its output and leaves with its own code, without that teardown;
     its files were closed and fsynced before this."""
     gc.freeze()
     dist = sys.modules.get("torch.distributed")
     if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
+        # What the interpreter runs before it joins the threads: a ThreadPoolExecutor's workers (torch.compile
+        # makes some) wait for work until these tell them to leave, so joining them first would never end.
+        for hook in getattr(threading, "_threading_atexits", ()):
+            hook()
         for thread in threading.enumerate():
             if not thread.daemon and thread is not threading.current_thread():
                 thread.join()

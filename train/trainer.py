@@ -95,6 +95,7 @@ class Trainer:
         self.step = self.epoch = self.step_in_epoch = 0
         self.resumed_from: int | None = None
         self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
+        self.settle_s = 0.0  # this attempt's settling pass (settle_buckets), in seconds
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.norm = normalisation_on(cfg, device)  # the inputs' mean and std (--normalize, --weights)
         self.weights: dict = {"weights": cfg.weights} if cfg.weights else {}  # what the manifest records
@@ -128,7 +129,7 @@ class Trainer:
             if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < cfg.max_steps:
                 return self.stop_here(f"--stop-at {cfg.stop_at}: already at step {self.step}", save=False)
             self.model.train()
-            self.settle_buckets()
+            self.settle_s = self.settle_buckets()
             batches = self.batches()
             while self.step < cfg.max_steps:
                 losses = self.train_step(batches)
@@ -169,16 +170,17 @@ class Trainer:
         self.step_in_epoch += 1
         return losses
 
-    def settle_buckets(self) -> None:
+    def settle_buckets(self) -> float:
         """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
         order the gradients became ready; with more than 2 ranks the all-reduce's summation order depends on
         where a value sits in its bucket. So every attempt (a fresh start, a resume, a restart) makes that
         first backward here, on a batch of zeros, and leaves no trace: the gradients dropped, the parameters
         untouched (no optimizer step), the buffers (BatchNorm statistics) and every RNG stream restored. Its
-        first real step then runs with the rebuilt layout, as an uninterrupted run's every step does."""
+        first real step then runs with the rebuilt layout, as an uninterrupted run's every step does. Returns
+        the seconds it took (make bench reports them against a step)."""
         if not isinstance(self.model, DDP):
-            return
-        cfg = self.cfg
+            return 0.0
+        cfg, started = self.cfg, time.perf_counter()
         buffers = [b.detach().clone() for b in self.raw_model.buffers()]
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
         x = torch.zeros(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=self.device)
@@ -195,6 +197,8 @@ class Trainer:
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1], self.device)
+            torch.cuda.synchronize(self.device)  # once per attempt: the time is the pass's, not its launch's
+        return time.perf_counter() - started
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
@@ -217,7 +221,8 @@ class Trainer:
         self.window.add(losses)
         if not self.first_step_logged:  # launch to first optimizer step, start-up included (no sync)
             self.first_step_logged = True
-            self.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time()})
+            self.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
+                                                         "settle_s": self.settle_s})
         if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
             self.log_window()
 
@@ -473,6 +478,10 @@ class Trainer:
                      run_dir, self.world, self.launcher, self.device.type, cfg.max_steps, self.steps_per_epoch,
                      self.world * cfg.batch_size * cfg.grad_accum,
                      str(self.autocast_dtype or "fp32").replace("torch.", ""))
+            if self.device.type == "cuda" and not cfg.deterministic:  # said once, where it applies
+                log.info("note: on CUDA, a resumed or restarted run equals an uninterrupted one bit for bit only with "
+                         "--deterministic (cuDNN and cuBLAS pick non-deterministic kernels otherwise, so even two "
+                         "uninterrupted runs differ in rounding)")
 
 
 # ---------------------------------------------------------------- pieces the Trainer uses

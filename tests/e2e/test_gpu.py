@@ -15,7 +15,10 @@ def test_single_gpu_bf16_channels_last(tmp_path):
     run(python_cmd(*DEBUG, "--device", "cuda", "--precision", "bf16", "--channels-last", "--run-dir", run_dir))
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["device"] == "cuda:0" and manifest["gpus"] and manifest["driver"]
-    assert "precision bfloat16" in (run_dir / "train.log").read_text()  # the autocast dtype the trainer chose
+    log = (run_dir / "train.log").read_text()
+    assert "precision bfloat16" in log  # the autocast dtype the trainer chose
+    assert log.count("note: on CUDA, a resumed or restarted run equals an uninterrupted one bit for bit only "
+                     "with --deterministic") == 1  # said once, at the start
     convs = [t for t in torch.load(run_dir / "model.pt", weights_only=True).values() if t.dim() == 4]
     assert convs and all(t.is_contiguous(memory_format=torch.channels_last) for t in convs)  # saved as trained
     train = metrics(run_dir, "train")

@@ -136,7 +136,7 @@ def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
     first = next(m for m in lines if m["kind"] == "first_step")
     return {"step_times": [m["step_time_s"] for m in train], "data_wait": [m["data_wait_frac"] for m in train],
             "gpu_util": [m["gpu0_util"] for m in train if "gpu0_util" in m],
-            "first_step_s": first["time"] - launched}
+            "first_step_s": first["time"] - launched, "settle_s": first["settle_s"]}
 
 
 def bare_arm(out: Path, spec: dict, warmup: int) -> dict:

@@ -77,6 +77,32 @@ def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
     return rows, chart
 
 
+def exactness_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    """What exact resume costs: --deterministic's step against the default one, and the default path's
+    one-time settling pass per attempt (Trainer.settle_buckets) against a step, 2 ranks x 1 thread."""
+    w = size["window"]
+    common = ["--spawn", 2, "--threads", 1, "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0,
+              "--save-every", 10**6, "--train-samples", size["samples"], "--val-samples", 256,
+              "--width", size["width"], "--batch-size", size["batch"]]
+    arms = {"default": [], "deterministic": ["--deterministic"]}
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, extra in arms.items():
+            results[name].append(trainer_arm(out / "runs" / f"exact-{name}-{r}", [*common, *extra], size["warmup"]))
+    step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
+    cost = [d / x for d, x in zip(step["default"], step["deterministic"], strict=True)]
+    settle = [res["settle_s"] / s for res, s in zip(results["default"], step["default"], strict=True)]
+    ms = {name: 1000 * median(v) for name, v in step.items()}
+    return [
+        row("--deterministic: default step / deterministic step (2 ranks x 1 thread; both resume bit-exactly)",
+            cost, f"default {ms['default']:.1f} ms, --deterministic {ms['deterministic']:.1f} ms per step; "
+            f"< 1: the cost of deterministic kernels and the rank-ordered gradient gather"),
+        row("settling DDP's buckets: the one-time pass per attempt / one default step (2 ranks x 1 thread)", settle,
+            f"{1000 * median([res['settle_s'] for res in results['default']]):.1f} ms once per start, resume or "
+            f"restart; the steps after it are the default step above"),
+    ]
+
+
 def _comm_worker(rank: int, spec: dict) -> None:
     """DDP wrapper cost (1 rank) or exposed communication (2 ranks), blocks interleaved in-process."""
     _init(rank, spec["world"], spec["port"], spec["threads"])

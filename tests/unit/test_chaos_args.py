@@ -1,0 +1,20 @@
+"""make chaos refuses what it cannot run in one line, before it trains anything."""
+
+import pytest
+
+from train import chaos
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--workers", "3"], "error: --workers '3': give even world sizes of at least 2, e.g. --workers 2,4"),
+    (["--workers", "2,x"], "error: --workers '2,x': give even world sizes"),
+    (["--launchers", "torchrun,mpirun"], "error: unknown launcher or fault ['mpirun']"),
+    (["--trials", "0"], "(or --trials < 1)"),
+])
+def test_the_drill_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, expected):
+    out = tmp_path / "chaos"
+    assert chaos.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err
+    assert not out.exists()  # nothing was started or written
+
