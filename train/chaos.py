@@ -510,7 +510,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
     parser.add_argument("--workers", default=",".join(map(str, WORKERS)),
-                        help="comma-separated world sizes, even (Slurm puts half on each node): default 2,4")
+                        help="comma-separated world sizes, even for slurm (half on each node): default 2,4")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     ns = parser.parse_args(argv)
@@ -522,9 +522,10 @@ def main(argv: list[str]) -> int:
               f"{','.join(LAUNCHERS)} --faults {','.join(FAULTS)}", file=sys.stderr)
         return 2
     sizes = [x for x in ns.workers.split(",") if x]
-    if not sizes or not all(x.isdigit() and int(x) >= 2 and int(x) % 2 == 0 for x in sizes):
-        print(f"error: --workers {ns.workers!r}: give even world sizes of at least 2, e.g. --workers 2,4",
-              file=sys.stderr)
+    even = "slurm" in launchers  # Slurm puts half the workers on each of its 2 nodes
+    if not sizes or not all(x.isdigit() and int(x) >= 2 and (int(x) % 2 == 0 or not even) for x in sizes):
+        print(f"error: --workers {ns.workers!r}: give world sizes of at least 2{', even for slurm' if even else ''}, "
+              f"e.g. --workers 2,4", file=sys.stderr)
         return 2
     sizes = [int(x) for x in sizes]
     out = Path(ns.out).resolve()

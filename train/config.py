@@ -67,6 +67,19 @@ class Config:
     augment: str = _f("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
                               "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); "
                               "auto: imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
+    train_crop_size: int = _f(0, "imagenet recipe: RandomResizedCrop's size; 0: --image-size")
+    val_resize_size: int = _f(0, "imagenet recipe: the evaluation's resize (shorter side); 0: --val-crop-size / 0.875")
+    val_crop_size: int = _f(0, "imagenet recipe: the evaluation's centre crop; 0: --image-size")
+    interpolation: str = _f("bilinear", "resizing of the imagenet recipe (train crop, eval resize); --auto-augment "
+                                        "resamples bilinearly (on tensors its ops take no bicubic)",
+                            choices=("bilinear", "bicubic"))
+    auto_augment: str = _f("", "file datasets: after the crop and flip, v2.TrivialAugmentWide (ta_wide), RandAugment "
+                               "(ra), AugMix (augmix) or AutoAugment's ImageNet policy (imagenet); empty: none",
+                           choices=("", "ta_wide", "ra", "augmix", "imagenet"))
+    ra_magnitude: int = _f(9, "--auto-augment ra: RandAugment's magnitude")
+    augmix_severity: int = _f(3, "--auto-augment augmix: AugMix's severity")
+    random_erase: float = _f(0.0, "v2.RandomErasing's probability, per image after normalisation (as torchvision's "
+                                  "reference applies it); 0: off")
     # --- model ---
     model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
     weights: str = _f("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or DEFAULT "
@@ -94,6 +107,29 @@ class Config:
     warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
     warmup_epochs: float = _f(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: --warmup-steps")
     min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")
+    norm_weight_decay: float = _f(0.0, "weight decay of normalisation layers' parameters (BatchNorm, LayerNorm, ...)")
+    bias_weight_decay: float = _f(0.0, "weight decay of parameters named bias")
+    lr_scheduler: str = _f("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
+                                     "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
+                           choices=("cosine", "step", "multistep", "constant"))
+    lr_step_size: int = _f(30, "--lr-scheduler step: its period, in the schedule's unit")
+    lr_gamma: float = _f(0.1, "--lr-scheduler step/multistep: the factor at each decay")
+    lr_milestones: str = _f("", "--lr-scheduler multistep: comma-separated points, in the schedule's unit")
+    warmup_method: str = _f("linear", "warm-up: linear from --warmup-decay x --lr to --lr, or constant at "
+                                      "--warmup-decay x --lr", choices=("linear", "constant"))
+    warmup_decay: float = _f(0.01, "the warm-up's starting factor (torchvision's lr-warmup-decay)")
+    schedule_unit: str = _f("step", "the schedule advances every optimizer step (lengths in steps), or every epoch "
+                                    "as torchvision's reference does (needs --epochs; lengths in epochs)",
+                            choices=("step", "epoch"))
+    label_smoothing: float = _f(0.0, "cross-entropy label smoothing (torch's label_smoothing)")
+    mixup_alpha: float = _f(0.0, "v2.MixUp's alpha on each training batch (with --cutmix-alpha: one of the two at "
+                                 "random per batch); 0: off")
+    cutmix_alpha: float = _f(0.0, "v2.CutMix's alpha on each training batch; 0: off")
+    model_ema: bool = _f(False, "keep an exponential moving average of the weights (AveragedModel, buffers "
+                                "included), evaluated beside the model and saved as model_ema.pt")
+    model_ema_steps: int = _f(32, "--model-ema: update the average every N optimizer steps of an epoch")
+    model_ema_decay: float = _f(0.99998, "--model-ema: the decay before torchvision's adjustment for the batch, "
+                                         "world size, update period and epochs")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
     precision: str = _f("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
                         choices=("auto", "fp32", "bf16", "fp16"))
@@ -132,6 +168,7 @@ class Config:
         if self.warmup_epochs and not self.epochs:
             raise ConfigError(f"--warmup-epochs {self.warmup_epochs} needs --epochs: give the run's length in epochs "
                               f"too, or the warm-up in --warmup-steps")
+        self.validate_recipe()
         if self.image_size < 8:
             raise ConfigError(f"--image-size must be at least 8, got {self.image_size}: pass 8 or more (pixels)")
         for f in fields(self):
@@ -139,6 +176,36 @@ class Config:
             if choices and getattr(self, f.name) not in choices:
                 raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
                                   f"got {getattr(self, f.name)!r}: pass one of those")
+
+    def validate_recipe(self) -> None:
+        """The recipe knobs: ranges, and the knobs a setting needs."""
+        for name in ("label_smoothing", "random_erase", "warmup_decay"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {getattr(self, name)}: pass a fraction")
+        for name in ("mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay", "train_crop_size",
+                     "val_resize_size", "val_crop_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
+        for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
+        if not 0 < self.lr_gamma <= 1 or not 0 < self.model_ema_decay < 1:
+            raise ConfigError(f"--lr-gamma must be within (0, 1] and --model-ema-decay within (0, 1), got "
+                              f"{self.lr_gamma} and {self.model_ema_decay}: pass fractions, e.g. 0.1 and 0.99998")
+        if self.lr_scheduler == "multistep" and not self.milestones():
+            raise ConfigError("--lr-scheduler multistep needs --lr-milestones: pass e.g. --lr-milestones 30,60,80")
+        if self.schedule_unit == "epoch" and (not self.epochs or self.warmup_epochs != int(self.warmup_epochs)):
+            raise ConfigError(f"--schedule-unit epoch needs --epochs and a whole --warmup-epochs, got --epochs "
+                              f"{self.epochs} --warmup-epochs {self.warmup_epochs}: give the run in whole epochs, or "
+                              f"use --schedule-unit step")
+
+    def milestones(self) -> list[int]:
+        """--lr-milestones as a list of ints."""
+        try:
+            return [int(m) for m in self.lr_milestones.split(",") if m.strip()]
+        except ValueError:
+            raise ConfigError(f"--lr-milestones {self.lr_milestones!r} is not a list of whole numbers: pass "
+                              f"e.g. --lr-milestones 30,60,80") from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

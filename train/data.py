@@ -410,22 +410,40 @@ def eval_resize(size: int) -> int:
 
 def _transforms(cfg: Config, train: bool):
     """uint8 tensors (or PIL images) in, uint8 tensors out: normalisation happens on the training device.
-    imagenet: torchvision's reference classification presets; cifar: resize, padded random crop, flip."""
+    imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
+    --auto-augment; eval: resize to --val-resize-size, centre crop to --val-crop-size, --interpolation);
+    cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
+    training device (train/augment.py), as the reference's preset has it after Normalize."""
     from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
-    size = cfg.image_size
+    size, mode = cfg.image_size, v2.InterpolationMode(cfg.interpolation)
     if not train and resolve(cfg) is not None:  # the named weights' own evaluation transforms
         resize, crop, interpolation = eval_steps(cfg)
         steps = [v2.Resize(resize, interpolation=v2.InterpolationMode(interpolation), antialias=True),
                  v2.CenterCrop(crop)]
+    elif recipe(cfg) == "imagenet" and train:
+        steps = [v2.RandomResizedCrop(cfg.train_crop_size or size, interpolation=mode, antialias=True),
+                 v2.RandomHorizontalFlip(), *auto_augment(cfg)]
     elif recipe(cfg) == "imagenet":
-        steps = [v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()] if train else \
-            [v2.Resize(eval_resize(size), antialias=True), v2.CenterCrop(size)]
+        resize, crop, _ = eval_steps(cfg)
+        steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
     else:
         steps = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         if train:
-            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip()]
+            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(), *auto_augment(cfg)]
     return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
+
+
+def auto_augment(cfg: Config) -> list:
+    """--auto-augment as torchvision's reference preset builds it, on uint8 images. Their rotations and shears
+    on tensors take nearest or bilinear only: with --interpolation bicubic they resample bilinearly."""
+    from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
+
+    mode = v2.InterpolationMode.BILINEAR
+    return {"": [], "ta_wide": [v2.TrivialAugmentWide(interpolation=mode)],
+            "ra": [v2.RandAugment(interpolation=mode, magnitude=cfg.ra_magnitude)],
+            "augmix": [v2.AugMix(interpolation=mode, severity=cfg.augmix_severity)],
+            "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[cfg.auto_augment]
 
 
 def class_names(dataset) -> list[str]:
@@ -569,14 +587,17 @@ def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> d
 
 def eval_steps(cfg: Config) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation): the named --weights' own transforms (their
-    resize, crop and interpolation), else the recipe's (size / 0.875 and size, bilinear; shapes: as made)."""
+    resize, crop and interpolation), else the recipe's (imagenet: --val-resize-size or the crop / 0.875,
+    --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear)."""
     entry = resolve(cfg)
     if entry is not None and cfg.dataset not in ("shapes", "synthetic"):
         preset = entry.transforms()
         return preset.resize_size[0], preset.crop_size[0], preset.interpolation.value
-    size = cfg.image_size
     files = cfg.dataset not in ("shapes", "synthetic")
-    return (eval_resize(size) if files and recipe(cfg) == "imagenet" else size), size, "bilinear"
+    if not files or recipe(cfg) != "imagenet":
+        return cfg.image_size, cfg.image_size, "bilinear"
+    crop = cfg.val_crop_size or cfg.image_size
+    return cfg.val_resize_size or eval_resize(crop), crop, cfg.interpolation
 
 
 def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool, mean=MEAN, std=STD) -> torch.Tensor:

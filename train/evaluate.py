@@ -1,7 +1,7 @@
 """python -m train.evaluate RUN_DIR (make evaluate RUN=...): score a run's model on its validation set, or another.
 
   python -m train.evaluate runs/exp1                         model.pt on the run's own validation set
-  python -m train.evaluate runs/exp1 --weights best          best.pt (or a checkpoint file of the run)
+  python -m train.evaluate runs/exp1 --weights best          best.pt (ema: model_ema.pt; or a checkpoint file)
   python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: /nas/val2/val/<class>/*, the run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
   torchrun --nproc-per-node=4 -m train.evaluate runs/exp1    any launcher, as for training (srun too)
@@ -114,8 +114,8 @@ def write_png(confusion: torch.Tensor, path: Path) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt) or a "
-                                                           "checkpoint file of the run")
+    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
+                                                           "(model_ema.pt) or a checkpoint file of the run")
     parser.add_argument("--data-dir", default="", help="another dataset root (its val/ split, the run's classes); "
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")

@@ -3,6 +3,7 @@ torch to run, with the preprocessing a caller needs recorded beside it.
 
   python -m train.export runs/exp1                      model.pt (the final model) -> runs/exp1/model.pt2
   python -m train.export runs/exp1 --weights best       best.pt (the best evaluation)
+  python -m train.export runs/exp1 --weights ema        model_ema.pt (the weights' average, --model-ema)
   python -m train.export runs/exp1 --weights runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
 
 Writes OUT (torch.export, the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation,
@@ -26,7 +27,7 @@ import torch
 
 from train.checkpoint import atomic_write
 from train.config import Config
-from train.data import preprocessing
+from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
 from train.weights import normalisation
@@ -35,17 +36,19 @@ MAX_BATCH = 4096
 
 
 def load_run(run_dir: Path, weights: str) -> tuple[Config, list[str], dict, Path]:
-    """The run's config, class names and the weights to use (model.pt, best.pt or a checkpoint's model)."""
+    """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
+    model)."""
     config, classes = run_dir / "config.json", run_dir / "classes.json"
     if not config.is_file() or not classes.is_file():
         raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
                           f"folder a run trained in (runs/<name>)")
     cfg = Config(**json.loads(config.read_text()))
-    path = {"model": run_dir / "model.pt", "best": run_dir / "best.pt"}.get(weights, Path(weights))
+    path = {"model": run_dir / "model.pt", "best": run_dir / "best.pt", "ema": run_dir / "model_ema.pt"}.get(
+        weights, Path(weights))
     if not path.is_file():
-        what = "the run has not finished (no model.pt)" if weights == "model" else \
-            "no evaluation yet (no best.pt)" if weights == "best" else "no such file"
-        raise ConfigError(f"{path}: {what}: pass --weights best, model or a checkpoint file of the run")
+        what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
+                "ema": "no finished run with --model-ema (no model_ema.pt)"}.get(weights, "no such file")
+        raise ConfigError(f"{path}: {what}: pass --weights model, best, ema or a checkpoint file of the run")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
@@ -64,7 +67,8 @@ def export(run_dir: Path, weights: str, out: Path) -> Path:
         raise ConfigError(f"{source} does not fit the run's --model {cfg.model} ({str(e).splitlines()[0][:160]}): "
                           f"pass weights of this run") from None
     model.eval()
-    example = torch.zeros(2, 3, cfg.image_size, cfg.image_size)
+    size = eval_steps(cfg)[1]  # what the evaluation feeds the model: its centre crop
+    example = torch.zeros(2, 3, size, size)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:
         program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
@@ -78,7 +82,7 @@ def export(run_dir: Path, weights: str, out: Path) -> Path:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    record = {"weights": str(source), "model": cfg.model, "image_size": cfg.image_size, "max_batch": MAX_BATCH,
+    record = {"weights": str(source), "model": cfg.model, "image_size": size, "max_batch": MAX_BATCH,
               **preprocessing(cfg, classes, *normalisation(cfg))}
     atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
     return out
@@ -87,8 +91,8 @@ def export(run_dir: Path, weights: str, out: Path) -> Path:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt) or a "
-                                                           "checkpoint file of the run")
+    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
+                                                           "(model_ema.pt) or a checkpoint file of the run")
     parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2; OUT.json beside)")
     ns = parser.parse_args(argv)
     out = ns.out or ns.run_dir / ("best.pt2" if ns.weights == "best" else "model.pt2")

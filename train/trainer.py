@@ -37,7 +37,9 @@ from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, P
 from train.memory import is_out_of_memory, out_of_memory
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, write_manifest
 from train.models import build_model
-from train.optim import build_optimizer, lr_factor
+from train.augment import BatchAugment, batch_seed
+from train.ema import ModelEma, adjusted_decay
+from train.optim import build_optimizer, build_scheduler
 from train.tracking import Tracker, start_tracking, tracking_uri
 from train.watchdog import watchdog
 from train.weights import MEAN, STD, fitted, freeze, frozen_names, normalisation_on, read_weights
@@ -115,7 +117,8 @@ class Trainer:
                                      tracker=self.tracker)
         self.telemetry = GpuTelemetry(device)
         self.window = LogWindow(device, self.world * cfg.batch_size * cfg.grad_accum)
-        self.criterion = torch.nn.CrossEntropyLoss()
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.augment = BatchAugment(cfg, self.num_classes) if BatchAugment.wanted(cfg) else None
 
     # ------------------------------------------------------------ the loop
 
@@ -152,6 +155,9 @@ class Trainer:
         losses = []
         for micro in range(cfg.grad_accum):
             x, y = next(batches)
+            if self.augment is not None:  # random erasing, Mixup/CutMix: seeded by the position, not the stream
+                x, y = self.augment(x, y, batch_seed(cfg, self.step, micro, self.rank))
+                x = x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
             last = micro == cfg.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with torch.autocast(self.device.type, dtype=self.autocast_dtype,
@@ -165,10 +171,27 @@ class Trainer:
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.update_ema()
         self.step += 1
         self.step_in_epoch += 1
+        if cfg.schedule_unit == "step" or self.step_in_epoch == self.steps_per_epoch:
+            self.scheduler.step()
         return losses
+
+    def update_ema(self) -> None:
+        """The reference's EMA rule: every --model-ema-steps optimizer steps of an epoch (counted from its
+        first), restarted from the weights while the warm-up lasts."""
+        if self.ema is None or self.step_in_epoch % self.cfg.model_ema_steps:
+            return
+        self.ema.update_parameters(self.raw_model)
+        if self.in_warmup():
+            self.ema.restart()
+
+    def in_warmup(self) -> bool:
+        """Whether the optimizer step just taken was in the warm-up (an epoch of it, with --schedule-unit epoch)."""
+        if self.cfg.schedule_unit == "epoch":
+            return self.epoch < self.cfg.warmup_epochs
+        return self.step < self.cfg.warmup_steps
 
     def settle_buckets(self) -> float:
         """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
@@ -246,12 +269,16 @@ class Trainer:
     def evaluate(self) -> dict:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
-        result = evaluate(self.raw_model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
-                          watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
+        models = {"": self.raw_model, **({"EMA ": self.ema.module} if self.ema is not None else {})}
+        results = {name: evaluate(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
+                                  watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
+                   for name, model in models.items()}
         watchdog.enter("training", self.limit)
-        top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
-        log.info("eval step %d: loss %.4f, accuracy %.2f%%%s over %d samples",
-                 self.step, result["loss"], 100 * result["accuracy"], top5, result["samples"])
+        for name, figures in results.items():
+            top5 = f", top-5 {100 * figures['top5']:.2f}%" if "top5" in figures else ""
+            log.info("eval step %d: %sloss %.4f, accuracy %.2f%%%s over %d samples",
+                     self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
+        result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         self.metrics.write(self.step, "eval", result)
         self.keep_best(result)
         return result
@@ -291,6 +318,8 @@ class Trainer:
         final = self.evaluate()
         if is_main():
             ckpt.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
+            if self.ema is not None:  # the average's weights, as model.pt's: make evaluate/export WEIGHTS=ema
+                ckpt.atomic_write(self.run_dir / "model_ema.pt", _serialise(self.ema.module.state_dict()))
             self.write_status("done", **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", self.run_dir / "model.pt")
             if self.tracker:
@@ -340,7 +369,7 @@ class Trainer:
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "world_size": self.world, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
                 "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step,
-                "best": self.best}
+                "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None}
 
     def load_state_dict(self, state: dict, source: Path) -> None:
         """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included."""
@@ -356,6 +385,11 @@ class Trainer:
             raise ConfigError(f"{source} does not fit this model ({str(e).splitlines()[0][:160]}): "
                               f"use a new --run-dir, or the code that made the checkpoint") from None
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None:
+            if not state.get("ema"):
+                raise ConfigError(f"{source} was saved without --model-ema: resume without it, or start a new "
+                                  f"--run-dir")
+            self.ema.load_state_dict(state["ema"])
         if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
@@ -420,8 +454,10 @@ class Trainer:
             model.to(memory_format=torch.channels_last)
         self.raw_model = model
         self.optimizer = build_optimizer(cfg, model)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(cfg, s))
+        self.scheduler = build_scheduler(cfg, self.optimizer)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
+        epochs = cfg.epochs or cfg.max_steps / self.steps_per_epoch
+        self.ema = ModelEma(model, adjusted_decay(cfg, self.world, epochs), self.device) if cfg.model_ema else None
 
     def _has_checkpoint(self) -> bool:
         """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""

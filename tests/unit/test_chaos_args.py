@@ -6,8 +6,9 @@ from train import chaos
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--workers", "3"], "error: --workers '3': give even world sizes of at least 2, e.g. --workers 2,4"),
-    (["--workers", "2,x"], "error: --workers '2,x': give even world sizes"),
+    (["--workers", "3"], "error: --workers '3': give world sizes of at least 2, even for slurm, e.g. --workers 2,4"),
+    (["--workers", "1", "--launchers", "torchrun"], "error: --workers '1': give world sizes of at least 2, e.g."),
+    (["--workers", "2,x"], "error: --workers '2,x': give world sizes"),
     (["--launchers", "torchrun,mpirun"], "error: unknown launcher or fault ['mpirun']"),
     (["--trials", "0"], "(or --trials < 1)"),
 ])

@@ -117,19 +117,19 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
     from train.config import parse_config
-    from train.optim import build_optimizer
     from train.models import SmallCNN
+    from train.optim import build_optimizer, param_groups
 
     torch.manual_seed(0)
     model = SmallCNN(10, 8)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    groups = [{"params": [p for p in model.parameters() if p.ndim > 1]},
-              {"params": [p for p in model.parameters() if p.ndim <= 1]}]
+    cfg = parse_config(["--optimizer", name])
+    groups = [{"params": g["params"]} for g in param_groups(cfg, model)]  # the same groups, default kernels
     old = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if name == "sgd" else torch.optim.AdamW(groups, lr=0.1)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     old.step()
 
-    optimizer = build_optimizer(parse_config(["--optimizer", name]), model)
+    optimizer = build_optimizer(cfg, model)
     optimizer.load_state_dict(old.state_dict())
     assert all(g["fused"] for g in optimizer.param_groups)
     scaler = torch.amp.GradScaler("cpu")

@@ -1,0 +1,165 @@
+"""The recipe knobs against the torch and torchvision objects torchvision's reference recipes are made of:
+schedulers, weight-decay groups, EMA, MixUp/CutMix, random erasing, auto-augmentation and crop sizes."""
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as S
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torchvision.ops._utils import split_normalization_params
+from torchvision.transforms import v2
+
+from train.augment import BatchAugment
+from train.config import parse_config
+from train.data import _transforms, eval_steps
+from train.ema import ModelEma, adjusted_decay
+from train.optim import build_optimizer, build_scheduler, param_groups
+
+
+def lrs(scheduler, optimizer, n):
+    out = []
+    for _ in range(n):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def reference_scheduler(optimizer, kind, total, warmup, method, decay, **kw):
+    """As torchvision's reference train.py builds it: the main scheduler, then the warm-up, then SequentialLR."""
+    main = {"cosine": lambda: S.CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=kw.get("eta_min", 0.0)),
+            "step": lambda: S.StepLR(optimizer, step_size=kw.get("step_size", 1), gamma=kw.get("gamma", 0.1)),
+            "multistep": lambda: S.MultiStepLR(optimizer, milestones=kw.get("milestones"), gamma=kw.get("gamma")),
+            "constant": lambda: S.ConstantLR(optimizer, factor=1.0, total_iters=0)}[kind]()
+    if not warmup:
+        return main
+    first = (S.LinearLR(optimizer, start_factor=decay, total_iters=warmup) if method == "linear" else
+             S.ConstantLR(optimizer, factor=decay, total_iters=warmup))
+    return S.SequentialLR(optimizer, schedulers=[first, main], milestones=[warmup])
+
+
+@pytest.mark.parametrize("flags, kind, kw", [
+    (["--lr-scheduler", "cosine", "--min-lr-ratio", "0.1"], "cosine", {"eta_min": 0.1 * 0.5}),
+    (["--lr-scheduler", "step", "--lr-step-size", "7", "--lr-gamma", "0.5"], "step", {"step_size": 7, "gamma": 0.5}),
+    (["--lr-scheduler", "multistep", "--lr-milestones", "10,25", "--lr-gamma", "0.2"], "multistep",
+     {"milestones": [10, 25], "gamma": 0.2}),
+    (["--lr-scheduler", "constant"], "constant", {}),
+])
+@pytest.mark.parametrize("method, warmup", [("linear", 5), ("constant", 5), ("linear", 0)])
+def test_every_schedule_is_torchs_own_sequence(flags, kind, kw, method, warmup):
+    cfg = parse_config([*flags, "--lr", "0.5", "--max-steps", "40", "--warmup-steps", str(warmup),
+                        "--warmup-method", method, "--warmup-decay", "0.03"])
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    expected = lrs(reference_scheduler(theirs, kind, 40, warmup, method, 0.03, **kw), theirs, 40)
+    assert lrs(build_scheduler(cfg, ours), ours, 40) == expected
+    assert len(set(expected)) > (1 if kind == "constant" and warmup else 0)  # the schedule moves where it should
+
+
+def test_an_epoch_schedule_counts_in_epochs():
+    cfg = parse_config(["--epochs", "12", "--warmup-epochs", "2", "--schedule-unit", "epoch", "--lr-scheduler",
+                        "step", "--lr-step-size", "4", "--lr", "0.1"])
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    expected = lrs(reference_scheduler(theirs, "step", 12, 2, "linear", 0.01, step_size=4, gamma=0.1), theirs, 12)
+    assert lrs(build_scheduler(cfg, ours), ours, 12) == expected
+
+
+@pytest.mark.parametrize("flags", [["--schedule-unit", "epoch"], ["--epochs", "3", "--warmup-epochs", "0.5",
+                                                                   "--schedule-unit", "epoch"],
+                                   ["--lr-scheduler", "multistep"], ["--lr-milestones", "3,x"]])
+def test_an_impossible_schedule_is_one_line(flags):
+    from train.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        cfg = parse_config(flags)
+        cfg.milestones()
+    assert "\n" not in str(e.value) and ": " in str(e.value)
+
+
+def test_weight_decay_groups_are_the_references():
+    """torchvision's reference: a parameter named bias takes --bias-weight-decay (before the norm rule), a
+    normalisation layer's --norm-weight-decay (the layers torchvision.ops' split finds), the rest --weight-decay."""
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=10)
+    cfg = parse_config(["--weight-decay", "1e-4", "--norm-weight-decay", "0.0", "--bias-weight-decay", "2e-5"])
+    groups = param_groups(cfg, model)
+    norm, _ = split_normalization_params(model)
+    bias = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "bias"]
+    ids = lambda ps: [id(p) for p in ps]  # noqa: E731
+    expect_norm = [p for p in norm if id(p) not in set(ids(bias))]
+    expect_other = [p for p in model.parameters() if id(p) not in set(ids(norm)) | set(ids(bias))]
+    assert [(ids(g["params"]), g["weight_decay"]) for g in groups] == [
+        (ids(expect_other), 1e-4), (ids(expect_norm), 0.0), (ids(bias), 2e-5)]
+    optimizer = build_optimizer(cfg, model)  # what the trainer builds carries them
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0, 2e-5]
+
+
+def test_the_ema_is_averaged_model_with_torchs_ema_function_without_reading_the_device():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(2))
+    model(torch.randn(2, 3, 6, 6))
+    ours = ModelEma(model, 0.9, torch.device("cpu"))
+    theirs = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for update in range(6):
+        model.train()(torch.randn(4, 3, 6, 6))  # BatchNorm statistics move: the buffers are averaged too
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ours.update_parameters(model)
+        theirs.update_parameters(model)
+        if update == 2:  # the reference's warm-up reset: the next update copies
+            ours.restart()
+            theirs.n_averaged.fill_(0)
+        for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(ours.module[0].weight, model[0].weight)  # an average, not a copy
+    cfg = parse_config(["--batch-size", "32", "--model-ema-steps", "32", "--model-ema-decay", "0.99998"])
+    assert adjusted_decay(cfg, 8, 600) == 1 - min(1.0, (1 - 0.99998) * 8 * 32 * 32 / 600)
+
+
+def test_mixup_cutmix_and_random_erasing_are_v2s_on_the_batch_seed():
+    cfg = parse_config(["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.5"])
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    before = torch.get_rng_state()
+    ours = BatchAugment(cfg, 10)(x, y, seed=1234)
+    assert torch.equal(torch.get_rng_state(), before)  # the run's own streams untouched
+    torch.manual_seed(1234)
+    erase = v2.RandomErasing(p=0.5)
+    expected = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=10), v2.CutMix(alpha=1.0, num_classes=10)])(
+        torch.stack([erase(image) for image in x]), y)
+    assert torch.equal(ours[0], expected[0]) and torch.equal(ours[1], expected[1])
+    assert ours[1].shape == (8, 10) and not torch.equal(ours[0], x)  # soft targets, changed images
+
+
+@pytest.mark.parametrize("policy, made", [
+    ("ta_wide", lambda m: v2.TrivialAugmentWide(interpolation=m)),
+    ("ra", lambda m: v2.RandAugment(interpolation=m, magnitude=7)),
+    ("augmix", lambda m: v2.AugMix(interpolation=m, severity=2)),
+    ("imagenet", lambda m: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=m)),
+])
+def test_the_train_transforms_are_the_reference_presets(policy, made):
+    cfg = parse_config(["--dataset", "imagefolder", "--augment", "imagenet", "--image-size", "64",
+                        "--train-crop-size", "48", "--interpolation", "bicubic", "--auto-augment", policy,
+                        "--ra-magnitude", "7", "--augmix-severity", "2"])
+    mode = v2.InterpolationMode.BICUBIC  # the crop's; the policies' rotations on tensors take bilinear at most
+    reference = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(48, interpolation=mode, antialias=True),
+                            v2.RandomHorizontalFlip(), made(v2.InterpolationMode.BILINEAR),
+                            v2.ToDtype(torch.uint8, scale=True)])
+    image = torch.randint(0, 256, (3, 80, 70), dtype=torch.uint8)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        expected = reference(image)
+        torch.manual_seed(seed)
+        assert torch.equal(_transforms(cfg, train=True)(image), expected)
+
+
+def test_the_evaluation_sizes_follow_the_crop_flags():
+    cfg = parse_config(["--dataset", "imagefolder", "--image-size", "176", "--val-crop-size", "224",
+                        "--val-resize-size", "232", "--interpolation", "bicubic"])
+    assert eval_steps(cfg) == (232, 224, "bicubic")
+    image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8)
+    expected = v2.Compose([v2.Resize(232, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+                           v2.CenterCrop(224)])(image)
+    assert torch.equal(_transforms(cfg, train=False)(image), expected)
+    assert eval_steps(parse_config(["--dataset", "imagefolder", "--image-size", "224"])) == (256, 224, "bilinear")

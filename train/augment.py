@@ -1,0 +1,42 @@
+"""The batch-level augmentations of torchvision's reference recipes, on the training device: v2.RandomErasing
+per image after normalisation (where the reference's preset applies it), then v2.MixUp or v2.CutMix (one of
+them at random per batch, as the reference's collate function does), with soft targets for the loss.
+
+Each micro-batch draws from its own seed, made of the run's seed, the step, the micro-batch and the rank,
+on a forked CPU generator (the transforms draw their parameters there, wherever the images are): the same
+batch is augmented the same way whenever it is trained, across a resume or a restart, and the global RNG
+streams are left as they were."""
+
+from __future__ import annotations
+
+import torch
+
+from train.config import Config
+
+
+def batch_seed(cfg: Config, step: int, micro: int, rank: int) -> int:
+    return ((cfg.seed * 1_000_003 + step) * 1_009 + micro) * 10_007 + rank
+
+
+class BatchAugment:
+    def __init__(self, cfg: Config, num_classes: int):
+        from torchvision.transforms import v2  # noqa: PLC0415 - torchvision only where a recipe asks for it
+
+        self.erase = v2.RandomErasing(p=cfg.random_erase) if cfg.random_erase > 0 else None
+        mixers = ([v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes)] if cfg.mixup_alpha > 0 else []) + \
+            ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])
+        self.mix = v2.RandomChoice(mixers) if mixers else None
+
+    @staticmethod
+    def wanted(cfg: Config) -> bool:
+        return cfg.random_erase > 0 or cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images, labels) -> (images, labels or soft targets), under `seed`."""
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            if self.erase is not None:
+                x = torch.stack([self.erase(image) for image in x])
+            if self.mix is not None:
+                x, y = self.mix(x, y)
+        return x, y
