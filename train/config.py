@@ -104,6 +104,7 @@ class Config:
     lr: float = _f(3e-3, "peak learning rate")
     weight_decay: float = _f(0.05, "weight decay")
     momentum: float = _f(0.9, "sgd momentum")
+    nesterov: bool = _f(True, "sgd: Nesterov momentum (torchvision's reference --opt sgd is without it)")
     warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
     warmup_epochs: float = _f(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: --warmup-steps")
     min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")

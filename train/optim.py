@@ -45,7 +45,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
     # step alone is several times faster on CPU than torch's default there); torch's default otherwise.
     fused = all(_fusable(p) for g in groups for p in g["params"]) or None
     if cfg.optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=fused)
+        nesterov = cfg.nesterov and cfg.momentum > 0
+        optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, fused=fused)
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=fused)
     optimizer.register_load_state_dict_pre_hook(_keep_this_runs_kernels)

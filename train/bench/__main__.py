@@ -12,7 +12,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from train.bench.arms import bare_main
-from train.bench.cpu import checkpoint_rows, comm_rows, exactness_rows, loop_rows, pipeline_rows, shard_rows
+from train.bench.cpu import (checkpoint_rows, comm_rows, exactness_rows, loop_rows, pipeline_rows, recipe_rows,
+                             shard_rows)
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.distributed import usable_cores
@@ -108,6 +109,7 @@ def main(argv: list[str]) -> int:
         rows, bars = loop_rows(out, size, ns.rounds)
         rows += comm_rows(out, size)
         rows += exactness_rows(out, size, ns.rounds)
+        rows += recipe_rows(out, size, ns.rounds)
         rows += pipeline_rows(out, size, ns.rounds)
         rows += photo_rows(out, size, ns.rounds)
         rows += shard_rows(out, size, ns.rounds)

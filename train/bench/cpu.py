@@ -103,6 +103,29 @@ def exactness_rows(out: Path, size: dict, rounds: int) -> list[dict]:
     ]
 
 
+def recipe_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    """The per-step cost of a recipe's EMA (updated every step, the dearest setting) and of MixUp/CutMix,
+    each against the plain step, 2 ranks x 1 thread."""
+    w = size["window"]
+    common = ["--spawn", 2, "--threads", 1, "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0,
+              "--save-every", 10**6, "--train-samples", size["samples"], "--val-samples", 256,
+              "--width", size["width"], "--batch-size", size["batch"]]
+    arms = {"plain": [], "ema": ["--model-ema", "--model-ema-steps", 1],
+            "mix": ["--mixup-alpha", 0.2, "--cutmix-alpha", 1.0]}
+    results: dict[str, list[dict]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, extra in arms.items():
+            results[name].append(trainer_arm(out / "runs" / f"recipe-{name}-{r}", [*common, *extra], size["warmup"]))
+    step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
+    ms = {name: 1000 * median(v) for name, v in step.items()}
+    return [row("--model-ema (every step): plain step / step with the EMA update (2 ranks x 1 thread)",
+                [p / e for p, e in zip(step["plain"], step["ema"], strict=True)],
+                f"plain {ms['plain']:.1f} ms, with EMA {ms['ema']:.1f} ms per step"),
+            row("--mixup-alpha/--cutmix-alpha: plain step / step with MixUp or CutMix (2 ranks x 1 thread)",
+                [p / m for p, m in zip(step["plain"], step["mix"], strict=True)],
+                f"plain {ms['plain']:.1f} ms, with MixUp/CutMix {ms['mix']:.1f} ms per step")]
+
+
 def _comm_worker(rank: int, spec: dict) -> None:
     """DDP wrapper cost (1 rank) or exposed communication (2 ranks), blocks interleaved in-process."""
     _init(rank, spec["world"], spec["port"], spec["threads"])
