@@ -28,8 +28,8 @@ SHELL := /bin/bash
 #   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 #   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 #   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
-#   RUN / WEIGHTS  `make evaluate`, `make export`: the run's folder, and model (model.pt), best (best.pt) or a
-#                checkpoint file
+#   RUN / WEIGHTS  `make evaluate`, `make export`: the run's folder, and model (model.pt), best (best.pt),
+#                ema (model_ema.pt, --model-ema) or a checkpoint file
 #   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 #   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
 #   TENSORBOARD_PORT  the port `make tensorboard` serves on, on 127.0.0.1 (6006)
