@@ -503,7 +503,8 @@ def summary(trials: list[Trial], skipped: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], list[int], Path]:
+    """The drill's arguments, or SystemExit(2) after one line naming what is wrong."""
     parser = argparse.ArgumentParser(prog="python -m train.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20,
                         help="trials per launcher, fault and world size (default 20)")
@@ -516,26 +517,31 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     launchers = [x for x in ns.launchers.split(",") if x]
     faults = [x for x in ns.faults.split(",") if x]
-    bad = [x for x in launchers if x not in LAUNCHERS] + [x for x in faults if x not in FAULTS]
-    if bad or ns.trials < 1:
-        print(f"error: unknown launcher or fault {bad} (or --trials < 1): use --launchers "
-              f"{','.join(LAUNCHERS)} --faults {','.join(FAULTS)}", file=sys.stderr)
-        return 2
     sizes = [x for x in ns.workers.split(",") if x]
     even = "slurm" in launchers  # Slurm puts half the workers on each of its 2 nodes
-    if not sizes or not all(x.isdigit() and int(x) >= 2 and (int(x) % 2 == 0 or not even) for x in sizes):
-        print(f"error: --workers {ns.workers!r}: give world sizes of at least 2{', even for slurm' if even else ''}, "
-              f"e.g. --workers 2,4", file=sys.stderr)
-        return 2
-    sizes = [int(x) for x in sizes]
     out = Path(ns.out).resolve()
-    if re.search(r"\s", str(out)):
-        print(f"error: --out {out} contains whitespace (make's ARGS would split it): choose another folder",
-              file=sys.stderr)
-        return 2
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} is not empty: pass a new --out", file=sys.stderr)
-        return 2
+    bad = [x for x in launchers if x not in LAUNCHERS] + [x for x in faults if x not in FAULTS]
+    if bad or ns.trials < 1:
+        problem = (f"unknown launcher or fault {bad} (or --trials < 1): use --launchers {','.join(LAUNCHERS)} "
+                   f"--faults {','.join(FAULTS)}")
+    elif not sizes or not all(x.isdigit() and int(x) >= 2 and (int(x) % 2 == 0 or not even) for x in sizes):
+        problem = (f"--workers {ns.workers!r}: give world sizes of at least 2{', even for slurm' if even else ''}, "
+                   f"e.g. --workers 2,4")
+    elif re.search(r"\s", str(out)):
+        problem = f"--out {out} contains whitespace (make's ARGS would split it): choose another folder"
+    elif out.exists() and any(out.iterdir()):
+        problem = f"{out} is not empty: pass a new --out"
+    else:
+        return ns, launchers, faults, [int(x) for x in sizes], out
+    print(f"error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        ns, launchers, faults, sizes, out = parse(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers, seed {ns.seed}, in {out}",
           flush=True)
