@@ -17,7 +17,7 @@ import torch
 
 from train import checkpoint
 from train.config import MODEL_KEYS, Config
-from train.data import check_cifar, check_imagefolder, read_index
+from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
 from train.distributed import resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
@@ -115,9 +115,10 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
 
 def check_steps(train_samples: int, world: int, cfg: Config) -> int:
     """The optimizer steps in one epoch, which must be at least one."""
-    steps = (train_samples // world) // cfg.batch_size // cfg.grad_accum
+    steps = samples_per_rank(train_samples, world, cfg.ra_reps) // cfg.batch_size // cfg.grad_accum
     if steps == 0:
-        raise ConfigError(f"{train_samples} training samples are fewer than one step needs "
+        cut = " (--ra-reps takes a multiple of 256 of them)" if cfg.ra_reps else ""
+        raise ConfigError(f"{train_samples} training samples{cut} are fewer than one step needs "
                           f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): "
                           f"lower --batch-size or --grad-accum")
     return steps

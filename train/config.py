@@ -78,6 +78,8 @@ class Config:
                            choices=("", "ta_wide", "ra", "augmix", "imagenet"))
     ra_magnitude: int = _f(9, "--auto-augment ra: RandAugment's magnitude")
     augmix_severity: int = _f(3, "--auto-augment augmix: AugMix's severity")
+    ra_reps: int = _f(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each image "
+                         "N times per epoch, augmented apart, the epoch cut to a multiple of 256; 0: off")
     random_erase: float = _f(0.0, "v2.RandomErasing's probability, per image after normalisation (as torchvision's "
                                   "reference applies it); 0: off")
     # --- model ---
@@ -183,8 +185,8 @@ class Config:
         for name in ("label_smoothing", "random_erase", "warmup_decay"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {getattr(self, name)}: pass a fraction")
-        for name in ("mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay", "train_crop_size",
-                     "val_resize_size", "val_crop_size"):
+        for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
+                     "train_crop_size", "val_resize_size", "val_crop_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
         for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):

@@ -125,16 +125,27 @@ class SeededSample(Dataset):
             return self.dataset[index]
 
 
+def samples_per_rank(length: int, world: int, reps: int = 0) -> int:
+    """The samples each rank takes in one epoch: an equal share of the set cut to a multiple of the world
+    size, or with --ra-reps the repeated-augmentation sampler's (torchvision's reference: the set cut to a
+    multiple of 256, then shared by the ranks)."""
+    return length // 256 * 256 // world if reps else length // world
+
+
 class ShardSampler(Sampler):
     """Like DistributedSampler (shared per-epoch permutation, rank r takes every world-th index),
     plus: a start position inside the epoch for resuming, and a per-sample augmentation seed.
-    The epoch is cut to a multiple of world_size so every rank yields the same number of indices."""
+    The epoch is cut to a multiple of world_size so every rank yields the same number of indices.
+    reps > 0: torchvision's repeated-augmentation sampler (RASampler) instead: the epoch's permutation (seeded
+    with seed + epoch, as the reference's) with each index repeated `reps` times in a row, padded from its
+    start to a multiple of the world size, rank r taking every world-th entry from r, cut to
+    samples_per_rank. Each entry has a seed of its own, so the repetitions of an image are augmented apart."""
 
-    def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool):
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool, reps: int = 0):
         if length < world_size:
             raise ConfigError(f"dataset has {length} samples but there are {world_size} workers: use more data")
         self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
-        self.with_seeds = with_seeds
+        self.with_seeds, self.reps = with_seeds, reps
         self.epoch = 0
         self.start = 0  # indices of this rank to skip in the current epoch (resume)
 
@@ -142,9 +153,11 @@ class ShardSampler(Sampler):
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.length // self.world_size - self.start
+        return samples_per_rank(self.length, self.world_size, self.reps) - self.start
 
     def __iter__(self):
+        if self.reps:
+            return self._repeated()
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.length, generator=g)
         usable = self.length - self.length % self.world_size
@@ -154,6 +167,19 @@ class ShardSampler(Sampler):
         # One seed per (run seed, epoch, sample): the same wherever and whenever the sample is loaded.
         base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
         return iter([(i, (base + i) % (2**63 - 1)) for i in mine])
+
+    def _repeated(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.length, generator=g).repeat_interleave(self.reps)
+        total = -(-self.length * self.reps // self.world_size) * self.world_size
+        order = torch.cat([order, order[:total - len(order)]])
+        positions = torch.arange(self.rank, total, self.world_size)[:samples_per_rank(self.length, self.world_size,
+                                                                                       self.reps)][self.start:]
+        mine = order[positions].tolist()
+        if not self.with_seeds:
+            return iter(mine)
+        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019  # a seed per entry of the epoch, not per image
+        return iter([(i, (base + p) % (2**63 - 1)) for i, p in zip(mine, positions.tolist(), strict=True)])
 
 
 class TensorLoader:
@@ -546,9 +572,9 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
                        device: torch.device | None = None, persistent: bool = True):
     if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
-        sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False)
+        sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False, reps=cfg.ra_reps)
         return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
-    sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True)
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True, reps=cfg.ra_reps)
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
     loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler,

@@ -1,5 +1,6 @@
-"""A published recipe's knobs in a real run: EMA, MixUp/CutMix, label smoothing, random erasing and an
-epoch schedule together, on 2 workers, stopped and resumed bit for bit; the EMA evaluated and shipped."""
+"""A published recipe's knobs in a real run: EMA, MixUp/CutMix, label smoothing, random erasing, repeated
+augmentation and an epoch schedule together, on 2 workers, stopped and resumed bit for bit; the EMA evaluated
+and shipped."""
 
 import json
 
@@ -10,10 +11,11 @@ from torch.optim import lr_scheduler as S
 from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model, metrics,
                            python_cmd, run, status)
 
-# 512 images / (2 workers x 16) = 16 steps per epoch: 3 epochs, the first a warm-up.
+# 512 images / (2 workers x 16) = 16 steps per epoch (--ra-reps: 512 // 256 x 256 / 2 per rank, as many): 3 epochs,
+# the first a warm-up.
 RECIPE = [*DEBUG, "--epochs", 3, "--warmup-epochs", 1, "--schedule-unit", "epoch", "--model-ema",
           "--model-ema-steps", 2, "--model-ema-decay", "0.99", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
-          "--label-smoothing", "0.1", "--random-erase", "0.25", "--log-every", 1]
+          "--label-smoothing", "0.1", "--random-erase", "0.25", "--ra-reps", 2, "--log-every", 1]
 
 
 @pytest.fixture

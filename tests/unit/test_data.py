@@ -1,5 +1,6 @@
 """The built-in dataset, sharding across ranks, resumable positions and the file datasets."""
 
+import pytest
 import torch
 
 from tests.helpers import DEBUG
@@ -81,3 +82,28 @@ def test_validation_counts_every_sample_once_across_ranks():
 
 
 
+
+
+@pytest.mark.parametrize("n, world, reps", [(1000, 4, 3), (600, 3, 4), (512, 2, 3)])
+def test_the_repeated_augmentation_sampler_takes_the_references_indices(n, world, reps):
+    """torchvision's reference RASampler: the permutation of seed + epoch, each index `reps` times in a row,
+    padded from the start to a multiple of the world size, rank r taking every world-th from r, cut to the
+    set's multiple of 256 shared by the ranks. Every rank, two epochs, and a resume mid-epoch."""
+    import math
+
+    for epoch in (0, 5):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+        repeated = [i for i in perm for _ in range(reps)]
+        total = math.ceil(n * reps / world) * world
+        repeated += repeated[:total - len(repeated)]
+        keep = n // 256 * 256 // world
+        seeds = set()
+        for r in range(world):
+            sampler = ShardSampler(n, r, world, seed=7, with_seeds=True, reps=reps)
+            sampler.set_epoch(epoch)
+            taken = list(sampler)
+            assert [i for i, _ in taken] == repeated[r:total:world][:keep] and len(sampler) == keep
+            seeds |= {s for _, s in taken}
+            sampler.set_epoch(epoch, start=11)
+            assert list(sampler) == taken[11:] and len(sampler) == keep - 11
+        assert len(seeds) == world * keep  # the repetitions of an image are augmented apart
