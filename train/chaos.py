@@ -6,6 +6,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m train.chaos                                  20 trials per launcher, fault and world size
   python -m train.chaos --trials 5 --launchers torchrun --faults kill --workers 4
   python -m train.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
+  python -m train.chaos --recipe                         the runs with a published recipe's knobs on
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -51,6 +52,10 @@ MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 24, 3, 8
 ARGS = ["--preset", "debug", "--seed", "5", "--batch-size", "8", "--max-steps", str(MAX_STEPS),
         "--save-every", str(SAVE_EVERY), "--eval-every", str(EVAL_EVERY), "--log-every", "1", "--timeout-s", "60",
         "--threads", "1"]
+# --recipe: a published recipe's state on top (the EMA and its count, Mixup/CutMix, random erasing and label
+# smoothing): everything it adds to a checkpoint must come back as well.
+RECIPE = ["--model-ema", "--model-ema-steps", "2", "--model-ema-decay", "0.9", "--mixup-alpha", "0.2",
+          "--cutmix-alpha", "1.0", "--random-erase", "0.25", "--label-smoothing", "0.1"]
 MOMENTS = ("step", "save", "eval", "shutdown")
 LAUNCHERS = ("torchrun", "make", "slurm")
 FAULTS = ("kill", "signal")
@@ -168,6 +173,10 @@ def check(run_dir: Path, reference: Path) -> str | None:
     model = run_dir / "model.pt"
     if not model.is_file() or model.read_bytes() != (reference / "model.pt").read_bytes():
         return "model.pt differs from the uninterrupted run"
+    ema = run_dir / "model_ema.pt"
+    if (reference / "model_ema.pt").is_file() and (not ema.is_file() or ema.read_bytes() !=
+                                                   (reference / "model_ema.pt").read_bytes()):
+        return "model_ema.pt differs from the uninterrupted run"
     figures = {k: (st.get(k), ref[k]) for k in ref if k.startswith("val_") and st.get(k) != ref[k]}
     if figures:
         return f"final validation figures differ (this run, uninterrupted): {figures}"
@@ -182,11 +191,11 @@ def check(run_dir: Path, reference: Path) -> str | None:
 class Local:
     """torchrun or make on this machine: the launcher and everything it starts are one session."""
 
-    def __init__(self, name: str, out: Path):
-        self.name, self.out, self.workers = name, out, 2
+    def __init__(self, name: str, out: Path, extra: list[str]):
+        self.name, self.out, self.workers, self.extra = name, out, 2, extra
 
     def command(self, trial: Path, run_dir: Path | None) -> list[str]:
-        args = [*ARGS, *(["--run-dir", str(run_dir)] if run_dir else [])]
+        args = [*ARGS, *self.extra, *(["--run-dir", str(run_dir)] if run_dir else [])]
         if self.name == "torchrun":
             return [PY, "-m", "torch.distributed.run", "--standalone", "--max-restarts=3",
                     f"--nproc-per-node={self.workers}", "-m", "train", *args]
@@ -274,8 +283,8 @@ class Slurm:
     name, workers = "slurm", 2
     TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
-    def __init__(self, out: Path):
-        self.out, self.lab = out, Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-chaos-cluster"
+    def __init__(self, out: Path, extra: list[str]):
+        self.out, self.extra, self.lab = out, Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-chaos-cluster"
         self.env = {**os.environ, "LAB": str(self.lab), "SLURM_CONF": str(self.lab / "slurm.conf")}
         self.runs = out / "slurm-runs"
 
@@ -302,7 +311,7 @@ class Slurm:
                "NPROC_PER_NODE": str(self.workers // 2)}
         log = trial / log_name
         proc = subprocess.run(["sbatch", "--parsable", "--nodes=2", f"--output={log}", str(REPO / "slurm/multinode.sh"),
-                               *ARGS], cwd=REPO, env=env, capture_output=True, text=True)
+                               *ARGS, *self.extra], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
         return {"job": proc.stdout.strip().split(";")[0], "run_dir": self.runs / name, "log_path": log}
@@ -478,10 +487,10 @@ def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, r
 
 # ---------------------------------------------------------------- the drill
 
-def reference_run(out: Path, workers: int) -> Path:
+def reference_run(out: Path, workers: int, extra: list[str]) -> Path:
     run_dir = out / f"reference-{workers}w"
-    proc = subprocess.run([PY, "-m", "train", *ARGS, "--spawn", str(workers), "--run-dir", str(run_dir)], cwd=REPO,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([PY, "-m", "train", *ARGS, *extra, "--spawn", str(workers), "--run-dir", str(run_dir)],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode:
         raise RuntimeError(f"the uninterrupted reference run failed:\n{proc.stderr[-3000:]}")
     return run_dir
@@ -512,6 +521,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
     parser.add_argument("--faults", default=",".join(FAULTS), help="comma-separated: " + ", ".join(FAULTS))
     parser.add_argument("--workers", default=",".join(map(str, WORKERS)),
                         help="comma-separated world sizes, even for slurm (half on each node): default 2,4")
+    parser.add_argument("--recipe", action="store_true", help="train with a published recipe's knobs on (EMA, "
+                        "Mixup/CutMix, random erasing, label smoothing)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     ns = parser.parse_args(argv)
@@ -543,13 +554,14 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers, seed {ns.seed}, in {out}",
-          flush=True)
-    references = {n: reference_run(out, n) for n in sizes}
+    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}, "
+          f"seed {ns.seed}, in {out}", flush=True)
+    extra = RECIPE if ns.recipe else []
+    references = {n: reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}
     for name in launchers:
-        launcher = Slurm(out) if name == "slurm" else Local(name, out)
+        launcher = Slurm(out, extra) if name == "slurm" else Local(name, out, extra)
         if name == "slurm":
             why = launcher.available()
             if why:

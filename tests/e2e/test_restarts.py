@@ -43,7 +43,8 @@ def test_a_start_up_that_cannot_reach_its_peers_ends_within_its_bound_naming_the
 # ---------------------------------------------------------------- the drill, short
 
 def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp_path, reference_run):
-    """Five kills of a random one of 4 workers on the default path (no --deterministic) under `torchrun
+    """Five kills of a random one of 4 workers on the default path (no --deterministic), with a published
+    recipe's knobs on (EMA, Mixup/CutMix, random erasing, label smoothing: --recipe), under `torchrun
     --standalone --max-restarts=3`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: mid-run, in a save, in an
     evaluation, at shutdown, mid-run. Every
     kill must land at the moment it aimed at, and every trial's end is compared here with a reference run
@@ -54,7 +55,7 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     out = tmp_path / "chaos"
     proc = run([PY, "-m", "train.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
-                "--workers", "4", "--seed", "3", "--out", str(out)], env=env, expect=None, timeout=900)
+                "--workers", "4", "--recipe", "--seed", "3", "--out", str(out)], env=env, expect=None, timeout=900)
     assert proc.returncode == 0 and "torchrun: ok=5/5" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
     trials = json.loads((out / "results.json").read_text())
     assert [t["moment"].split(" (")[0] for t in trials] == [
@@ -74,10 +75,11 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     assert all("resumed from" in logs[i] for i in (0, 1, 2, 4)), [log[-2000:] for log in logs]
     assert "already finished at step 24" in logs[3], logs[3][-3000:]
     assert {t["workers"] for t in trials} == {4}
-    reference = reference_run(*chaos.ARGS, workers=4)
+    reference = reference_run(*chaos.ARGS, *chaos.RECIPE, workers=4)
     for trial in trials:
         (run_dir,) = Path(trial["folder"]).glob("runs/*")  # plain torchrun named the run directory itself
         assert_bit_identical(run_dir, reference)
         assert_same_final_figures(run_dir, reference)
+        assert (run_dir / "model_ema.pt").read_bytes() == (reference / "model_ema.pt").read_bytes()
         logged = [m["step"] for m in metrics(run_dir, "train")]
         assert logged == list(range(1, chaos.MAX_STEPS + 1)), logged  # each step logged once
