@@ -73,9 +73,9 @@ class Config:
     interpolation: str = _f("bilinear", "resizing of the imagenet recipe (train crop, eval resize); --auto-augment "
                                         "resamples bilinearly (on tensors its ops take no bicubic)",
                             choices=("bilinear", "bicubic"))
-    auto_augment: str = _f("", "file datasets: after the crop and flip, v2.TrivialAugmentWide (ta_wide), RandAugment "
-                               "(ra), AugMix (augmix) or AutoAugment's ImageNet policy (imagenet); empty: none",
-                           choices=("", "ta_wide", "ra", "augmix", "imagenet"))
+    auto_augment: str = _f("none", "file datasets: after the crop and flip, v2.TrivialAugmentWide (ta_wide), "
+                                   "RandAugment (ra), AugMix (augmix) or AutoAugment's ImageNet policy (imagenet)",
+                           choices=("none", "ta_wide", "ra", "augmix", "imagenet"))
     ra_magnitude: int = _f(9, "--auto-augment ra: RandAugment's magnitude")
     augmix_severity: int = _f(3, "--auto-augment augmix: AugMix's severity")
     ra_reps: int = _f(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each image "

@@ -466,7 +466,7 @@ def auto_augment(cfg: Config) -> list:
     from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
     mode = v2.InterpolationMode.BILINEAR
-    return {"": [], "ta_wide": [v2.TrivialAugmentWide(interpolation=mode)],
+    return {"none": [], "ta_wide": [v2.TrivialAugmentWide(interpolation=mode)],
             "ra": [v2.RandAugment(interpolation=mode, magnitude=cfg.ra_magnitude)],
             "augmix": [v2.AugMix(interpolation=mode, severity=cfg.augmix_severity)],
             "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[cfg.auto_augment]

@@ -71,3 +71,38 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
     assert (report["loss"], report["accuracy"]) == (final["val_ema_loss"], final["val_ema_accuracy"])
     refused = run([PY, "-m", "train.evaluate", str(recipe_run.parent), "--weights", "ema"], expect=2)
     assert "error:" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_path):
+    """The loader-side knobs (TrivialAugmentWide after the crop and flip, the repeated-augmentation sampler) and
+    the device-side ones (random erasing, Mixup) on PNG files that loader workers decode: the same
+    model from the loose files, from their packed shards, and from a run stopped inside an epoch and resumed."""
+    import random
+
+    from PIL import Image
+
+    rng = random.Random(0)
+    data = tmp_path / "data"
+    for split, count in (("train", 70), ("val", 8)):  # 280 training images: --ra-reps keeps 256 of an epoch
+        for c in range(4):
+            (data / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                image = Image.new("RGB", (20, 20), tuple(rng.randrange(256) for _ in range(3)))
+                image.putpixel((rng.randrange(20), rng.randrange(20)), (255, 255, 255))
+                image.save(data / split / f"c{c}" / f"{i}.png")
+    run([PY, "-m", "train.pack", str(data), str(tmp_path / "shards")])
+    args = [*DEBUG, "--augment", "imagenet", "--image-size", 16, "--auto-augment", "ta_wide", "--random-erase", "0.25",
+            "--ra-reps", 2, "--mixup-alpha", "0.2", "--batch-size", 8, "--num-workers", 1, "--max-steps", 24,
+            "--eval-every", 0, "--spawn", 2]  # 16 steps per epoch: 256 / (2 x 8)
+    files, shards, resumed = tmp_path / "files", tmp_path / "on-shards", tmp_path / "resumed"
+    run(python_cmd(*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", files))
+    run(python_cmd(*args, "--dataset", "shards", "--data-dir", tmp_path / "shards", "--run-dir", shards))
+    common = [*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", resumed]
+    run(python_cmd(*common, "--stop-at", 11), expect=75)
+    run(python_cmd(*common))
+    assert_bit_identical(files, shards)
+    assert_bit_identical(files, resumed)
+    control = tmp_path / "control"  # without the auto-augmentation the same run ends elsewhere
+    run(python_cmd(*args, "--auto-augment", "none", "--dataset", "imagefolder", "--data-dir", data,
+                   "--run-dir", control))
+    assert any(not torch.equal(v, load_model(files)[k]) for k, v in load_model(control).items())
