@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
     parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                           "(model_ema.pt) or a checkpoint file of the run")
+                                                           "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
+                                                           "file of the run")
     parser.add_argument("--data-dir", default="", help="another dataset root (its val/ split, the run's classes); "
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")

@@ -3,7 +3,7 @@ torch to run, with the preprocessing a caller needs recorded beside it.
 
   python -m train.export runs/exp1                      model.pt (the final model) -> runs/exp1/model.pt2
   python -m train.export runs/exp1 --weights best       best.pt (the best evaluation)
-  python -m train.export runs/exp1 --weights ema        model_ema.pt (the weights' average, --model-ema)
+  python -m train.export runs/exp1 --weights ema        model_ema.pt -> model_ema.pt2 (--model-ema; best_ema too)
   python -m train.export runs/exp1 --weights runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
 
 Writes OUT (torch.export, the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation,
@@ -35,6 +35,10 @@ from train.weights import normalisation
 MAX_BATCH = 4096
 
 
+# --weights by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
+NAMED = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
+
+
 def load_run(run_dir: Path, weights: str) -> tuple[Config, list[str], dict, Path]:
     """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
     model)."""
@@ -43,12 +47,12 @@ def load_run(run_dir: Path, weights: str) -> tuple[Config, list[str], dict, Path
         raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
                           f"folder a run trained in (runs/<name>)")
     cfg = Config(**json.loads(config.read_text()))
-    path = {"model": run_dir / "model.pt", "best": run_dir / "best.pt", "ema": run_dir / "model_ema.pt"}.get(
-        weights, Path(weights))
+    path = run_dir / NAMED[weights] if weights in NAMED else Path(weights)
     if not path.is_file():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
-                "ema": "no finished run with --model-ema (no model_ema.pt)"}.get(weights, "no such file")
-        raise ConfigError(f"{path}: {what}: pass --weights model, best, ema or a checkpoint file of the run")
+                "ema": "no finished run with --model-ema (no model_ema.pt)",
+                "best_ema": "no evaluation with --model-ema yet (no best_ema.pt)"}.get(weights, "no such file")
+        raise ConfigError(f"{path}: {what}: pass --weights model, best, ema, best_ema or a checkpoint file of the run")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
@@ -92,10 +96,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
     parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                           "(model_ema.pt) or a checkpoint file of the run")
+                                                           "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
+                                                           "file of the run")
     parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2; OUT.json beside)")
     ns = parser.parse_args(argv)
-    out = ns.out or ns.run_dir / ("best.pt2" if ns.weights == "best" else "model.pt2")
+    out = ns.out or ns.run_dir / (Path(NAMED.get(ns.weights, "model.pt")).stem + ".pt2")
     try:
         if ns.out and not out.parent.is_dir():
             raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")

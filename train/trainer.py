@@ -99,6 +99,7 @@ class Trainer:
         self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
         self.settle_s = 0.0  # this attempt's settling pass (settle_buckets), in seconds
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
+        self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
         self.norm = normalisation_on(cfg, device)  # the inputs' mean and std (--normalize, --weights)
         self.weights: dict = {"weights": cfg.weights} if cfg.weights else {}  # what the manifest records
         # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
@@ -280,20 +281,25 @@ class Trainer:
                      self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         self.metrics.write(self.step, "eval", result)
-        self.keep_best(result)
+        self.keep_best(results[""])
+        if self.ema is not None:
+            self.keep_best(results["EMA "], ema=True)
         return result
 
-    def keep_best(self, result: dict) -> None:
+    def keep_best(self, result: dict, ema: bool = False) -> None:
         """best.pt: the model of the evaluation with the highest top-1 so far (a tie keeps the earlier), apart
-        from the newest-K checkpoints, written atomically; status.json names it."""
-        if self.best is not None and result["accuracy"] <= self.best["val_accuracy"]:
+        from the newest-K checkpoints, written atomically; status.json names it. ema: best_ema.pt, the EMA's."""
+        best = self.best_ema if ema else self.best
+        if best is not None and result["accuracy"] <= best["val_accuracy"]:
             return
-        self.best = {"step": self.step, **{f"val_{k}": v for k, v in result.items()}}
-        path = self.run_dir / "best.pt"
+        best = {"step": self.step, **{f"val_{k}": v for k, v in result.items()}}
+        if ema:
+            self.best_ema, model, path = best, self.ema.module, self.run_dir / "best_ema.pt"
+        else:
+            self.best, model, path = best, self.raw_model, self.run_dir / "best.pt"
 
         def write() -> None:
-            ckpt.atomic_write(path, _serialise({"model": self.raw_model.state_dict(), **self.best,
-                                                "config": self.cfg.to_dict()}))
+            ckpt.atomic_write(path, _serialise({"model": model.state_dict(), **best, "config": self.cfg.to_dict()}))
             if self.tracker:
                 self.tracker.upload(path)
 
@@ -330,6 +336,8 @@ class Trainer:
     def write_status(self, state: str, **extra) -> None:
         if is_main():
             best = {"best": {"path": "best.pt", **self.best}} if self.best else {}
+            if self.best_ema:
+                best["best_ema"] = {"path": "best_ema.pt", **self.best_ema}
             ckpt.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **best, **extra)
 
     # ------------------------------------------------------------ checkpoints
@@ -369,7 +377,8 @@ class Trainer:
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "world_size": self.world, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
                 "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step,
-                "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None}
+                "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None,
+                "best_ema": self.best_ema}
 
     def load_state_dict(self, state: dict, source: Path) -> None:
         """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included."""
@@ -394,7 +403,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.eval_owed = state.get("eval_owed", False) and self.step < cfg.max_steps  # older checkpoints: none
-        self.best = state.get("best")
+        self.best, self.best_ema = state.get("best"), state.get("best_ema")
         saved = (state["world_size"], state["batch_size"], state["grad_accum"])
         if cfg.epochs and saved != (self.world, cfg.batch_size, cfg.grad_accum):
             raise ConfigError(f"{source} is a run of --epochs {cfg.epochs} with {saved[0]} workers x batch {saved[1]} "

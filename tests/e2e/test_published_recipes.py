@@ -3,6 +3,7 @@ augmentation and an epoch schedule together, on 2 workers, stopped and resumed b
 and shipped."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -71,6 +72,20 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
     assert (report["loss"], report["accuracy"]) == (final["val_ema_loss"], final["val_ema_accuracy"])
     refused = run([PY, "-m", "train.evaluate", str(recipe_run.parent), "--weights", "ema"], expect=2)
     assert "error:" in refused.stderr and "Traceback" not in refused.stderr
+    # best_ema.pt: the EMA's best evaluation, apart from the model's best.pt; status.json names both.
+    best, best_ema = final["best"], final["best_ema"]
+    assert best_ema["path"] == "best_ema.pt" and best["path"] == "best.pt"
+    by_step = {e["step"]: e for e in evals}
+    top = max(e["ema_accuracy"] for e in evals)
+    assert best_ema["val_accuracy"] == top == by_step[best_ema["step"]]["ema_accuracy"]
+    saved = torch.load(recipe_run / "best_ema.pt", weights_only=True)
+    assert saved["step"] == best_ema["step"] and saved["model"].keys() == load_model(recipe_run).keys()
+    # Exported under its own name, beside the model's.
+    copy = tmp_path / "run"
+    shutil.copytree(recipe_run, copy)
+    run([PY, "-m", "train.export", str(copy), "--weights", "ema"])
+    assert (copy / "model_ema.pt2").is_file() and not (copy / "model.pt2").exists()
+    assert json.loads((copy / "model_ema.pt2.json").read_text())["weights"].endswith("model_ema.pt")
 
 
 def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_path):
