@@ -10,8 +10,9 @@ import re
 import time
 from datetime import datetime
 
-from tests.helpers import (CLUSTER_HOST, DEBUG, REPO, SLURM_LONG, assert_bit_identical, assert_mlflow_run_complete,
-                           metrics, reached_step, run, the_one_mlflow_run, tracked_env, wait_for)
+from tests.helpers import (CLUSTER_HOST, DEBUG, RECIPE, REPO, SLURM_LONG, assert_bit_identical,
+                           assert_mlflow_run_complete, metrics, reached_step, run, the_one_mlflow_run, tracked_env,
+                           wait_for)
 
 
 def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
@@ -63,7 +64,8 @@ def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run)
 
 def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tmp_path, reference_run,
                                                                      team_mlflow_server, monkeypatch):
-    """USR2 mid-run: checkpoint, requeue, resume; the weights of an uninterrupted run, and one MLflow run
+    """USR2 mid-run of a recipe run (EMA, Mixup/CutMix, ...): checkpoint, requeue, resume; the weights and the
+    EMA of an uninterrupted run, and one MLflow run
     (the team server on the host, with a login, reached from the nodes over the cluster's bridge) with each
     step once."""
     from mlflow import MlflowClient
@@ -78,7 +80,7 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     tracking = tracked_env(f"http://{CLUSTER_HOST}:{mlflow_server.port}", tmp_path)
     to_track = {**{k: tracking[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")},
                 **mlflow_server.credentials}
-    job = sbatch(cluster, "multinode.sh", *SLURM_LONG, "--run-dir", run_dir,
+    job = sbatch(cluster, "multinode.sh", *SLURM_LONG, *RECIPE, "--run-dir", run_dir,
                  sbatch_args=("--nodes=2", f"--output={log}"), env={**env, "NPROC_PER_NODE": "2", **to_track})
     wait_for(reached_step(run_dir, 15), 300, "step 15 of the Slurm job")
     run(["scancel", "--signal=USR2", "--batch", job], env=cluster)
@@ -91,7 +93,9 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
     assert manifest["resumed_from_step"] and 15 <= manifest["resumed_from_step"] < 160
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged)) and logged[-1] == 160
-    assert_bit_identical(run_dir, reference_run(*SLURM_LONG, workers=4, torchrun=True))
+    reference = reference_run(*SLURM_LONG, *RECIPE, workers=4, torchrun=True)
+    assert_bit_identical(run_dir, reference)  # a recipe run: its EMA came back with it
+    assert (run_dir / "model_ema.pt").read_bytes() == (reference / "model_ema.pt").read_bytes()
     client = MlflowClient(mlflow_server.uri)
     tracked = the_one_mlflow_run(client, run_dir, tracking["MLFLOW_EXPERIMENT_NAME"])
     assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=160)
