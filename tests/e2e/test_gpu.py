@@ -83,3 +83,34 @@ def test_gpu_decode_trains_and_matches_the_cpu_decode_within_a_level(tmp_path):
     run_dir = tmp_path / "run"
     run(python_cmd(*common, "--decode", "gpu", "--max-steps", 20, "--model", "resnet18", "--run-dir", run_dir))
     assert metrics(run_dir, "eval")[-1]["samples"] == 16
+
+
+def test_a_recipe_with_gpu_decode_augments_as_the_cpu_path_and_resumes_exactly(tmp_path):
+    """--decode gpu with TrivialAugmentWide and the repeated-augmentation sampler: the same draws as the CPU
+    path per sample (the batches within a level, as the plain decode), and a recipe run (random erasing,
+    Mixup/CutMix, EMA on the device) stopped and resumed under --deterministic equals the uninterrupted one."""
+    from train.bench.photos import make_photos
+    from train.config import parse_config
+    from train.data import build_datasets, build_train_loader
+
+    for split, count in (("train", 256), ("val", 16)):
+        make_photos(tmp_path / "data" / split, count, classes=4, seed=len(split))
+    common = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "128",
+              "--batch-size", "8", "--num-workers", "2", "--auto-augment", "ta_wide", "--ra-reps", "2"]
+    loaded = {}
+    for decode in ("cpu", "gpu"):
+        cfg = parse_config([*common, "--decode", decode])
+        train_set, _, _ = build_datasets(cfg)
+        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
+        sampler.set_epoch(0)
+        loaded[decode] = next(iter(loader))[0].to("cuda")
+    assert (loaded["gpu"].float() - loaded["cpu"].float()).abs().mean() < 2
+    args = [*common, "--decode", "gpu", "--deterministic", "--max-steps", 24, "--save-every", 8, "--eval-every", 0,
+            "--model-ema", "--model-ema-steps", 2, "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+            "--random-erase", "0.25", "--label-smoothing", "0.1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(python_cmd(*args, "--run-dir", straight))
+    run(python_cmd(*args, "--run-dir", resumed, "--stop-at", 13), expect=75)
+    run(python_cmd(*args, "--run-dir", resumed))
+    for name in ("model.pt", "model_ema.pt"):
+        assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
