@@ -140,7 +140,7 @@ export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best
 	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)"
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
-	$(PY) -m train.chaos $(CHAOS_ARGS)
+	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tests.processes import children, descendants, environ  # noqa: F401 - the tests import them from here
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 DEBUG = ["--preset", "debug"]
@@ -128,33 +130,6 @@ def reached_step(run_dir: Path, step: int):
     return check
 
 
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid, from /proc."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """pid's children, their children, and so on (torchrun starts its workers in sessions of their own)."""
-    found = children(pid)
-    for child in list(found):
-        found += descendants(child)
-    return found
-
-
-def process_env(pid: int) -> dict:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-
-
 def host_tool(relative: str):
     """A standard-library host script (docker/hostenv.py, slurm/plan.py) loaded by its path, as a module."""
     path = REPO / relative
@@ -179,7 +154,7 @@ def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
     for agent in children(launcher.pid):
         for pid in [agent, *children(agent)]:
             try:
-                if process_env(pid).get("RANK") == str(rank):
+                if environ(pid).get("RANK") == str(rank):
                     return pid
             except OSError:
                 continue

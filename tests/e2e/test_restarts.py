@@ -1,5 +1,5 @@
 """Restarts under a plain `torchrun --max-restarts`, as the tutorials launch it: no start-up waits
-without bound, and the chaos drill (python -m train.chaos) ends every trial bit-identical. (Each
+without bound, and the chaos drill (python -m tests.chaos) ends every trial bit-identical. (Each
 attempt's keys in the rendezvous store under a name of its own: tests/unit/test_session.py; a finished
 run stays finished: tests/e2e/test_run_outputs.py.)"""
 
@@ -49,12 +49,12 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     evaluation, at shutdown, mid-run. Every
     kill must land at the moment it aimed at, and every trial's end is compared here with a reference run
     of this test's own (not with the drill's verdict, which is the code under test)."""
-    from train import chaos
+    from tests import chaos
 
     env = env_for_tests()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     out = tmp_path / "chaos"
-    proc = run([PY, "-m", "train.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
+    proc = run([PY, "-m", "tests.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
                 "--workers", "4", "--recipe", "--seed", "3", "--out", str(out)], env=env, expect=None, timeout=900)
     assert proc.returncode == 0 and "torchrun: ok=5/5" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
     trials = json.loads((out / "results.json").read_text())

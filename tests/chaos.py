@@ -3,10 +3,10 @@
 evaluation, during shutdown) and checks that it still ends with model.pt and its final validation figures
 bit-identical to a run of as many workers that was never hit.
 
-  python -m train.chaos                                  20 trials per launcher, fault and world size
-  python -m train.chaos --trials 5 --launchers torchrun --faults kill --workers 4
-  python -m train.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
-  python -m train.chaos --recipe                         the runs with a published recipe's knobs on
+  python -m tests.chaos                                  20 trials per launcher, fault and world size
+  python -m tests.chaos --trials 5 --launchers torchrun --faults kill --workers 4
+  python -m tests.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
+  python -m tests.chaos --recipe                         the runs with a published recipe's knobs on
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -44,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tests.processes import alive, cmdline, descendants, environ, in_session, pids
+
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS, SAVE_EVERY, EVAL_EVERY = 24, 3, 8
@@ -61,66 +63,6 @@ LAUNCHERS = ("torchrun", "make", "slurm")
 FAULTS = ("kill", "signal")
 WORKERS = (2, 4)
 TRIAL_TIMEOUT_S = {"torchrun": 300, "make": 300, "slurm": 900}
-
-
-# ---------------------------------------------------------------- processes
-
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
-
-
-def descendants(root: int) -> list[int]:
-    parents = {}
-    for pid in _pids():
-        try:
-            parents[pid] = int(_stat(pid)[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def in_session(sid: int) -> list[int]:
-    """Processes of a session (a launcher started with start_new_session), orphans included."""
-    out = []
-    for pid in _pids():
-        try:
-            if int(_stat(pid)[3]) == sid:
-                out.append(pid)
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def environ(pid: int) -> dict:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return _stat(pid)[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 # ---------------------------------------------------------------- what the run directory says
@@ -320,7 +262,7 @@ class Slurm:
         return handle["run_dir"]
 
     def worker(self, handle: dict, rank: int) -> int | None:
-        for pid in _pids():
+        for pid in pids():
             env = environ(pid)
             if env.get("SLURM_JOB_ID") == handle["job"] and env.get("RANK") == str(rank) and \
                     "TORCHELASTIC_RUN_ID" in env:
@@ -514,7 +456,7 @@ def summary(trials: list[Trial], skipped: dict) -> list[str]:
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], list[int], Path]:
     """The drill's arguments, or SystemExit(2) after one line naming what is wrong."""
-    parser = argparse.ArgumentParser(prog="python -m train.chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20,
                         help="trials per launcher, fault and world size (default 20)")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))

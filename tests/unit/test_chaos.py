@@ -2,7 +2,7 @@
 
 import pytest
 
-from train import chaos
+from tests import chaos
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -1,0 +1,79 @@
+"""Processes from /proc, for the tests and the chaos drill: who started whom, in which session, with what
+environment. Standard library only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: state, parent, process group, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid."""
+    out = []
+    for child in pids():
+        try:
+            if int(_stat(child)[1]) == pid:
+                out.append(child)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's children, their children, and so on (torchrun starts its workers in sessions of their own)."""
+    parents = {}
+    for child in pids():
+        try:
+            parents[child] = int(_stat(child)[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for c, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def in_session(sid: int) -> list[int]:
+    """Processes of a session (a launcher started with start_new_session), orphans included."""
+    out = []
+    for pid in pids():
+        try:
+            if int(_stat(pid)[3]) == sid:
+                out.append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def environ(pid: int) -> dict:
+    """pid's environment ({} once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return _stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
