@@ -31,6 +31,9 @@ import shutil
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: its run-file reader, stdlib only
+from train.runfiles import read_status
+
 RUNTIMES = ("local", "pyxis", "apptainer")
 WORKDIR = "/opt/trainbox"  # the image's checkout; the NAS folders are mounted under it
 DEFAULT_MAX_RESTARTS = 3  # torchrun restarts of the workers after one fails (MAX_RESTARTS overrides)
@@ -301,10 +304,7 @@ def after(run_dir: Path, env, preempted: bool) -> tuple[str, int]:
     checkpoint on a preemption notice, requeues left), done, stopped (at a checkpoint, on a cancel or a
     signal of the user's: not requeued), or failed (with the code the run recorded: 2 for an error a
     restart cannot mend, such as out of memory; else 0, the step's own code stands)."""
-    try:
-        status = json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        status = {}
+    status = read_status(run_dir)
     state = status.get("state")
     if state == "done":
         return "done", 0

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.processes import alive, cmdline, descendants, environ, in_session, pids
+from train.runfiles import read_json, read_metrics, read_status
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]
@@ -67,29 +68,8 @@ TRIAL_TIMEOUT_S = {"torchrun": 300, "make": 300, "slurm": 900}
 
 # ---------------------------------------------------------------- what the run directory says
 
-def records(run_dir: Path) -> list[dict]:
-    out = []
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def steps(run_dir: Path, kind: str) -> list[int]:
-    return [r["step"] for r in records(run_dir) if r.get("kind") == kind]
-
-
-def status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return [r["step"] for r in read_metrics(run_dir, kind)]
 
 
 def saving(run_dir: Path, at_least: int) -> bool:
@@ -109,7 +89,7 @@ def evaluating(run_dir: Path, at_least: int) -> bool:
 
 def check(run_dir: Path, reference: Path) -> str | None:
     """None when the run ended as the reference did, else what differs."""
-    st, ref = status(run_dir), status(reference)
+    st, ref = read_status(run_dir), read_status(reference)
     if st.get("state") != "done":
         return f"status.json says {st.get('state')!r} at step {st.get('step')}, not done"
     model = run_dir / "model.pt"
@@ -328,7 +308,7 @@ def wait_for_moment(launcher, handle: dict, moment: str, rng: random.Random, vic
     after = rng.randrange(3, MAX_STEPS - 3)
     first_save = rng.choice(range(2 * SAVE_EVERY, MAX_STEPS + 1, SAVE_EVERY))
     first_eval = rng.choice(range(EVAL_EVERY, MAX_STEPS + 1, EVAL_EVERY))
-    running = lambda d: status(d).get("state") == "running"  # noqa: E731
+    running = lambda d: read_status(d).get("state") == "running"  # noqa: E731
     what, reached, still = {
         "step": (f"mid-run after step {after}", lambda d: (steps(d, "train") or [0])[-1] >= after and running(d),
                  running),
@@ -336,7 +316,7 @@ def wait_for_moment(launcher, handle: dict, moment: str, rng: random.Random, vic
                  lambda d: saving(d, first_save)),
         "eval": (f"during an evaluation (step >= {first_eval})", lambda d: evaluating(d, first_eval),
                  lambda d: evaluating(d, first_eval)),
-        "shutdown": ("during shutdown (status.json done)", lambda d: status(d).get("state") == "done",
+        "shutdown": ("during shutdown (status.json done)", lambda d: read_status(d).get("state") == "done",
                      lambda d: any(alive(p) for p in victim_pids.values() if p)),
     }[moment]
     asked = -1.0
@@ -363,10 +343,10 @@ def back_to_training(run_dir: Path, hit: float) -> float | None:
     Records of later steps from before the fault were dropped by the resume, so any step past the one
     it resumed from is its own."""
     try:
-        resumed = json.loads((run_dir / "manifest.json").read_text()).get("resumed_from_step") or 0
-    except (OSError, ValueError):
+        resumed = read_json(run_dir / "manifest.json")["resumed_from_step"] or 0
+    except KeyError:
         return None
-    return next((r["time"] for r in records(run_dir) if r.get("kind") == "train" and r["step"] > resumed
+    return next((r["time"] for r in read_metrics(run_dir, "train") if r["step"] > resumed
                  and r["time"] > hit), None)
 
 
@@ -410,8 +390,8 @@ def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, r
     run_dir = launcher.run_dir(handle)
     resumed = fault == "signal" and not (launcher.name == "slurm" and "preemption" in trial.target)
     if not problem and resumed:  # stopped at a checkpoint: the same command resumes it
-        if status(run_dir).get("state") not in ("stopped", "done"):
-            problem = f"after the signal status.json says {status(run_dir).get('state')!r}, not stopped"
+        if read_status(run_dir).get("state") not in ("stopped", "done"):
+            problem = f"after the signal status.json says {read_status(run_dir).get('state')!r}, not stopped"
         else:
             handle = launcher.start(folder, fault, run_dir, "attempt-2.log")
             trial.logs.append(str(folder / "attempt-2.log"))

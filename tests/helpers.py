@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tests.processes import children, descendants, environ  # noqa: F401 - the tests import them from here
+from train.runfiles import read_metrics, read_status
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -88,12 +89,14 @@ def assert_same_final_figures(a: Path, b: Path) -> None:
 
 
 def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [m for m in lines if kind is None or m["kind"] == kind]
+    """metrics.jsonl's records (of one kind): the file and every line must be there."""
+    return read_metrics(run_dir, kind, strict=True)
 
 
 def status(run_dir: Path) -> dict:
-    return json.loads((run_dir / "status.json").read_text())
+    record = read_status(run_dir)
+    assert record, f"no readable status.json in {run_dir}"
+    return record
 
 
 def snapshot(folder: Path) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import pickle
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from train.errors import ConfigError
+from train.runfiles import fsync_dir, read_status
 
 log = logging.getLogger("train")
 
@@ -32,29 +32,6 @@ _NAME = re.compile(r"step_(\d{8})\.pt$")
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file, fsync, rename over `path`, fsync the folder. On failure nothing is left."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class SaveError(OSError):
@@ -166,7 +143,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         sidecar_tmp.write_bytes(out.sidecar(path.name))
         os.replace(tmp, path)  # a .pt without its sidecar (a crash right here) never verifies
         os.replace(sidecar_tmp, sidecar)
-        _fsync_dir(folder)
+        fsync_dir(folder)
     except (OSError, RuntimeError) as e:
         for leftover in (tmp, sidecar_tmp, path):  # a checkpoint without its sidecar would only be skipped
             leftover.unlink(missing_ok=True)
@@ -281,33 +258,6 @@ def space_problem(run_dir: Path) -> str | None:
         return (f"{run_dir} has {free / 2**20:.1f} MiB free but a checkpoint needs {needed / 2**20:.1f} MiB: "
                 f"free space on that disk (or move the run), then run the same command to resume")
     return None
-
-
-STATES = ("starting", "running", "stopped", "failed", "done")
-
-
-def status_record(state: str, step: int, env, **extra) -> dict:
-    """What status.json says: starting (before the first step) | running | stopped (at a checkpoint, on a
-    signal) | failed | done, for scripts that decide whether to resume (the Slurm template requeues only
-    'stopped', and only what this attempt of the job wrote: see slurm/plan.py after)."""
-    if state not in STATES:
-        raise ValueError(f"status {state!r} is not one of {STATES}")
-    record = {"state": state, "step": step, **extra}
-    if "SLURM_JOB_ID" in env:
-        record["slurm_job_id"] = env["SLURM_JOB_ID"]
-        record["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0"))
-    return record
-
-
-def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
-    atomic_write(run_dir / "status.json", (json.dumps(status_record(state, step, os.environ, **extra)) + "\n").encode())
-
-
-def read_status(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def finished(status: dict, max_steps: int, model_written: bool, epochs: int = 0) -> bool:

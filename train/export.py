@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import atomic_write
+from train.runfiles import atomic_write
 from train.config import Config
 from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail

@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from slurm.plan import TORCHRUN_ENV, PlanError, torchrun_flags
 from train import trainer
-from train.checkpoint import read_status
+from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from train.checkpoint import atomic_write
+from train.runfiles import atomic_write
 
 log = logging.getLogger("train")
 
@@ -210,16 +210,3 @@ def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resum
         "image_digest": os.environ.get("TRAINBOX_IMAGE_DIGEST"),
         "resumed_from_step": resumed_from,
     }
-
-
-def write_manifest(run_dir: Path, manifest: dict) -> None:
-    """manifest.json describes the latest start; earlier starts of the same run are kept under 'previous'."""
-    path = run_dir / "manifest.json"
-    previous = []
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-            previous = old.pop("previous", []) + [old]
-        except (ValueError, OSError):
-            previous = []
-    atomic_write(path, (json.dumps({**manifest, "previous": previous}, indent=2) + "\n").encode())

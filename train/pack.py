@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from train.checkpoint import atomic_write
+from train.runfiles import atomic_write
 from train.data import check_imagefolder, read_idx, read_index
 from train.errors import ConfigError, fail
 

@@ -31,7 +31,8 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from train.checkpoint import atomic_write, list_checkpoints, sidecar_of
+from train.checkpoint import list_checkpoints, sidecar_of
+from train.runfiles import atomic_write, read_json, read_metrics
 from train.config import Config
 from train.errors import ConfigError
 
@@ -259,7 +260,7 @@ class Tracker:
         run = self._find_or_create_run()
         run_id = run.info.run_id
         self._log_params(run_id, run.data.params)
-        manifest = self._read_json("manifest.json")
+        manifest = read_json(self.run_dir / "manifest.json")
         tags = {k: _tag(v) for k, v in manifest.items() if k != "previous"}
         if manifest.get("git_commit"):
             tags["mlflow.source.git.commit"] = manifest["git_commit"]
@@ -267,7 +268,7 @@ class Tracker:
             client.log_batch(run_id, tags=chunk, synchronous=True)
         self._sent = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in run.data.metrics}
         earlier = []
-        for record in self._read_metrics():
+        for record in read_metrics(self.run_dir):
             if record.get("step", math.inf) <= self.resume_step:
                 values = {k: v for k, v in record.items() if k not in ("step", "kind", "time")}
                 earlier.append((record["step"], record["kind"], values, record.get("time", time.time())))
@@ -341,7 +342,7 @@ class Tracker:
     def _log_params(self, run_id: str, logged: dict) -> None:
         """The config as params. MLflow keeps a param's first value: a resume with another value (a larger
         --max-steps, say) is named once, and config.json keeps the new one."""
-        config = {k: str(v) for k, v in self._read_json("config.json").items()}
+        config = {k: str(v) for k, v in read_json(self.run_dir / "config.json").items()}
         changed = sorted(k for k, v in config.items() if k in logged and logged[k] != v)
         if changed:
             log.warning("mlflow: params keep the run's first values; changed since: %s",
@@ -359,25 +360,6 @@ class Tracker:
             return client.create_experiment(self.experiment)
         except self.mlflow.exceptions.MlflowException:  # created meanwhile by another run
             return client.get_experiment_by_name(self.experiment).experiment_id
-
-    def _read_json(self, name: str) -> dict:
-        try:
-            return json.loads((self.run_dir / name).read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def _read_metrics(self) -> list[dict]:
-        try:
-            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        except OSError:
-            return []
-        records = []
-        for line in lines:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written, or cut short by a crash
-        return records
 
 
 def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | None:

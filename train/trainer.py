@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
+from train import runfiles
 from train.checks import check_precision, check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir, steps_for_epochs
 from train.data import (build_datasets, build_train_loader, build_val_loader, class_names,
@@ -35,7 +36,7 @@ from train.distributed import (StopSignal, announce_unrecoverable, broadcast_fro
                                ordered_allreduce_hook, teardown, usable_cores, watch_limit)
 from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
 from train.memory import is_out_of_memory, out_of_memory
-from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, write_manifest
+from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
 from train.ema import ModelEma, adjusted_decay
@@ -299,7 +300,7 @@ class Trainer:
             self.best, model, path = best, self.raw_model, self.run_dir / "best.pt"
 
         def write() -> None:
-            ckpt.atomic_write(path, _serialise({"model": model.state_dict(), **best, "config": self.cfg.to_dict()}))
+            runfiles.atomic_write(path, _serialise({"model": model.state_dict(), **best, "config": self.cfg.to_dict()}))
             if self.tracker:
                 self.tracker.upload(path)
 
@@ -323,9 +324,9 @@ class Trainer:
             self.save("end of run")
         final = self.evaluate()
         if is_main():
-            ckpt.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
+            runfiles.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
             if self.ema is not None:  # the average's weights, as model.pt's: make evaluate/export WEIGHTS=ema
-                ckpt.atomic_write(self.run_dir / "model_ema.pt", _serialise(self.ema.module.state_dict()))
+                runfiles.atomic_write(self.run_dir / "model_ema.pt", _serialise(self.ema.module.state_dict()))
             self.write_status("done", **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", self.run_dir / "model.pt")
             if self.tracker:
@@ -338,7 +339,7 @@ class Trainer:
             best = {"best": {"path": "best.pt", **self.best}} if self.best else {}
             if self.best_ema:
                 best["best_ema"] = {"path": "best_ema.pt", **self.best_ema}
-            ckpt.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **best, **extra)
+            runfiles.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **best, **extra)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -365,7 +366,7 @@ class Trainer:
                  f"{'kept ' + previous[0].name if previous else 'no earlier checkpoint'}: "
                  f"free space or fix permissions, then run the same command to resume")
         with contextlib.suppress(OSError):  # best effort: the disk may be full
-            ckpt.write_status(self.run_dir, "failed", self.step, error=error, needed_bytes=getattr(e, "needed", 0))
+            runfiles.write_status(self.run_dir, "failed", self.step, error=error, needed_bytes=getattr(e, "needed", 0))
         return error
 
     def state_dict(self, rng: list[dict]) -> dict:
@@ -430,7 +431,7 @@ class Trainer:
             probe = self.run_dir / f".write-test-{os.getpid()}"
             probe.write_text("ok")
             probe.unlink()
-            ckpt.write_status(self.run_dir, "starting", -1)  # a crash before training must not look "stopped"
+            runfiles.write_status(self.run_dir, "starting", -1)  # a crash before training must not look "stopped"
             freed = ckpt.remove_partial(self.run_dir)
             if freed:
                 print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
@@ -512,8 +513,8 @@ class Trainer:
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (run_dir / "classes.json").write_text(json.dumps(self.class_names) + "\n")  # label i is name i
-            write_manifest(run_dir, {**build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from),
-                                     **self.weights})
+            manifest = build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from)
+            runfiles.write_manifest(run_dir, {**manifest, **self.weights})
             self.write_status("running")
 
         on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
@@ -545,7 +546,7 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         return out_of_memory(error, where, device, cfg)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
-        status = ckpt.read_status(trainer.run_dir)
+        status = runfiles.read_status(trainer.run_dir)
         peer = status.get("error") if status.get("state") == "failed" and "exit_code" in status else None
     return PeerGaveUp(peer) if peer is not None else None
 
@@ -557,11 +558,11 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
     if not isinstance(error, PeerGaveUp):
         error.first = announce_unrecoverable(str(error))  # every rank may meet it: one of them prints it
     if is_main() and run_dir is not None and run_dir.is_dir():
-        last = ckpt.read_status(run_dir)
+        last = runfiles.read_status(run_dir)
         kept = {k: v for k, v in last.items() if k not in ("state", "step", "slurm_job_id", "slurm_restart_count")} \
             if last.get("state") == "failed" else {}  # a failed save's own record (the space it needed) stays
         with contextlib.suppress(OSError):
-            ckpt.write_status(run_dir, "failed", trainer.step if trainer else last.get("step", -1),
+            runfiles.write_status(run_dir, "failed", trainer.step if trainer else last.get("step", -1),
                               **{"error": str(error), **kept, "exit_code": EXIT_BAD_INPUT})
             error.recorded = True
 
@@ -658,7 +659,7 @@ def resolve_run_dir(cfg: Config) -> Path:
 def already_finished(run_dir: Path, cfg: Config) -> bool:
     """A restart after the run ended (a worker lost during shutdown), or the same command again: the run's
     figures stand, and nothing is evaluated or written again (rank 0 decides for all)."""
-    status = ckpt.read_status(run_dir) if is_main() else {}
+    status = runfiles.read_status(run_dir) if is_main() else {}
     done = broadcast_from_main(ckpt.finished(status, cfg.max_steps, (run_dir / "model.pt").is_file(), cfg.epochs)
                                if is_main() else None)
     if done and is_main():
@@ -674,7 +675,7 @@ def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
     if not is_main() or not tracking_uri(cfg):
         return None
     setup_logging(run_dir)
-    tracker = start_tracking(cfg, run_dir, ckpt.read_status(run_dir).get("step", cfg.max_steps))
+    tracker = start_tracking(cfg, run_dir, runfiles.read_status(run_dir).get("step", cfg.max_steps))
     for name in ("model.pt", "manifest.json"):
         tracker.upload(run_dir / name)
     return tracker

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers import Evil
 from train import checkpoint as ckpt
+from train import runfiles
 from train.errors import ConfigError
 
 
@@ -76,7 +77,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path):
     os.fsync = failing_fsync
     try:
         with pytest.raises(Boom):
-            ckpt.atomic_write(target, b"new contents")
+            runfiles.atomic_write(target, b"new contents")
     finally:
         os.fsync = real_fsync
     assert target.read_bytes() == b"old"

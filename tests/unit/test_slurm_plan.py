@@ -6,7 +6,7 @@ import pytest
 
 import slurm.plan as slurm
 from tests.helpers import PY, REPO
-from train.checkpoint import write_status
+from train.runfiles import write_status
 
 
 def _job_env(tmp_path, **extra):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from train.checkpoint import finished, status_record
+from train.checkpoint import finished
+from train.runfiles import status_record
 from train.metrics import LogWindow
 from train.trainer import relayout
 

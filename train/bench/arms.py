@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.data import make_shapes, prepare_inputs
 from train.distributed import destroy_and_leave_together, free_port
 from train.models import SmallCNN
+from train.runfiles import read_metrics
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +132,7 @@ def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # a reused --out would resume the old run and read its metrics
     launched = time.time()
     _run([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run_dir, strict=True)
     train = [m for m in lines if m["kind"] == "train"][warmup:]
     first = next(m for m in lines if m["kind"] == "first_step")
     return {"step_times": [m["step_time_s"] for m in train], "data_wait": [m["data_wait_frac"] for m in train],

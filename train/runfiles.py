@@ -1,0 +1,99 @@
+"""The run directory's small files, written and read in one place (standard library only: the Slurm plan
+and the host tools read them with the host's python3 too).
+
+  status.json      the run's state for scripts that decide whether to resume (write_status, read_status)
+  manifest.json    what the latest start ran on, earlier starts under "previous" (write_manifest, read_json)
+  metrics.jsonl    one JSON record per line, flushed at once (read_metrics: a line cut short is skipped)
+
+Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STATES = ("starting", "running", "stopped", "failed", "done")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp file, fsync, rename over `path`, fsync the folder. On failure nothing is left."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def status_record(state: str, step: int, env, **extra) -> dict:
+    """What status.json says: starting (before the first step) | running | stopped (at a checkpoint, on a
+    signal) | failed | done, for scripts that decide whether to resume (the Slurm template requeues only
+    'stopped', and only what this attempt of the job wrote: see slurm/plan.py after)."""
+    if state not in STATES:
+        raise ValueError(f"status {state!r} is not one of {STATES}")
+    record = {"state": state, "step": step, **extra}
+    if "SLURM_JOB_ID" in env:
+        record["slurm_job_id"] = env["SLURM_JOB_ID"]
+        record["slurm_restart_count"] = int(env.get("SLURM_RESTART_COUNT", "0"))
+    return record
+
+
+def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
+    atomic_write(run_dir / "status.json", (json.dumps(status_record(state, step, os.environ, **extra)) + "\n").encode())
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file of the run directory, or {} when it is missing or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_status(run_dir: Path) -> dict:
+    return read_json(run_dir / "status.json")
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    """manifest.json describes the latest start; earlier starts of the same run are kept under 'previous'."""
+    path = run_dir / "manifest.json"
+    old = read_json(path)
+    previous = old.pop("previous", []) + [old] if old else []
+    atomic_write(path, (json.dumps({**manifest, "previous": previous}, indent=2) + "\n").encode())
+
+
+def read_metrics(run_dir: Path, kind: str | None = None, strict: bool = False) -> list[dict]:
+    """metrics.jsonl's records (of one kind), in order; a line being written or cut short by a crash is skipped.
+    strict (the tests, of a run that ended): a missing file or a damaged line raises instead."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        if strict:
+            raise
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if strict:
+                raise
+            continue
+        if kind is None or record.get("kind") == kind:
+            records.append(record)
+    return records
