@@ -108,8 +108,11 @@ class Trainer:
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
         torch.manual_seed(cfg.seed)
-        self._build_data()
-        self._build_model()
+        train_set, val_set, self.num_classes = build_datasets(cfg)
+        self.class_names = class_names(train_set)
+        self.train_loader, self.sampler, self.val_loader, self.steps_per_epoch = self._loaders(train_set, val_set)
+        self.raw_model = self._model()
+        self.optimizer, self.scheduler, self.scaler, self.ema = self._optimisation(self.raw_model)
         self._resume(initial)
         self.model = self._wrap(self.raw_model)
         self._write_run_files()
@@ -174,11 +177,20 @@ class Trainer:
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.update_ema()
-        self.step += 1
-        self.step_in_epoch += 1
-        if cfg.schedule_unit == "step" or self.step_in_epoch == self.steps_per_epoch:
+        epoch_ended = self.advance()
+        if cfg.schedule_unit == "step" or epoch_ended:
             self.scheduler.step()
         return losses
+
+    def advance(self) -> bool:
+        """The position after an optimizer step, the one place it moves forward (a resume sets it from the
+        checkpoint). Returns whether the step ended an epoch (the position is then the next epoch's start)."""
+        self.step += 1
+        self.step_in_epoch += 1
+        if self.step_in_epoch < self.steps_per_epoch:
+            return False
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return True
 
     def update_ema(self) -> None:
         """The reference's EMA rule: every --model-ema-steps optimizer steps of an epoch (counted from its
@@ -230,15 +242,15 @@ class Trainer:
         spent waiting for each goes into the logging window."""
         cfg = self.cfg
         while True:
-            self.sampler.set_epoch(self.epoch, start=self.step_in_epoch * cfg.grad_accum * cfg.batch_size)
+            epoch = self.epoch
+            self.sampler.set_epoch(epoch, start=self.step_in_epoch * cfg.grad_accum * cfg.batch_size)
             loader = iter(self.train_loader)
-            while self.step_in_epoch < self.steps_per_epoch:
+            while self.epoch == epoch:  # until advance() has moved into the next epoch
                 waiting = time.perf_counter()
                 x, y = next(loader)
                 self.window.wait += time.perf_counter() - waiting
                 x = prepare_inputs(x, self.device, cfg.channels_last, *self.norm)
                 yield x, y.to(self.device, non_blocking=True)
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
     def after_step(self, losses: list[torch.Tensor]) -> None:
         """The watchdog, the logging window and, once, the time from launch to the first step."""
@@ -256,7 +268,8 @@ class Trainer:
         cfg = self.cfg
         window = self.window.report(self.world)
         values = {"loss": window["loss"], "lr": self.scheduler.get_last_lr()[0],
-                  **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")}, "epoch": self.epoch}
+                  **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
+                  "epoch": self.epoch - (self.step_in_epoch == 0)}  # the epoch of the step just taken
         for r, reading in enumerate(gather(self.telemetry.read()) if self.device.type == "cuda" else []):
             # A rank without NVML reads []: it adds nothing.
             names = ("util", "mem_mib", "power_w")
@@ -412,6 +425,8 @@ class Trainer:
                               f"its steps, schedule and position would change: resume with the same workers, "
                               f"--batch-size and --grad-accum, or start a new --run-dir")
         self.step_in_epoch = relayout(state["step_in_epoch"], saved, (self.world, cfg.batch_size, cfg.grad_accum))
+        if self.step_in_epoch >= self.steps_per_epoch:  # saved at an epoch's end: the next one's start
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if saved != (self.world, cfg.batch_size, cfg.grad_accum):
             log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
                         "same data order, but results will differ from an uninterrupted run",
@@ -439,21 +454,23 @@ class Trainer:
         on_main(prepare, lambda e: not_writable(self.run_dir, e.strerror or str(e)))
         setup_logging(self.run_dir if is_main() else None)
 
-    def _build_data(self) -> None:
+    def _loaders(self, train_set, val_set) -> tuple:
+        """(train loader, its sampler, validation loader, steps per epoch); with --epochs, the run's length in
+        steps on this layout goes into cfg."""
         cfg, pin = self.cfg, self.device.type == "cuda"
-        train_set, val_set, self.num_classes = build_datasets(cfg)
-        self.class_names = class_names(train_set)
-        self.train_loader, self.sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
-        self.val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
-        self.steps_per_epoch = check_steps(len(train_set), self.world, cfg)
+        train_loader, sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
+        val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
+        steps_per_epoch = check_steps(len(train_set), self.world, cfg)
         if cfg.epochs:  # the run's length in steps, from its length in epochs on this layout
-            cfg.max_steps, cfg.warmup_steps = steps_for_epochs(cfg, self.steps_per_epoch)
+            cfg.max_steps, cfg.warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
             if is_main():
                 log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
-                         "warm-up %d steps", cfg.epochs, cfg.max_steps, self.steps_per_epoch, len(train_set),
+                         "warm-up %d steps", cfg.epochs, cfg.max_steps, steps_per_epoch, len(train_set),
                          self.world, cfg.batch_size, cfg.grad_accum, cfg.warmup_steps)
+        return train_loader, sampler, val_loader, steps_per_epoch
 
-    def _build_model(self) -> None:
+    def _model(self) -> torch.nn.Module:
+        """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
         cfg = self.cfg
         model = build_model(cfg, self.num_classes)
         freeze(model, frozen_names(cfg, model, self.num_classes))  # before the optimizer: no state for them
@@ -462,12 +479,16 @@ class Trainer:
         model.to(self.device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        self.raw_model = model
-        self.optimizer = build_optimizer(cfg, model)
-        self.scheduler = build_scheduler(cfg, self.optimizer)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
+        return model
+
+    def _optimisation(self, model: torch.nn.Module) -> tuple:
+        """(optimizer, schedule, grad scaler, EMA or None) of the model."""
+        cfg = self.cfg
+        optimizer = build_optimizer(cfg, model)
+        scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
         epochs = cfg.epochs or cfg.max_steps / self.steps_per_epoch
-        self.ema = ModelEma(model, adjusted_decay(cfg, self.world, epochs), self.device) if cfg.model_ema else None
+        ema = ModelEma(model, adjusted_decay(cfg, self.world, epochs), self.device) if cfg.model_ema else None
+        return optimizer, build_scheduler(cfg, optimizer), scaler, ema
 
     def _has_checkpoint(self) -> bool:
         """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""
