@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -266,3 +267,10 @@ def finished(status: dict, max_steps: int, model_written: bool, epochs: int = 0)
     if epochs:
         max_steps = status.get("max_steps", -1) if status.get("epochs") == epochs else float("inf")
     return status.get("state") == "done" and status.get("step", -1) >= max_steps and model_written
+
+
+def serialise(state_dict: dict) -> bytes:
+    """A state dict as the bytes torch.save writes (for an atomic write of model.pt and its kin)."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    return buffer.getvalue()

@@ -631,3 +631,11 @@ def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool, m
     numbers, or per-channel tensors of shape 1 x 3 x 1 x 1 on the device)."""
     x = x.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
+    """A position inside the epoch saved with (workers, batch, accumulation) `saved`, in steps of `now`:
+    the samples seen, rounded down to a whole step of the new layout (the data order is kept)."""
+    if saved == now:
+        return step_in_epoch
+    return step_in_epoch * saved[0] * saved[1] * saved[2] // (now[0] * now[1] * now[2])

@@ -31,7 +31,8 @@ from train.errors import ConfigError, end_process, fail
 from train.export import load_run
 from train.launch import spawn_workers
 from train.models import build_model
-from train.trainer import configure_runtime, evaluate, pick_device, resolve_precision
+from train.runtime import configure_runtime, pick_device, resolve_precision
+from train.scoring import score
 from train.weights import normalisation_on
 
 
@@ -43,7 +44,7 @@ class Job:
     out: Path
 
 
-def score(job: Job) -> int:
+def score_run(job: Job) -> int:
     """One rank's part of the evaluation; rank 0 writes what it found. Returns the exit code."""
     cfg, classes, state, source = load_run(job.run_dir, job.weights)
     cfg = Config(**{**cfg.to_dict(), **({"data_dir": job.data_dir} if job.data_dir else {})})
@@ -68,7 +69,7 @@ def score(job: Job) -> int:
         model.to(device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
+        result = score(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
                           top5=len(classes) > 5, confusion_of=len(classes), norm=normalisation_on(cfg, device))
         if is_main():
             report(job, cfg, classes, source, result)
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
 def worker(job: Job) -> int:
     """A rank of the evaluation: a user's mistake is one line (on rank 0) and exit code 2."""
     try:
-        return score(job)
+        return score_run(job)
     except ConfigError as e:
         if is_main():
             print(f"error: {e}", file=sys.stderr)

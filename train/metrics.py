@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from train.distributed import identity, is_main
 from train.runfiles import atomic_write
 
 log = logging.getLogger("train")
@@ -210,3 +211,17 @@ def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resum
         "image_digest": os.environ.get("TRAINBOX_IMAGE_DIGEST"),
         "resumed_from_step": resumed_from,
     }
+
+
+def setup_logging(run_dir: Path | None) -> None:
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if is_main() else logging.WARNING)
+    console = logging.StreamHandler()
+    prefix = "" if is_main() else f"[rank {identity().global_rank}] "
+    console.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(console)
+    if run_dir is not None:
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)

@@ -32,7 +32,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from train.checkpoint import list_checkpoints, sidecar_of
-from train.runfiles import atomic_write, read_json, read_metrics
+from train.runfiles import atomic_write, read_json, read_metrics, read_status
+from train.distributed import is_main
+from train.metrics import setup_logging
 from train.config import Config
 from train.errors import ConfigError
 
@@ -372,4 +374,16 @@ def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | No
         for path in list_checkpoints(run_dir):
             for file in (path, sidecar_of(path)):
                 tracker.upload(file, "checkpoints")
+    return tracker
+
+
+def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
+    """A finished run started again: rank 0 sends what its tracking may still lack (metrics an attempt
+    could not send, model.pt, manifest.json) and marks the MLflow run finished."""
+    if not is_main() or not tracking_uri(cfg):
+        return None
+    setup_logging(run_dir)
+    tracker = start_tracking(cfg, run_dir, read_status(run_dir).get("step", cfg.max_steps))
+    for name in ("model.pt", "manifest.json"):
+        tracker.upload(run_dir / name)
     return tracker

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -22,28 +21,27 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train import runfiles
-from train.checks import check_precision, check_same_model, check_steps, not_writable
+from train.checks import check_same_model, check_steps, not_writable
 from train.config import Config, default_run_dir, steps_for_epochs
-from train.data import (build_datasets, build_train_loader, build_val_loader, class_names,
-                        prepare_inputs)
+from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs, relayout
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
-                               is_main, on_main, peer_unrecoverable, Identity,
-                               ordered_allreduce_hook, teardown, usable_cores, watch_limit)
+                               is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
 from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
 from train.memory import is_out_of_memory, out_of_memory
-from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time
+from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, setup_logging
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
 from train.ema import ModelEma, adjusted_decay
 from train.optim import build_optimizer, build_scheduler
-from train.tracking import Tracker, start_tracking, tracking_uri
+from train.runtime import configure_runtime, pick_device, resolve_precision
+from train.scoring import score
+from train.tracking import catch_up_tracking, start_tracking
 from train.watchdog import watchdog
-from train.weights import MEAN, STD, fitted, freeze, frozen_names, normalisation_on, read_weights
+from train.weights import fitted, freeze, frozen_names, normalisation_on, read_weights
 
 log = logging.getLogger("train")
 
@@ -285,7 +283,7 @@ class Trainer:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         models = {"": self.raw_model, **({"EMA ": self.ema.module} if self.ema is not None else {})}
-        results = {name: evaluate(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
+        results = {name: score(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
                                   watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
                    for name, model in models.items()}
         watchdog.enter("training", self.limit)
@@ -313,7 +311,8 @@ class Trainer:
             self.best, model, path = best, self.raw_model, self.run_dir / "best.pt"
 
         def write() -> None:
-            runfiles.atomic_write(path, _serialise({"model": model.state_dict(), **best, "config": self.cfg.to_dict()}))
+            state = {"model": model.state_dict(), **best, "config": self.cfg.to_dict()}
+            runfiles.atomic_write(path, ckpt.serialise(state))
             if self.tracker:
                 self.tracker.upload(path)
 
@@ -337,9 +336,9 @@ class Trainer:
             self.save("end of run")
         final = self.evaluate()
         if is_main():
-            runfiles.atomic_write(self.run_dir / "model.pt", _serialise(self.raw_model.state_dict()))
+            runfiles.atomic_write(self.run_dir / "model.pt", ckpt.serialise(self.raw_model.state_dict()))
             if self.ema is not None:  # the average's weights, as model.pt's: make evaluate/export WEIGHTS=ema
-                runfiles.atomic_write(self.run_dir / "model_ema.pt", _serialise(self.ema.module.state_dict()))
+                runfiles.atomic_write(self.run_dir / "model_ema.pt", ckpt.serialise(self.ema.module.state_dict()))
             self.write_status("done", **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", self.run_dir / "model.pt")
             if self.tracker:
@@ -593,81 +592,6 @@ def run_length(cfg: Config) -> dict:
     return {"max_steps": cfg.max_steps, **({"epochs": cfg.epochs} if cfg.epochs else {})}
 
 
-def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
-    """A position inside the epoch saved with (workers, batch, accumulation) `saved`, in steps of `now`:
-    the samples seen, rounded down to a whole step of the new layout (the data order is kept)."""
-    if saved == now:
-        return step_in_epoch
-    return step_in_epoch * saved[0] * saved[1] * saved[2] // (now[0] * now[1] * now[2])
-
-
-@torch.inference_mode()
-def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None,
-             top5: bool = False, confusion_of: int = 0, norm: tuple = (MEAN, STD)) -> dict:
-    """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
-    set, each sample counted once across ranks; with confusion_of=C classes, the C x C confusion matrix too
-    (rows: the true class, columns: the predicted one).
-
-    Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
-    hold: a rank's own differ after its last training batch, and the figures would then depend on
-    whether the run was resumed. The next training step broadcasts rank 0's buffers anyway (DDP)."""
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, correct in the top 5
-    confusion = torch.zeros(confusion_of, confusion_of, dtype=torch.int64, device=device)
-    for x, y in loader:
-        x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += y.numel()
-        if top5:
-            totals[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(1).sum()
-        if confusion_of:
-            confusion.index_put_((y, logits.argmax(1)), torch.ones_like(y), accumulate=True)
-        progress()
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-        if confusion_of:
-            dist.all_reduce(confusion)
-    loss, correct, count, in_top5 = totals.tolist()
-    model.train()
-    return {"loss": loss / count, "accuracy": correct / count, **({"top5": in_top5 / count} if top5 else {}),
-            "samples": int(count), **({"confusion": confusion.cpu().tolist()} if confusion_of else {})}
-
-
-def pick_device(requested: str, ident: Identity) -> torch.device:
-    """A GPU per local rank where CUDA is asked for or there (checks.check_devices made sure it is)."""
-    if requested == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", ident.local_rank)
-
-
-def configure_runtime(cfg: Config) -> None:
-    """Threads and determinism, before any tensor work."""
-    threads = cfg.threads
-    if threads == 0:
-        threads = 1 if cfg.deterministic else max(1, usable_cores() // identity().local_world_size)
-    torch.set_num_threads(threads)
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = True
-
-
-def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for fp32."""
-    check_precision(cfg, on_cpu=device.type != "cuda")
-    if cfg.precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-
-
 def resolve_run_dir(cfg: Config) -> Path:
     """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (the parent),
     so the attempts it restarts after a failure resume the same run instead of starting new ones."""
@@ -688,35 +612,3 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
         print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
               f"do; pass a larger {longer} to train on, or a new --run-dir", file=sys.stderr)
     return done
-
-
-def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
-    """A finished run started again: rank 0 sends what its tracking may still lack (metrics an attempt
-    could not send, model.pt, manifest.json) and marks the MLflow run finished."""
-    if not is_main() or not tracking_uri(cfg):
-        return None
-    setup_logging(run_dir)
-    tracker = start_tracking(cfg, run_dir, runfiles.read_status(run_dir).get("step", cfg.max_steps))
-    for name in ("model.pt", "manifest.json"):
-        tracker.upload(run_dir / name)
-    return tracker
-
-
-def setup_logging(run_dir: Path | None) -> None:
-    log.handlers.clear()
-    log.propagate = False
-    log.setLevel(logging.INFO if is_main() else logging.WARNING)
-    console = logging.StreamHandler()
-    prefix = "" if is_main() else f"[rank {identity().global_rank}] "
-    console.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(message)s", "%H:%M:%S"))
-    log.addHandler(console)
-    if run_dir is not None:
-        handler = logging.FileHandler(run_dir / "train.log")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
-
-
-def _serialise(state_dict: dict) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    return buffer.getvalue()

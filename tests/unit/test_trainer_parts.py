@@ -6,7 +6,7 @@ import torch
 from train.checkpoint import finished
 from train.runfiles import status_record
 from train.metrics import LogWindow
-from train.trainer import relayout
+from train.data import relayout
 
 
 @pytest.mark.parametrize("position, saved, now, expected", [

@@ -1,0 +1,44 @@
+"""A training or evaluation process's runtime: its device, CPU threads and determinism, and autocast
+precision, set once at its start."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from train.checks import check_precision
+from train.config import Config
+from train.distributed import Identity, identity, usable_cores
+
+log = logging.getLogger("train")
+
+
+def pick_device(requested: str, ident: Identity) -> torch.device:
+    """A GPU per local rank where CUDA is asked for or there (checks.check_devices made sure it is)."""
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", ident.local_rank)
+
+
+def configure_runtime(cfg: Config) -> None:
+    """Threads and determinism, before any tensor work."""
+    threads = cfg.threads
+    if threads == 0:
+        threads = 1 if cfg.deterministic else max(1, usable_cores() // identity().local_world_size)
+    torch.set_num_threads(threads)
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for fp32."""
+    check_precision(cfg, on_cpu=device.type != "cuda")
+    if cfg.precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
