@@ -68,7 +68,8 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.opti
     sched = torch.optim.lr_scheduler
     total, warmup = schedule_lengths(cfg)
     if cfg.lr_scheduler == "cosine":
-        main = sched.CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=cfg.lr * cfg.min_lr_ratio)
+        # A warm-up as long as the run leaves the cosine no step: one keeps torch's scheduler defined.
+        main = sched.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=cfg.lr * cfg.min_lr_ratio)
     elif cfg.lr_scheduler == "step":
         main = sched.StepLR(optimizer, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma)
     elif cfg.lr_scheduler == "multistep":

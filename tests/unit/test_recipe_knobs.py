@@ -163,3 +163,12 @@ def test_the_evaluation_sizes_follow_the_crop_flags():
                            v2.CenterCrop(224)])(image)
     assert torch.equal(_transforms(cfg, train=False)(image), expected)
     assert eval_steps(parse_config(["--dataset", "imagefolder", "--image-size", "224"])) == (256, 224, "bilinear")
+
+
+def test_a_warm_up_as_long_as_the_run_is_a_schedule_too():
+    """--preset debug warms up for 5 steps: a 5-step run is all warm-up (the cosine gets no step)."""
+    cfg = parse_config(["--preset", "debug", "--max-steps", "5"])
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    warmup = S.LinearLR(theirs, start_factor=0.01, total_iters=5)
+    assert lrs(build_scheduler(cfg, ours), ours, 5) == lrs(warmup, theirs, 5)
