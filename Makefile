@@ -2,81 +2,87 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-# Knobs (on the command line: make train GPUS=2 ARGS="--preset debug"):
-#   GPUS         workers: empty = every visible GPU (or 1 on CPU), 0 = CPU, N = N workers
-#   ARGS         passed to the trainer unchanged (python -m train --help lists every flag)
-#   RUNTIME      docker | local; default: docker when an engine answers, else local
-#   PYTHON       interpreter that creates the local environment (>= 3.10)
-#   VENV         the local environment, built from requirements.lock
-#   DOCKER       a docker client that builds with BuildKit; default: `docker` when it has buildx, else
-#                Debian's docker.io client /usr/bin/docker (BuildKit without buildx)
-#   COMPOSE      "docker compose" (v2) or docker-compose (v1.29); default: whichever is installed
-#   IMAGE        the image tag to build and run
-#   TORCH_FLAVOUR  the CUDA build of torch: cu130 (PyPI; driver >= 580; the default), or cu128 / cu126
-#                from the PyTorch index for clusters on 535/550/570 drivers (needs `make lock` first)
-#   BASE_IMAGE   the CUDA base image; defaults to the one matching TORCH_FLAVOUR (pin it by digest:
-#                see docker/Dockerfile)
-#   EXTRA_CA     a CA bundle for builds behind a TLS-intercepting proxy (BuildKit secret, never stored)
-#   BUILD_FLAGS  extra `docker build` flags, e.g. --no-cache or --progress=plain
-#   HOST_UID/HOST_GID  the container user (default: yours, root's too; the image's own default user is
-#                never root: 1000 when you are root)
-#   DATA_DIR/RUNS_DIR  NAS folders for `make env` (datasets read-only, runs read-write)
-#   ENV_FILE     the compose settings file that `make env` writes and compose reads
-#   MAX_RESTARTS torchrun restarts of a multi-worker run after a worker crashes (empty: 3, slurm/plan.py;
-#                resumes from the newest checkpoint)
-#   BENCH_ARGS   flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
-#   CHAOS_ARGS   flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
-#   PYTEST_ARGS  extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
-#   SRC / DST    `make pack`: the ImageFolder to pack and the folder for its shards
-#   RUN / WEIGHTS  `make evaluate`, `make export`: the run's folder, and model (model.pt), best (best.pt),
-#                ema (model_ema.pt, --model-ema) or a checkpoint file
-#   SQSH / SIF   output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
-#   MLFLOW_TRACKING_URI  an MLflow server to track runs in (off when unset); `make mlflow` starts one
-#   TENSORBOARD_PORT  the port `make tensorboard` serves on, on 127.0.0.1 (6006)
-#   MLFLOW_PORT  the port `make mlflow` serves on (5000); MLFLOW_IMAGE, MLFLOW_BASE_IMAGE: its image
-#   MLFLOW_EXPOSE=1  a team server: on MLFLOW_BIND (then 0.0.0.0) with a login for every request (basic auth)
-#   MLFLOW_ADMIN_PASSWORD_FILE  the admin's password (a file only you can read), needed with MLFLOW_EXPOSE=1
-#   MLFLOW_VENV  the server's local environment (`make mlflow RUNTIME=local`), from docker/mlflow.lock
-#   SKY_VENV     SkyPilot's environment (`make sky-setup`), from tests/skypilot.lock
+# Knobs, on the command line (make train GPUS=2 ARGS="--preset debug"), each with its comment above it.
+# Workers: empty = every visible GPU (or 1 on CPU), 0 = CPU, N = N workers
 GPUS ?=
+# Passed to the trainer unchanged (python -m train --help lists every flag)
 ARGS ?=
+# torchrun restarts of a multi-worker run after a worker crashes (empty: 3, slurm/plan.py); it resumes
 MAX_RESTARTS ?=
+# The interpreter that creates the local environment (>= 3.10)
 PYTHON ?= python3
+# The local environment, built from requirements.lock
 VENV ?= .venv
-DOCKER ?= $(shell docker buildx version >/dev/null 2>&1 || ! test -x /usr/bin/docker && echo docker || echo /usr/bin/docker)
+# A docker client that builds with BuildKit: `docker` when it has buildx, else Debian's /usr/bin/docker
+DOCKER ?= $(shell docker buildx version >/dev/null 2>&1 || ! test -x /usr/bin/docker \
+  && echo docker || echo /usr/bin/docker)
+# "docker compose" (v2) or docker-compose (v1.29): whichever is installed
 COMPOSE ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
+# docker | local: where `make train` runs; default: docker when an engine answers, else local
+RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
+# The image tag to build and run
 IMAGE ?= trainbox:local
+# torch's CUDA build: cu130 (PyPI; driver >= 580), or cu128 / cu126 for 535/550/570 drivers (`make lock` first)
 TORCH_FLAVOUR ?= cu130
+# The CUDA base image: the one matching TORCH_FLAVOUR (pin it by digest: see docker/Dockerfile)
 BASE_IMAGE ?= $(BASE_$(TORCH_FLAVOUR))
+# A CA bundle for builds behind a TLS-intercepting proxy (a BuildKit secret, never stored in the image)
 EXTRA_CA ?=
+# Extra `docker build` flags, e.g. --no-cache or --progress=plain
 BUILD_FLAGS ?=
+# The container user: yours (root's too); the image's own default user is never root (1000 for root)
 HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
 HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
+# NAS folders for `make env` (datasets read-only); `make evaluate`: another dataset to score on
 DATA_DIR ?=
+# NAS folder for `make env` (runs and checkpoints, read-write)
 RUNS_DIR ?=
+# The compose settings file that `make env` writes and compose reads
 ENV_FILE ?= .env
+# Extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 PYTEST_ARGS ?=
+# Flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
+BENCH_ARGS ?=
+# Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
+CHAOS_ARGS ?=
+# `make pack`: the ImageFolder to pack, and the folder for its shards
 SRC ?=
 DST ?=
+# `make evaluate`, `make export`: the run's folder
 RUN ?=
+# ... and its weights: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a checkpoint file
 WEIGHTS ?= model
-CHAOS_ARGS ?=
+# The output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
-RUNTIME ?= $(shell $(DOCKER) info >/dev/null 2>&1 && echo docker || echo local)
-MLFLOW_PORT ?= 5000
+# The ports `make tensorboard` and `make mlflow` serve on (on 127.0.0.1)
 TENSORBOARD_PORT ?= 6006
+MLFLOW_PORT ?= 5000
+# MLFLOW_EXPOSE=1: a team server, on MLFLOW_BIND (then 0.0.0.0), with a login for every request
 MLFLOW_EXPOSE ?=
 MLFLOW_BIND ?= $(if $(filter 1,$(MLFLOW_EXPOSE)),0.0.0.0,127.0.0.1)
+# The admin's password for MLFLOW_EXPOSE=1: a file only you can read
 MLFLOW_ADMIN_PASSWORD_FILE ?=
+# The MLflow server's image and its base
 MLFLOW_IMAGE ?= trainbox-mlflow:local
 MLFLOW_BASE_IMAGE ?= python:3.12-slim
+# The MLflow server's local environment (`make mlflow RUNTIME=local`), from docker/mlflow.lock
 MLFLOW_VENV ?= .venv-mlflow
+# SkyPilot's environment (`make sky-setup`), from tests/skypilot.lock
 SKY_VENV ?= .venv-sky
+# (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
+# pip installs from a lock file: every hash checked, nothing else pulled in
+PIP_LOCKED := --quiet --disable-pip-version-check --require-hashes --no-deps
+# `make setup`: Python >= 3.10, and this checkout on the environment's path (`python -m train` from any folder)
+NEEDS_310 := import sys; v = sys.version.split()[0]; ok = sys.version_info >= (3, 10)
+NEEDS_310 += ; sys.exit(0 if ok else "error: trainbox needs Python >= 3.10, found " + v + ": set PYTHON=python3.X")
+ON_PATH := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
+ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
-MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
+MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" \
+  MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -86,14 +92,18 @@ CUDA_cu128 := 12.8
 CUDA_cu126 := 12.6
 LOCK := $(if $(filter cu130,$(TORCH_FLAVOUR)),requirements.lock,docker/locks/$(TORCH_FLAVOUR).lock)
 # cu130 resolves for every platform and Python >= 3.10; the others for the image (Linux x86-64, Python 3.12).
-LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),--universal --python-version 3.10,--index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --python-version 3.12 --python-platform x86_64-manylinux_2_28)
+LOCK_FLAGS_cu130 := --universal --python-version 3.10
+LOCK_FLAGS_OTHER := --index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --python-version 3.12 \
+  --python-platform x86_64-manylinux_2_28
+LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),$(LOCK_FLAGS_cu130),$(LOCK_FLAGS_OTHER))
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these come from make's knobs.
 export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench evaluate export chaos build image shell tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench pack evaluate export chaos build image shell \
+  tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -102,11 +112,10 @@ help: ## list the targets
 setup: $(STAMP) ## create or update the local environment from requirements.lock (hash-checked)
 
 $(STAMP): $(LOCK)
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "error: trainbox needs Python >= 3.10, found " + sys.version.split()[0] + ": set PYTHON=python3.X")'
+	@$(PYTHON) -c '$(NEEDS_310)'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
-	@# Put this checkout on the environment's path, so `python -m train` works from any folder.
-	@$(PY) -c 'import os, sysconfig; open(os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth"), "w").write(os.getcwd() + "\n")'
+	$(PY) -m pip install $(PIP_LOCKED) -r $(LOCK)
+	@$(PY) -c '$(ON_PATH)'
 	@touch $@
 
 train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, else locally; GPUS=N, ARGS="..."
@@ -127,16 +136,19 @@ bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input,
 	$(PY) -m train.bench $(BENCH_ARGS)
 
 pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index): SRC=folder DST=folder
-	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards" >&2; exit 2; }
+	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata" \
+	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
 	$(PY) -m train.pack "$(SRC)" "$(DST)"
 
 evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [WEIGHTS=best] [DATA_DIR=another set] [GPUS=N workers]
-	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; exit 2; }
+	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
+	  exit 2; }
 	$(PY) -m train.evaluate "$(RUN)" --weights "$(WEIGHTS)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
 	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS))
 
 export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best] -> RUN/model.pt2 + .json
-	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; exit 2; }
+	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
+	  exit 2; }
 	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)"
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
@@ -151,10 +163,7 @@ build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH
 
 image: ## build the image only if it is missing (warns when it was built from another commit)
 	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) --no-print-directory build
-	@built=$$($(DOCKER) image inspect --format '{{index .Config.Labels "org.opencontainers.image.revision"}}' $(IMAGE)); \
-	  head=$$(git rev-parse HEAD 2>/dev/null); dirty=$$(git status --porcelain -- train docker requirements.lock 2>/dev/null); \
-	  if [ -n "$$head" ] && { [ "$$built" != "$$head" ] || [ -n "$$dirty" ]; }; then \
-	    built=$${built:0:12}; echo "warning: $(IMAGE) was built from $${built:-an unknown commit}, this checkout is $${head:0:12}$${dirty:+ with changes}: run 'make build' to train this code" >&2; fi
+	@$(PYTHON) docker/hostenv.py --warn-stale $(IMAGE) --docker "$(DOCKER)"
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
 	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE)
@@ -172,7 +181,8 @@ ifeq ($(RUNTIME),docker)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
 	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && \
 	  $(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
-	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after: make env MLFLOW_TRACKING_URI=http://mlflow:5000"
+	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after:" \
+	  "make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
 	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && \
 	  $(MLFLOW_KNOBS) PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
@@ -182,11 +192,12 @@ mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment
 
 $(MLFLOW_VENV)/.installed: docker/mlflow.lock
 	@test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
-	$(MLFLOW_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r docker/mlflow.lock
+	$(MLFLOW_VENV)/bin/python -m pip install $(PIP_LOCKED) -r docker/mlflow.lock
 	@touch $@
 
 mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it is missing
-	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/mlflow.Dockerfile \
+	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || \
+	  DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/mlflow.Dockerfile \
 	  -t $(MLFLOW_IMAGE) $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(MLFLOW_BASE_IMAGE) \
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
@@ -194,7 +205,7 @@ sky-setup: $(SKY_VENV)/.installed ## SkyPilot in .venv-sky (tests/skypilot.lock)
 
 $(SKY_VENV)/.installed: tests/skypilot.lock
 	@test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
-	$(SKY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r tests/skypilot.lock
+	$(SKY_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/skypilot.lock
 	@touch $@
 
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
@@ -211,27 +222,33 @@ ifeq ($(RUNTIME),docker)
 	$(PYTHON) docker/hostenv.py --check-driver $(CUDA_$(TORCH_FLAVOUR))
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
 else
-	$(MAKE) --no-print-directory setup && $(PY) -m train.doctor $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
+	$(MAKE) --no-print-directory setup && \
+	  $(PY) -m train.doctor $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR))
 endif
 
 enroot: ## the image as an enroot squashfs for pyxis (SQSH=trainbox.sqsh; needs enroot)
-	@command -v enroot >/dev/null || { echo "error: enroot not found: install NVIDIA enroot where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	@command -v enroot >/dev/null || { echo "error: enroot not found: install NVIDIA enroot where Docker runs," \
+	  "or run this on a cluster login node" >&2; exit 2; }
 	@$(MAKE) --no-print-directory image
 	enroot import -o $(SQSH) dockerd://$(IMAGE)
 
 apptainer: ## the image as an Apptainer SIF (SIF=trainbox.sif; needs apptainer)
-	@command -v apptainer >/dev/null || { echo "error: apptainer not found: install Apptainer where Docker runs, or run this on a cluster login node" >&2; exit 2; }
+	@command -v apptainer >/dev/null || { echo "error: apptainer not found: install Apptainer where Docker runs," \
+	  "or run this on a cluster login node" >&2; exit 2; }
 	@$(MAKE) --no-print-directory image
 	apptainer build $(SIF) docker-daemon://$(IMAGE)
 
 lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu128/cu126 need download.pytorch.org)
 	@mkdir -p $(dir $(LOCK))
 	uv pip compile --generate-hashes $(LOCK_FLAGS) pyproject.toml -o $(LOCK)
-	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes --universal --python-version 3.10 docker/mlflow.in -o docker/mlflow.lock)
-	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes --universal --python-version 3.10 tests/skypilot.in -o tests/skypilot.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) docker/mlflow.in \
+	  -o docker/mlflow.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/skypilot.in \
+	  -o tests/skypilot.lock)
 
 docker/locks/%.lock:
-	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable, then commit it" >&2
+	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable," \
+	  "then commit it" >&2
 	@exit 2
 
 clean: ## remove the local environment and caches (runs/ and the image are kept)

@@ -146,6 +146,34 @@ def read_env(path: Path) -> dict[str, str]:
     return values
 
 
+def stale_image(image: str, built: str, head: str, dirty: bool) -> str | None:
+    """The warning when IMAGE was built from another commit than this checkout's HEAD (or the checkout has
+    changes in what the image holds), else None; no git (head empty): nothing to compare."""
+    if not head or (built == head and not dirty):
+        return None
+    return (f"warning: {image} was built from {built[:12] or 'an unknown commit'}, this checkout is {head[:12]}"
+            f"{' with changes' if dirty else ''}: run 'make build' to train this code")
+
+
+def _output(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
+
+
+def warn_if_stale(image: str, docker: str) -> int:
+    """make image: say so when the image was built from other code than this checkout's (exit 0 either way)."""
+    built = _output([docker, "image", "inspect", "--format",
+                     '{{index .Config.Labels "org.opencontainers.image.revision"}}', image])
+    head = _output(["git", "rev-parse", "HEAD"])
+    dirty = bool(_output(["git", "status", "--porcelain", "--", "train", "docker", "requirements.lock"]))
+    warning = stale_image(image, built, head, dirty)
+    if warning:
+        print(warning, file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="make env", description=__doc__)
     parser.add_argument("--data-dir", default="", help="datasets on the NAS (mounted read-only)")
@@ -158,8 +186,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ids", action="store_true", help="only print the image user's UID and GID (make build)")
     parser.add_argument("--check-writable", action="store_true", help="only check that the container user can "
                         "write RUNS_DIR of --file (and the run that trainer arguments after -- name)")
+    parser.add_argument("--warn-stale", metavar="IMAGE", help="only warn when IMAGE was built from other code "
+                        "than this checkout (make image)")
+    parser.add_argument("--docker", default="docker", help="the docker client (--warn-stale)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.warn_stale:
+        return warn_if_stale(args.warn_stale, args.docker)
     if args.check_driver:
         return check_driver(args.check_driver)
     if args.ids:

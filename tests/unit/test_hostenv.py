@@ -111,3 +111,17 @@ def test_a_folder_the_container_user_cannot_write_is_named_before_the_container_
     capsys.readouterr()
     env_file.write_text(f"HOST_UID=0\nHOST_GID=0\nRUNS_DIR={runs}\n")  # root in the container writes anywhere
     assert hostenv.main(["--check-writable", "--file", str(env_file), "--", "--run-dir", "runs/exp1"]) == 0
+
+
+@pytest.mark.parametrize("built, head, dirty, expected", [
+    ("a" * 40, "a" * 40, False, None),
+    ("a" * 40, "b" * 40, False, "warning: trainbox:local was built from aaaaaaaaaaaa, this checkout is bbbbbbbbbbbb: "
+                                "run 'make build' to train this code"),
+    ("a" * 40, "a" * 40, True, "warning: trainbox:local was built from aaaaaaaaaaaa, this checkout is aaaaaaaaaaaa "
+                               "with changes: run 'make build' to train this code"),
+    ("", "b" * 40, False, "warning: trainbox:local was built from an unknown commit, this checkout is bbbbbbbbbbbb: "
+                          "run 'make build' to train this code"),
+    ("a" * 40, "", True, None),  # no git: nothing to compare
+])
+def test_make_image_warns_when_the_image_holds_other_code(built, head, dirty, expected):
+    assert hostenv.stale_image("trainbox:local", built, head, dirty) == expected
