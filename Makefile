@@ -169,7 +169,7 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
 
-tensorboard: ## TensorBoard over the runs folder on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
+tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
 ifeq ($(RUNTIME),docker)
 	$(MAKE) --no-print-directory image $(ENV_FILE) && TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
 else
