@@ -206,7 +206,8 @@ class Slurm:
     TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
 
     def __init__(self, out: Path, extra: list[str]):
-        self.out, self.extra, self.lab = out, Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-chaos-cluster"
+        self.out, self.extra = out, extra
+        self.lab = Path(os.environ.get("TMPDIR", "/tmp")) / "trainbox-chaos-cluster"
         self.env = {**os.environ, "LAB": str(self.lab), "SLURM_CONF": str(self.lab / "slurm.conf")}
         self.runs = out / "slurm-runs"
 

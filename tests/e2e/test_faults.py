@@ -140,7 +140,8 @@ def test_with_four_workers_the_default_path_survives_a_kill_bit_identically(refe
 
 
 def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path):
-    """Within seconds (docs/resilience.md): the dead peer's closed connection, not the collective timeout (600 s here)."""
+    """Within seconds (docs/resilience.md): the dead peer's closed connection, not the collective timeout
+    (600 s here)."""
     procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 600)
     wait_for(reached_step(tmp_path / "run", 30), 120, "step 30", procs[0])
     procs[1].kill()
