@@ -19,3 +19,17 @@ def test_the_drill_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, exp
     assert expected in err and err.count("\n") == 1, err
     assert not out.exists()  # nothing was started or written
 
+
+
+def test_every_launcher_passes_the_recipe_and_the_world_size_on(tmp_path):
+    """--recipe and --workers reach the local launchers' commands, and the Slurm launcher keeps the recipe."""
+    torchrun = chaos.Local("torchrun", tmp_path, chaos.RECIPE)
+    torchrun.workers = 4
+    cmd = torchrun.command(tmp_path, tmp_path / "run")
+    assert "--nproc-per-node=4" in cmd and cmd[-len(chaos.RECIPE) - 2:-2] == chaos.RECIPE
+    make = chaos.Local("make", tmp_path, chaos.RECIPE)
+    make.workers = 3
+    cmd = make.command(tmp_path, None)
+    assert "GPUS=3" in cmd and cmd[-1].endswith(" ".join(chaos.RECIPE))
+    slurm = chaos.Slurm(tmp_path, chaos.RECIPE)
+    assert (slurm.extra, slurm.runs) == (chaos.RECIPE, tmp_path / "slurm-runs")
