@@ -19,8 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The oldest Linux driver for each CUDA major version (NVIDIA's CUDA compatibility table).
-MIN_DRIVER = {13: 580, 12: 525, 11: 450}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the driver table, stdlib only
+from train.cuda_driver import driver_problem
+
 GPU_COMPOSE = "docker-compose.yml:docker/compose.gpu.yml"
 CPU_COMPOSE = "docker-compose.yml"
 
@@ -46,15 +47,6 @@ def host_driver() -> str | None:
         return None
     lines = out.stdout.split()
     return lines[0] if out.returncode == 0 and lines else None
-
-
-def driver_problem(driver: str, cuda: str) -> str | None:
-    """Why a driver cannot run a CUDA version's torch, or None."""
-    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
-    if need and int(driver.split(".")[0]) < need:
-        return (f"driver {driver} is too old for CUDA {cuda} (needs >= {need}): upgrade the driver, or build "
-                f"the image with an older CUDA flavour (make build TORCH_FLAVOUR=cu128 or cu126)")
-    return None
 
 
 def check_driver(cuda: str) -> int:

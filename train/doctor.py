@@ -10,7 +10,6 @@ user), and a short all-reduce across N local workers with its bandwidth. Exit co
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import queue as queue_module
@@ -18,7 +17,6 @@ import shutil
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pynvml
 import torch
@@ -26,23 +24,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from train import checks
+from train.cuda_driver import MIN_DRIVER, driver_problem
 from train.distributed import destroy_and_leave_together, free_port, usable_cores
 from train.errors import ConfigError
 from train.metrics import nvml
 
 
-def _hostenv():
-    """docker/hostenv.py: standard library only, run by the host's python3 for `make env`; its table of the
-    oldest driver for each CUDA version is the one this report checks against too. Loaded by its path,
-    not as a package named `docker` (which the Docker SDK would shadow)."""
-    path = Path(__file__).resolve().parents[1] / "docker" / "hostenv.py"
-    spec = importlib.util.spec_from_file_location("trainbox_hostenv", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-hostenv = _hostenv()
 
 ALLREDUCE_TIMEOUT_S = 120  # the all-reduce check gives up after this
 
@@ -79,8 +67,8 @@ def check_gpus() -> int:
         visible = "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
         report("info", "gpu", f"no NVIDIA driver reachable: CPU only (gloo) ({visible})")
         return 0
-    need = hostenv.MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
-    problem = hostenv.driver_problem(driver, cuda_build) if cuda_build else None
+    need = MIN_DRIVER.get(int(cuda_build.split(".")[0])) if cuda_build else None
+    problem = driver_problem(driver, cuda_build) if cuda_build else None
     if problem:
         report("FAIL", "driver", problem)
     else:

@@ -6,7 +6,7 @@ import sys
 from tests.helpers import REPO
 
 HOST_HELPERS = ("slurm/plan.py", "docker/hostenv.py")  # run before any environment exists
-STDLIB_ONLY = ("train/runfiles.py",)  # trainbox modules the host helpers may import
+STDLIB_ONLY = ("train/runfiles.py", "train/cuda_driver.py")  # trainbox modules the host helpers may import
 
 
 def _imports(path) -> set[str]:
