@@ -60,20 +60,12 @@ def test_gpu_decode_trains_and_matches_the_cpu_decode_within_a_level(tmp_path):
     are within a level (mean difference < 2 of 255); the crops and flips are the same draws, and another
     draw (the next epoch's batch) differs by far more, so the check can see a wrong crop or flip."""
     from train.bench.photos import make_photos
-    from train.config import parse_config
-    from train.data import build_datasets, build_train_loader
 
     for split, count in (("train", 64), ("val", 16)):
         make_photos(tmp_path / "data" / split, count, classes=4, seed=len(split))
     common = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "128",
               "--batch-size", "8", "--num-workers", "2"]
-    loaded = {}
-    for decode in ("cpu", "gpu"):
-        cfg = parse_config([*common, "--decode", decode])
-        train_set, _, _ = build_datasets(cfg)
-        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
-        sampler.set_epoch(0)
-        loaded[decode] = next(iter(loader))[0].to("cuda")
+    loaded, loader, sampler = first_batches(common)
     assert loaded["gpu"].device.type == "cuda" and loaded["gpu"].shape == loaded["cpu"].shape
     difference = (loaded["gpu"].float() - loaded["cpu"].float()).abs()
     assert difference.mean() < 2, difference.mean()
@@ -90,20 +82,12 @@ def test_a_recipe_with_gpu_decode_augments_as_the_cpu_path_and_resumes_exactly(t
     path per sample (the batches within a level, as the plain decode), and a recipe run (random erasing,
     Mixup/CutMix, EMA on the device) stopped and resumed under --deterministic equals the uninterrupted one."""
     from train.bench.photos import make_photos
-    from train.config import parse_config
-    from train.data import build_datasets, build_train_loader
 
     for split, count in (("train", 256), ("val", 16)):
         make_photos(tmp_path / "data" / split, count, classes=4, seed=len(split))
     common = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "128",
               "--batch-size", "8", "--num-workers", "2", "--auto-augment", "ta_wide", "--ra-reps", "2"]
-    loaded = {}
-    for decode in ("cpu", "gpu"):
-        cfg = parse_config([*common, "--decode", decode])
-        train_set, _, _ = build_datasets(cfg)
-        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
-        sampler.set_epoch(0)
-        loaded[decode] = next(iter(loader))[0].to("cuda")
+    loaded, _, _ = first_batches(common)
     assert (loaded["gpu"].float() - loaded["cpu"].float()).abs().mean() < 2
     args = [*common, "--decode", "gpu", "--deterministic", "--max-steps", 24, "--save-every", 8, "--eval-every", 0,
             "--model-ema", "--model-ema-steps", 2, "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
@@ -114,3 +98,19 @@ def test_a_recipe_with_gpu_decode_augments_as_the_cpu_path_and_resumes_exactly(t
     run(python_cmd(*args, "--run-dir", resumed))
     for name in ("model.pt", "model_ema.pt"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def first_batches(common: list[str]) -> tuple[dict, object, object]:
+    """The first training batch of epoch 0 on the CPU path and on --decode gpu, on the GPU; and the GPU
+    path's loader and sampler, for a control draw."""
+    from train.config import parse_config
+    from train.data import build_datasets, build_train_loader
+
+    loaded = {}
+    for decode in ("cpu", "gpu"):
+        cfg = parse_config([*common, "--decode", decode])
+        train_set, _, _ = build_datasets(cfg)
+        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
+        sampler.set_epoch(0)
+        loaded[decode] = next(iter(loader))[0].to("cuda")
+    return loaded, loader, sampler
