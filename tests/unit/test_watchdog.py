@@ -14,12 +14,18 @@ def _overdue(watchdog: Watchdog) -> None:
     watchdog.limit, watchdog.armed_at = 1.0, time.monotonic() - 5
 
 
-def _wait_for_the_line(capfd) -> str:
-    """What the announcing thread wrote, once its whole line is out (a read may catch a write half done)."""
-    err, deadline = "", time.monotonic() + 10
-    while not err.endswith("\n") and time.monotonic() < deadline:
-        err += capfd.readouterr().err
+def _wait_for_the_line(capfd, watchdog: Watchdog) -> str:
+    """What the announcing thread wrote, once its whole line is out. The line follows the thread's flag at
+    once; reading while it is being written could lose its first bytes (capfd truncates what it read), so
+    the read waits for the flag and a moment more."""
+    deadline = time.monotonic() + 10
+    while not watchdog._reported and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(0.3)
+    err = capfd.readouterr().err
+    while not err.endswith("\n") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        err += capfd.readouterr().err
     return err
 
 
@@ -37,7 +43,7 @@ def test_a_watchdog_that_named_the_phase_first_keeps_the_caller_silent(capfd):
     watchdog = Watchdog()
     _overdue(watchdog)
     threading.Thread(target=watchdog._announce, daemon=True).start()
-    err = _wait_for_the_line(capfd)
+    err = _wait_for_the_line(capfd, watchdog)
     assert err.startswith("error: [rank 1] no progress for 1 s during process-group set-up"), err
     assert not watchdog.claim_report()
     watchdog.pause()  # lets the announcing thread go back to idling
@@ -49,7 +55,7 @@ def test_after_a_near_miss_a_later_error_has_its_line_again(capfd):
     watchdog = Watchdog()
     _overdue(watchdog)
     threading.Thread(target=watchdog._announce, daemon=True).start()
-    _wait_for_the_line(capfd)
+    _wait_for_the_line(capfd, watchdog)
     deadline = time.monotonic() + 10
     watchdog.limit, watchdog.armed_at = 100.0, time.monotonic()  # re-armed, as progress() does
     while watchdog._reported and time.monotonic() < deadline:
