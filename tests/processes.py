@@ -16,16 +16,21 @@ def pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
 
-def children(pid: int) -> list[int]:
-    """Direct child processes of pid."""
+def _where(field: int, value: int) -> list[int]:
+    """The processes whose /proc/PID/stat field (after the command name) equals value."""
     out = []
-    for child in pids():
+    for pid in pids():
         try:
-            if int(_stat(child)[1]) == pid:
-                out.append(child)
+            if int(_stat(pid)[field]) == value:
+                out.append(pid)
         except (OSError, IndexError, ValueError):
             continue
     return out
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of pid."""
+    return _where(1, pid)
 
 
 def descendants(pid: int) -> list[int]:
@@ -45,14 +50,7 @@ def descendants(pid: int) -> list[int]:
 
 def in_session(sid: int) -> list[int]:
     """Processes of a session (a launcher started with start_new_session), orphans included."""
-    out = []
-    for pid in pids():
-        try:
-            if int(_stat(pid)[3]) == sid:
-                out.append(pid)
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    return _where(3, sid)
 
 
 def environ(pid: int) -> dict:
