@@ -41,8 +41,6 @@ RUNS_DIR ?=
 ENV_FILE ?= .env
 # Extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist) side by side: 2 keep CI's 2 cores busy; 0 runs the tests in make's own process
-TEST_WORKERS ?= 2
 # Flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
 BENCH_ARGS ?=
 # Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
@@ -131,8 +129,8 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE) -- $(ARGS)
 	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
 
-test: $(STAMP) ## run the test suite on TEST_WORKERS processes (GPU tests run only where a GPU is visible)
-	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
