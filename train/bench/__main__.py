@@ -12,8 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from train.bench.arms import bare_main
-from train.bench.cpu import (checkpoint_rows, comm_rows, exactness_rows, loop_rows, pipeline_rows, recipe_rows,
-                             shard_rows)
+from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.distributed import usable_cores
@@ -106,10 +105,8 @@ def main(argv: list[str]) -> int:
           flush=True)
     rows, bars = [], {}
     if not ns.gpu_only:
-        rows, bars = loop_rows(out, size, ns.rounds)
-        rows += comm_rows(out, size)
-        rows += exactness_rows(out, size, ns.rounds)
-        rows += recipe_rows(out, size, ns.rounds)
+        loop, exactness, recipe, bars = trainer_rows(out, size, ns.rounds)
+        rows = [*loop, *comm_rows(out, size), *exactness, *recipe]
         rows += pipeline_rows(out, size, ns.rounds)
         rows += photo_rows(out, size, ns.rounds)
         rows += shard_rows(out, size, ns.rounds)

@@ -28,16 +28,22 @@ from train.pack import pack
 
 # ---------------------------------------------------------------- CPU rows
 
-def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
-    """Trainer vs bare loop (2 ranks), and the trainer at 1 rank x 1 thread, 1 x 2, 2 x 1 (weak scaling)."""
+def trainer_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """Every row that compares whole trainer runs, their arms interleaved round by round (one run of each
+    arm per round), the 2 ranks x 1 thread trainer shared by the rows that compare against it:
+    the loop's rows (trainer vs bare loop, weak scaling, threads, data wait, time to first step), what exact
+    resume costs (--deterministic's step, the one-time settling pass) and a recipe's per-step costs (EMA,
+    MixUp/CutMix). Returns (loop rows, exactness rows, recipe rows, the scaling chart's bars)."""
     w = size["window"]
     common = ["--max-steps", size["steps"], "--log-every", w, "--eval-every", 0, "--save-every", 10**6,
               "--grad-clip", 0, "--train-samples", size["samples"], "--val-samples", 256, "--width", size["width"],
-              "--batch-size", size["batch"]]
+              "--batch-size", size["batch"]]  # no clipping: the bare loop has none
     bare = {"world": 2, "threads": 1, "samples": size["samples"], "image_size": 32, "width": size["width"],
             "batch": size["batch"], "steps": size["steps"], "window": w}
-    arms = {"trainer 2x1": ["--spawn", 2, "--threads", 1], "bare 2x1": None,
-            "trainer 1x1": ["--threads", 1], "trainer 1x2": ["--threads", 2]}
+    two = ["--spawn", 2, "--threads", 1]
+    arms = {"trainer 2x1": two, "bare 2x1": None, "trainer 1x1": ["--threads", 1], "trainer 1x2": ["--threads", 2],
+            "deterministic 2x1": [*two, "--deterministic"], "ema 2x1": [*two, "--model-ema", "--model-ema-steps", 1],
+            "mix 2x1": [*two, "--mixup-alpha", 0.2, "--cutmix-alpha", 1.0]}
     results: dict[str, list[dict]] = {name: [] for name in arms}
     for r in range(rounds):
         for name, extra in arms.items():
@@ -47,22 +53,26 @@ def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
             else:
                 results[name].append(trainer_arm(out / "runs" / f"{tag}-{r}", [*common, *extra], size["warmup"]))
     step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
+    ms = {name: 1000 * median(v) for name, v in step.items()}
+
+    def per_round(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(step[a], step[b], strict=True)]
+
     b = size["batch"]
-    overhead = [bare / tb for bare, tb in zip(step["bare 2x1"], step["trainer 2x1"], strict=True)]
+    overhead = per_round("bare 2x1", "trainer 2x1")
     scaling = [2 * one / two for one, two in zip(step["trainer 1x1"], step["trainer 2x1"], strict=True)]
-    threads = [one / two for one, two in zip(step["trainer 1x1"], step["trainer 1x2"], strict=True)]
     waits = [median(res["data_wait"]) for res in results["trainer 1x2"]]
     ttfs = [tb["first_step_s"] / bare["first_step_s"]
             for tb, bare in zip(results["trainer 2x1"], results["bare 2x1"], strict=True)]
-    ms = {name: 1000 * median(v) for name, v in step.items()}
-    rows = [
+    settle = [res["settle_s"] / s for res, s in zip(results["trainer 2x1"], step["trainer 2x1"], strict=True)]
+    loop = [
         row("trainer overhead: bare loop step / trainbox step (2 ranks x 1 thread)", overhead,
             f"bare {ms['bare 2x1']:.1f} ms, trainbox {ms['trainer 2x1']:.1f} ms per step of 2x{b}",
             ">= 0.97", median(overhead) >= 0.97),
         row("weak scaling: samples/s 2 ranks x 1 thread / 1 rank x 1 thread", scaling,
             f"1x1 {b / median(step['trainer 1x1']):.0f}/s, 2x1 {2 * b / median(step['trainer 2x1']):.0f}/s; "
             f"efficiency {median(scaling) / 2:.0%} (ideal ratio 2.0)"),
-        row("threads: samples/s 1 rank x 2 threads / 1 rank x 1 thread", threads,
+        row("threads: samples/s 1 rank x 2 threads / 1 rank x 1 thread", per_round("trainer 1x1", "trainer 1x2"),
             f"1x2 {b / median(step['trainer 1x2']):.0f}/s"),
         row("data wait fraction per step, built-in dataset (1 rank x 2 threads)", waits,
             "time in next(batch) / step time, trainer's own metric", "< 0.05", median(waits) < 0.05),
@@ -70,60 +80,28 @@ def loop_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], dict]:
             f"trainbox {median([r['first_step_s'] for r in results['trainer 2x1']]):.1f} s, bare "
             f"{median([r['first_step_s'] for r in results['bare 2x1']]):.1f} s"),
     ]
+    exactness = [
+        row("--deterministic: default step / deterministic step (2 ranks x 1 thread; both resume bit-exactly)",
+            per_round("trainer 2x1", "deterministic 2x1"),
+            f"default {ms['trainer 2x1']:.1f} ms, --deterministic {ms['deterministic 2x1']:.1f} ms per step; "
+            f"< 1: the cost of deterministic kernels and the rank-ordered gradient gather"),
+        row("settling DDP's buckets: the one-time pass per attempt / one default step (2 ranks x 1 thread)", settle,
+            f"{1000 * median([res['settle_s'] for res in results['trainer 2x1']]):.1f} ms once per start, resume "
+            f"or restart; the steps after it are the default step above"),
+    ]
+    recipe = [
+        row("--model-ema (every step): plain step / step with the EMA update (2 ranks x 1 thread)",
+            per_round("trainer 2x1", "ema 2x1"),
+            f"plain {ms['trainer 2x1']:.1f} ms, with EMA {ms['ema 2x1']:.1f} ms per step"),
+        row("--mixup-alpha/--cutmix-alpha: plain step / step with MixUp or CutMix (2 ranks x 1 thread)",
+            per_round("trainer 2x1", "mix 2x1"),
+            f"plain {ms['trainer 2x1']:.1f} ms, with MixUp/CutMix {ms['mix 2x1']:.1f} ms per step"),
+    ]
     chart = {"1 rank x 1 thread": b / median(step["trainer 1x1"]),
              "1 rank x 2 threads": b / median(step["trainer 1x2"]),
              "2 ranks x 1 thread": 2 * b / median(step["trainer 2x1"]),
              "bare 2 ranks x 1 thread": 2 * b / median(step["bare 2x1"])}
-    return rows, chart
-
-
-def exactness_rows(out: Path, size: dict, rounds: int) -> list[dict]:
-    """What exact resume costs: --deterministic's step against the default one, and the default path's
-    one-time settling pass per attempt (Trainer.settle_buckets) against a step, 2 ranks x 1 thread."""
-    w = size["window"]
-    common = ["--spawn", 2, "--threads", 1, "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0,
-              "--save-every", 10**6, "--train-samples", size["samples"], "--val-samples", 256,
-              "--width", size["width"], "--batch-size", size["batch"]]
-    arms = {"default": [], "deterministic": ["--deterministic"]}
-    results: dict[str, list[dict]] = {name: [] for name in arms}
-    for r in range(rounds):
-        for name, extra in arms.items():
-            results[name].append(trainer_arm(out / "runs" / f"exact-{name}-{r}", [*common, *extra], size["warmup"]))
-    step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
-    cost = [d / x for d, x in zip(step["default"], step["deterministic"], strict=True)]
-    settle = [res["settle_s"] / s for res, s in zip(results["default"], step["default"], strict=True)]
-    ms = {name: 1000 * median(v) for name, v in step.items()}
-    return [
-        row("--deterministic: default step / deterministic step (2 ranks x 1 thread; both resume bit-exactly)",
-            cost, f"default {ms['default']:.1f} ms, --deterministic {ms['deterministic']:.1f} ms per step; "
-            f"< 1: the cost of deterministic kernels and the rank-ordered gradient gather"),
-        row("settling DDP's buckets: the one-time pass per attempt / one default step (2 ranks x 1 thread)", settle,
-            f"{1000 * median([res['settle_s'] for res in results['default']]):.1f} ms once per start, resume or "
-            f"restart; the steps after it are the default step above"),
-    ]
-
-
-def recipe_rows(out: Path, size: dict, rounds: int) -> list[dict]:
-    """The per-step cost of a recipe's EMA (updated every step, the dearest setting) and of MixUp/CutMix,
-    each against the plain step, 2 ranks x 1 thread."""
-    w = size["window"]
-    common = ["--spawn", 2, "--threads", 1, "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0,
-              "--save-every", 10**6, "--train-samples", size["samples"], "--val-samples", 256,
-              "--width", size["width"], "--batch-size", size["batch"]]
-    arms = {"plain": [], "ema": ["--model-ema", "--model-ema-steps", 1],
-            "mix": ["--mixup-alpha", 0.2, "--cutmix-alpha", 1.0]}
-    results: dict[str, list[dict]] = {name: [] for name in arms}
-    for r in range(rounds):
-        for name, extra in arms.items():
-            results[name].append(trainer_arm(out / "runs" / f"recipe-{name}-{r}", [*common, *extra], size["warmup"]))
-    step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
-    ms = {name: 1000 * median(v) for name, v in step.items()}
-    return [row("--model-ema (every step): plain step / step with the EMA update (2 ranks x 1 thread)",
-                [p / e for p, e in zip(step["plain"], step["ema"], strict=True)],
-                f"plain {ms['plain']:.1f} ms, with EMA {ms['ema']:.1f} ms per step"),
-            row("--mixup-alpha/--cutmix-alpha: plain step / step with MixUp or CutMix (2 ranks x 1 thread)",
-                [p / m for p, m in zip(step["plain"], step["mix"], strict=True)],
-                f"plain {ms['plain']:.1f} ms, with MixUp/CutMix {ms['mix']:.1f} ms per step")]
+    return loop, exactness, recipe, chart
 
 
 def _comm_worker(rank: int, spec: dict) -> None:
