@@ -126,19 +126,6 @@ def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(r
     assert_bit_identical(run_dir, straight)
 
 
-def test_with_four_workers_the_default_path_survives_a_kill_bit_identically(reference_run, tmp_path):
-    """No --deterministic: the restarted attempt settles DDP's bucket layout before its first step."""
-    straight = reference_run(*FAULT, workers=4)
-    run_dir = tmp_path / "run"
-    proc = start(launch_cmd(4, run_dir))
-    wait_for(reached_step(run_dir, 70), 240, "step 70", proc)
-    os.kill(worker_pid(proc, 3), signal.SIGKILL)
-    out, err = finish(proc, 400)
-    assert proc.returncode == 0, err[-4000:]
-    assert attempts(run_dir) == 2 and "resumed from" in err
-    assert_bit_identical(run_dir, straight)
-
-
 def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path):
     """Within seconds (docs/resilience.md): the dead peer's closed connection, not the collective timeout
     (600 s here)."""
@@ -254,16 +241,17 @@ def test_killed_while_writing_a_checkpoint_the_previous_one_is_used(tmp_path):
 
 
 def test_a_worker_killed_during_an_evaluation_restarts_and_ends_bit_identical(reference_run, tmp_path):
-    """Killed surely inside the evaluation of step 20 (the test model pauses there, once): torchrun restarts
+    """Killed surely inside the evaluation of step 20 (the test model pauses there, once, on the rank that
+    reached it first: that rank is the one killed, its peer waits for it in the evaluation): torchrun restarts
     the workers, they resume from the checkpoint and evaluate again; the end equals an uninterrupted run."""
     args = [*DEBUG, "--model", "tests.models:pauses_in_its_first_evaluation", "--log-every", 1, "--save-every", 10]
     marker = tmp_path / "evaluating"
     run_dir = tmp_path / "run"
     proc = start([PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, args), "--run-dir", str(run_dir)],
                  env=env_for_tests(TRAINBOX_TEST_MARKER=str(marker)))
-    wait_for(marker.exists, 120, "the evaluation of step 20", proc)
+    wait_for(lambda: marker.exists() and marker.read_text() != "", 120, "the evaluation of step 20", proc)
     assert [m["step"] for m in metrics(run_dir, "eval")] == []  # inside it: its record not written yet
-    os.kill(worker_pid(proc, 1), signal.SIGKILL)
+    os.kill(worker_pid(proc, int(marker.read_text())), signal.SIGKILL)  # the rank pausing there; its peer waits
     out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-4000:]
     assert attempts(run_dir) == 2 and "step_00000010.pt (step 10 of 40)" in err  # the checkpoint before it
@@ -352,7 +340,7 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
 # ---------------------------------------------------------------- hangs
 
 def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp_path):
-    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 10)
+    procs = manual_ranks(2, tmp_path / "run", "--timeout-s", 5)
     try:
         wait_for(reached_step(tmp_path / "run", 30), 120, "step 30", procs[0])
         os.kill(procs[1].pid, signal.SIGSTOP)  # alive, connected, silent
@@ -363,7 +351,7 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp
         procs[1].kill()
         procs[1].communicate()
     assert procs[0].returncode == 1, err[-5000:]
-    assert 9 <= waited < 40, f"rank 0 gave up after {waited:.0f}s with --timeout-s 10"
+    assert 4.5 <= waited < 35, f"rank 0 gave up after {waited:.0f}s with --timeout-s 5"
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and \
         ("Timed out" in errors[0] or "timeout" in errors[0]), \
