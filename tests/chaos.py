@@ -448,6 +448,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
                         "Mixup/CutMix, random erasing, label smoothing)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
+    parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
+                        "size to compare the trials with, instead of training one")
     ns = parser.parse_args(argv)
     launchers = [x for x in ns.launchers.split(",") if x]
     faults = [x for x in ns.faults.split(",") if x]
@@ -465,6 +467,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
         problem = f"--out {out} contains whitespace (make's ARGS would split it): choose another folder"
     elif out.exists() and any(out.iterdir()):
         problem = f"{out} is not empty: pass a new --out"
+    elif ns.reference and (len(sizes) != 1 or not (Path(ns.reference) / "model.pt").is_file()):
+        problem = f"--reference {ns.reference}: give the model.pt folder of a finished run and a single --workers"
     else:
         return ns, launchers, faults, [int(x) for x in sizes], out
     print(f"error: {problem}", file=sys.stderr)
@@ -480,7 +484,7 @@ def main(argv: list[str]) -> int:
     print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}, "
           f"seed {ns.seed}, in {out}", flush=True)
     extra = RECIPE if ns.recipe else []
-    references = {n: reference_run(out, n, extra) for n in sizes}
+    references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}
     for name in launchers:

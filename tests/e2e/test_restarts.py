@@ -54,8 +54,10 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     env = env_for_tests()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     out = tmp_path / "chaos"
+    reference = reference_run(*chaos.ARGS, *chaos.RECIPE, workers=4)  # the drill's verdict too compares with it
     proc = run([PY, "-m", "tests.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
-                "--workers", "4", "--recipe", "--seed", "3", "--out", str(out)], env=env, expect=None, timeout=900)
+                "--workers", "4", "--recipe", "--seed", "3", "--out", str(out), "--reference", str(reference)],
+               env=env, expect=None, timeout=900)
     assert proc.returncode == 0 and "torchrun: ok=5/5" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
     trials = json.loads((out / "results.json").read_text())
     assert [t["moment"].split(" (")[0] for t in trials] == [
@@ -75,9 +77,11 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     assert all("resumed from" in logs[i] for i in (0, 1, 2, 4)), [log[-2000:] for log in logs]
     assert "already finished at step 24" in logs[3], logs[3][-3000:]
     assert {t["workers"] for t in trials} == {4}
-    reference = reference_run(*chaos.ARGS, *chaos.RECIPE, workers=4)
-    for trial in trials:
+    for i, trial in enumerate(trials):
         (run_dir,) = Path(trial["folder"]).glob("runs/*")  # plain torchrun named the run directory itself
+        # one restart: its attempt trained on; after the kill at shutdown it found the run done and ended
+        log = (run_dir / "train.log").read_text()  # the attempts' "run runs/NAME: 4 worker(s) ..." lines
+        assert log.count(f" run runs/{run_dir.name}: ") == (1 if i == 3 else 2), (i, log[-3000:])
         assert_bit_identical(run_dir, reference)
         assert_same_final_figures(run_dir, reference)
         assert (run_dir / "model_ema.pt").read_bytes() == (reference / "model_ema.pt").read_bytes()
