@@ -54,11 +54,12 @@ def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(referen
 
 
 @pytest.mark.parametrize("workers, flags, stops", [
-    (3, [], [7, 25]), (4, [], [8, 13]),  # 8: an epoch boundary (512 images / (4 x 16))
-    (8, [], [4, 19]),  # 4: an epoch boundary (512 / (8 x 16))
-    (4, ["--grad-accum", "2"], [5]), (4, ["--static-graph"], [11]), (4, ["--compile"], [13]),
-    (3, ["--deterministic"], [7, 25]),
-], ids=["3-workers", "4-workers", "8-workers", "4-grad-accum", "4-static-graph", "4-compile", "3-deterministic"])
+    # Two stops: a resumed attempt stopped and resumed again. 8: an epoch boundary (512 images / (4 x 16)).
+    (3, [], [7, 25]), (4, [], [8, 13]),
+    (8, [], [19]),  # the last quarter of epoch 4 (4 steps per epoch: 512 / (8 x 16))
+    (3, ["--grad-accum", "2"], [5]), (3, ["--static-graph"], [11]), (3, ["--compile"], [13]),
+    (3, ["--deterministic"], [25]),
+], ids=["3-workers", "4-workers", "8-workers", "3-grad-accum", "3-static-graph", "3-compile", "3-deterministic"])
 def test_a_stopped_and_resumed_run_is_bit_identical_at_any_world_size(reference_run, tmp_path, workers, flags, stops):
     """DDP lays its gradient buckets out anew after its first backward, and with more than 2 ranks the
     all-reduce's sums depend on the layout: every attempt settles it first (Trainer.settle_buckets)."""

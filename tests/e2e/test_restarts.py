@@ -31,9 +31,9 @@ def test_a_start_up_that_cannot_reach_its_peers_ends_within_its_bound_naming_the
     env = env_for_tests(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     started = time.monotonic()
-    proc = run(python_cmd(*DEBUG, "--timeout-s", 5, "--run-dir", tmp_path / "run"), env=env, expect=1, timeout=120)
+    proc = run(python_cmd(*DEBUG, "--timeout-s", 3, "--run-dir", tmp_path / "run"), env=env, expect=1, timeout=120)
     took = time.monotonic() - started
-    assert took < 5 + 5 + 20, f"gave up after {took:.0f} s with --timeout-s 5"  # the limit, its margin, start-up
+    assert took < 3 + 3 + 20, f"gave up after {took:.0f} s with --timeout-s 3"  # the limit, its margin, start-up
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert f"[rank {rank}]" in errors[0] and f"process-group set-up (rendezvous at 127.0.0.1:{port})" in errors[0]
