@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as S
 
-from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model, metrics,
+from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model, make, metrics,
                            python_cmd, run, status)
 
 # 512 images / (2 workers x 16) = 16 steps per epoch (--ra-reps: 512 // 256 x 256 / 2 per rank, as many): 3 epochs,
@@ -91,7 +91,8 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
 def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_path):
     """The loader-side knobs (TrivialAugmentWide after the crop and flip, the repeated-augmentation sampler) and
     the device-side ones (random erasing, Mixup) on PNG files that loader workers decode: the same
-    model from the loose files, from their packed shards, and from a run stopped inside an epoch and resumed."""
+    model from the loose files, from their shards (`make pack`), and from a run stopped inside an epoch and
+    resumed."""
     import random
 
     from PIL import Image
@@ -105,13 +106,18 @@ def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_pat
                 image = Image.new("RGB", (20, 20), tuple(rng.randrange(256) for _ in range(3)))
                 image.putpixel((rng.randrange(20), rng.randrange(20)), (255, 255, 255))
                 image.save(data / split / f"c{c}" / f"{i}.png")
-    run([PY, "-m", "train.pack", str(data), str(tmp_path / "shards")])
+    packed = tmp_path / "shards"
+    out = make("pack", f"SRC={data}", f"DST={packed}").stdout  # as users pack: the make target
+    assert "train: 280 images of 4 classes in 1 shard(s)" in out and f"--dataset shards --data-dir {packed}" in out
+    assert make("pack", f"DST={packed}", expect=2).stderr.splitlines()[0] == \
+        "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards"
     args = [*DEBUG, "--augment", "imagenet", "--image-size", 16, "--auto-augment", "ta_wide", "--random-erase", "0.25",
             "--ra-reps", 2, "--mixup-alpha", "0.2", "--batch-size", 8, "--num-workers", 1, "--max-steps", 24,
             "--eval-every", 0, "--spawn", 2]  # 16 steps per epoch: 256 / (2 x 8)
     files, shards, resumed = tmp_path / "files", tmp_path / "on-shards", tmp_path / "resumed"
     run(python_cmd(*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", files))
-    run(python_cmd(*args, "--dataset", "shards", "--data-dir", tmp_path / "shards", "--run-dir", shards))
+    run(python_cmd(*args, "--dataset", "shards", "--data-dir", packed, "--run-dir", shards))
+    assert metrics(shards, "eval")[-1]["samples"] == 32  # 2 workers: each validation sample counted once
     common = [*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", resumed]
     run(python_cmd(*common, "--stop-at", 11), expect=75)
     run(python_cmd(*common))

@@ -144,24 +144,6 @@ def test_imagefolder_trains_with_loader_workers(tmp_path):
     assert (run_dir / "model.pt").is_file()
 
 
-def test_make_pack_then_training_on_the_shards_equals_training_on_the_files(tmp_path):
-    """Two workers, each validation sample counted once, and the same model bit for bit as the loose files."""
-    from tests.helpers import assert_bit_identical, make
-
-    _image_folder(tmp_path / "data")
-    packed = tmp_path / "shards"
-    out = make("pack", f"SRC={tmp_path / 'data'}", f"DST={packed}").stdout
-    assert "train: 36 images of 3 classes in 1 shard(s)" in out and f"--dataset shards --data-dir {packed}" in out
-    common = [*DEBUG, "--batch-size", 4, "--num-workers", 1, "--max-steps", 12, "--spawn", 2]
-    run(python_cmd(*common, "--dataset", "shards", "--data-dir", packed, "--run-dir", tmp_path / "on-shards"))
-    run(python_cmd(*common, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--run-dir",
-                   tmp_path / "on-files"))
-    assert metrics(tmp_path / "on-shards", "eval")[-1]["samples"] == 36
-    assert_bit_identical(tmp_path / "on-shards", tmp_path / "on-files")
-    assert make("pack", f"DST={packed}", expect=2).stderr.splitlines()[0] == \
-        "error: give both folders: make pack SRC=/nas/datasets/mydata DST=/nas/datasets/mydata-shards"
-
-
 def test_best_pt_holds_the_best_evaluation_and_the_figures_include_top5(tmp_path):
     """best.pt: the evaluation with the highest top-1 (the earlier of a tie), its model bit for bit the one
     evaluated (the checkpoint of the same step), named in status.json; top-5 beside top-1 (10 classes)."""
