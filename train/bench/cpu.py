@@ -28,12 +28,8 @@ from train.pack import pack
 
 # ---------------------------------------------------------------- CPU rows
 
-def trainer_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], list[dict], list[dict], dict]:
-    """Every row that compares whole trainer runs, their arms interleaved round by round (one run of each
-    arm per round), the 2 ranks x 1 thread trainer shared by the rows that compare against it:
-    the loop's rows (trainer vs bare loop, weak scaling, threads, data wait, time to first step), what exact
-    resume costs (--deterministic's step, the one-time settling pass) and a recipe's per-step costs (EMA,
-    MixUp/CutMix). Returns (loop rows, exactness rows, recipe rows, the scaling chart's bars)."""
+def _trainer_arms(out: Path, size: dict, rounds: int) -> dict[str, list[dict]]:
+    """One run of each arm per round, interleaved: {arm: its runs' results}."""
     w = size["window"]
     common = ["--max-steps", size["steps"], "--log-every", w, "--eval-every", 0, "--save-every", 10**6,
               "--grad-clip", 0, "--train-samples", size["samples"], "--val-samples", 256, "--width", size["width"],
@@ -52,6 +48,16 @@ def trainer_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], list[d
                 results[name].append(bare_arm(out / f"{tag}-{r}.json", bare, size["warmup"]))
             else:
                 results[name].append(trainer_arm(out / "runs" / f"{tag}-{r}", [*common, *extra], size["warmup"]))
+    return results
+
+
+def trainer_rows(out: Path, size: dict, rounds: int) -> tuple[list[dict], list[dict], list[dict], dict]:
+    """Every row that compares whole trainer runs (_trainer_arms), the 2 ranks x 1 thread trainer shared by
+    the rows that compare against it: the loop's rows (trainer vs bare loop, weak scaling, threads, data
+    wait, time to first step), what exact resume costs (--deterministic's step, the one-time settling pass)
+    and a recipe's per-step costs (EMA, MixUp/CutMix). Returns (loop rows, exactness rows, recipe rows,
+    the scaling chart's bars)."""
+    results = _trainer_arms(out, size, rounds)
     step = {name: [median(res["step_times"]) for res in runs] for name, runs in results.items()}
     ms = {name: 1000 * median(v) for name, v in step.items()}
 
