@@ -15,6 +15,7 @@ import sys
 
 from train.config import parse_config
 from train.errors import ConfigError, end_process, fail
+from train.forkserver import start_fork_server
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +23,8 @@ def main(argv: list[str]) -> int:
         cfg = parse_config(argv)
     except ConfigError as e:
         return fail(str(e))
+    if cfg.spawn > 0:  # the workers' fork server imports torch and the trainer while this process does
+        start_fork_server()
     # The project's one deferred import: everything that needs torch starts here, so that --help and a
     # mistake in the flags or config file answer at once.
     from train.launch import start  # noqa: PLC0415

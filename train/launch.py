@@ -40,6 +40,7 @@ from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main
+from train.forkserver import start_fork_server, stop_fork_server
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
                           end_process, fail)
 from train.watchdog import watchdog
@@ -50,6 +51,7 @@ def start(cfg: Config) -> int:
     try:
         preflight(cfg)
     except ConfigError as e:
+        stop_fork_server()
         return fail(str(e))
     return spawn(cfg) if cfg.spawn else run_worker(cfg)
 
@@ -155,15 +157,19 @@ def _kill_loader_workers() -> None:
 
 # ---------------------------------------------------------------- --spawn N
 
-def _spawned(local_rank: int, work: Callable[[], int], nprocs: int) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+def _spawned(local_rank: int, work: Callable[[], int], nprocs: int, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
+    os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
     try:
         code = work()
     except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
         traceback.print_exc()
         code = 1
-    end_process(code)
+    try:
+        end_process(code)
+    finally:  # it raised SystemExit: a fork server's child then leaves with os._exit, without exit handlers
+        atexit._run_exitfuncs()
 
 
 def spawn(cfg: Config) -> int:
@@ -177,7 +183,9 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
     train.evaluate --spawn), and wait for all of them; signals are passed on to them."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    context = mp.start_processes(_spawned, args=(work, nprocs), nprocs=nprocs, join=False, start_method="spawn")
+    start_fork_server()  # train/forkserver.py: python -m train started it already
+    context = mp.start_processes(_spawned, args=(work, nprocs, dict(os.environ)), nprocs=nprocs, join=False,
+                                 start_method="forkserver")
 
     def forward(signum, _frame):
         for process in context.processes:

@@ -1,6 +1,7 @@
 """Every user mistake: one line naming the cause and the fix, exit 2, and existing run data untouched."""
 
 import json
+import os
 import shutil
 import socket
 import zlib
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run, snapshot
+from tests.processes import children, cmdline
 from train.__main__ import main as train_main
 from train.launch import launch_main
 
@@ -116,6 +118,9 @@ def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
         port = busy.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
         _refused(finished_run, capsys, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
+    # The workers' fork server, started before the checks (train/forkserver.py), went with the refusal: it
+    # would otherwise import torch on, holding the launcher's output open.
+    assert not [p for p in children(os.getpid()) if "multiprocessing.forkserver" in cmdline(p)]
 
 
 def test_too_few_samples_for_the_workers_is_refused_before_torchrun(finished_run, capsys):

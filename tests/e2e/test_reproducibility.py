@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.helpers import (DEBUG, assert_bit_identical, assert_same_final_figures, env_for_tests, load_model,
+from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, env_for_tests, load_model,
                            metrics, python_cmd, run, status, torchrun_cmd)
 
 
@@ -22,6 +22,40 @@ def test_torchrun_and_spawn_give_bit_identical_models(reference_2ranks, tmp_path
     launchers = [json.loads((d / "manifest.json").read_text())["launcher"] for d in (run_dir, reference_2ranks)]
     assert launchers == ["torchrun", "spawn"]
     assert_bit_identical(run_dir, reference_2ranks)
+
+
+def test_spawned_workers_are_forked_from_one_server_that_imported_torch(tmp_path):
+    """--spawn N: torch (and torch._dynamo, which torch's optimizer loads) is imported twice, by the launcher
+    and by the fork server its workers come from, whatever N; never by a worker (train/forkserver.py)."""
+    proc = run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 2, "--spawn", 3,
+                                                    "--run-dir", tmp_path / "run")[1:]])
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert imported.count("torch") == 2 and imported.count("torch._dynamo") == 1, proc.stderr[-3000:]
+    assert status(tmp_path / "run")["state"] == "done"
+
+
+def test_what_the_fork_server_imports_makes_no_cuda_call():
+    """CUDA initialised in the fork server would be unusable in every worker forked from it (torch: "Cannot
+    re-initialize CUDA in forked subprocess"): importing its modules must not call into CUDA, not even to
+    count the GPUs. Every torch.cuda function goes through a torch._C._cuda_* one: each is wrapped here."""
+    probe = """if True:
+        import sys, torch
+        from train.forkserver import PRELOAD
+        calls = []
+        for name in [n for n in dir(torch._C) if n.startswith("_cuda_") and callable(getattr(torch._C, n))]:
+            def wrapped(*args, _f=getattr(torch._C, name), _name=name, **kwargs):
+                calls.append(_name)
+                return _f(*args, **kwargs)
+            setattr(torch._C, name, wrapped)
+        for module in PRELOAD:
+            __import__(module)
+        assert len(calls) == 0 and all(m in sys.modules for m in PRELOAD), calls
+        if torch.backends.cuda.is_built():  # the control: a call is seen
+            torch.cuda.is_available()
+            assert calls, "no torch._C._cuda_* call was seen"
+        print("no CUDA call")
+    """
+    assert run([PY, "-c", probe]).stdout == "no CUDA call\n"
 
 
 @pytest.mark.parametrize("stop_at", [13, 21], ids=["mid-epoch-0", "mid-epoch-1"])

@@ -1,0 +1,38 @@
+"""Where --spawn's workers come from: a fork server that imported torch and the trainer once.
+
+A fresh interpreter per worker (the "spawn" start method) imports torch, and torch._dynamo (torch's own
+optimizer imports it), in every worker: about 2 s of CPU each before any work, N times over on the same cores.
+Forked from a server that imported them, a worker starts at once. python -m train starts the server right
+after reading its flags, so that it imports while the launcher itself does. The server never touches CUDA
+(importing torch does not initialise it), so its children may, as torch requires of a start method: spawn or
+forkserver, never fork. Standard library only: importing this imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+
+# What a worker runs: the trainer (train.launch imports it) and the evaluation; torch._dynamo, which no
+# module imports but torch.optim loads on first use.
+PRELOAD = ["torch", "torch._dynamo", "train.launch", "train.evaluate"]
+
+
+def start_fork_server() -> None:
+    """Start the server (once per process; later calls return at once)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """A launcher that ends before it starts a worker (bad input): the server need not finish its imports
+    while it holds the launcher's output open."""
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        server._stop()  # reaps it and forgets it, as multiprocessing's own tests stop it
