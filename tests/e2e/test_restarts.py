@@ -43,10 +43,10 @@ def test_a_start_up_that_cannot_reach_its_peers_ends_within_its_bound_naming_the
 # ---------------------------------------------------------------- the drill, short
 
 def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp_path, reference_run):
-    """Five kills of a random one of 4 workers on the default path (no --deterministic), with a published
+    """Four kills of a random one of 4 workers on the default path (no --deterministic), with a published
     recipe's knobs on (EMA, Mixup/CutMix, random erasing, label smoothing: --recipe), under `torchrun
     --standalone --max-restarts=3`, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: mid-run, in a save, in an
-    evaluation, at shutdown, mid-run. Every
+    evaluation, at shutdown. Every
     kill must land at the moment it aimed at, and every trial's end is compared here with a reference run
     of this test's own (not with the drill's verdict, which is the code under test)."""
     from tests import chaos
@@ -55,18 +55,17 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     out = tmp_path / "chaos"
     reference = reference_run(*chaos.ARGS, *chaos.RECIPE, workers=4)  # the drill's verdict too compares with it
-    proc = run([PY, "-m", "tests.chaos", "--trials", "5", "--launchers", "torchrun", "--faults", "kill",
+    proc = run([PY, "-m", "tests.chaos", "--trials", "4", "--launchers", "torchrun", "--faults", "kill",
                 "--workers", "4", "--recipe", "--seed", "3", "--out", str(out), "--reference", str(reference)],
                env=env, expect=None, timeout=900)
-    assert proc.returncode == 0 and "torchrun: ok=5/5" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "torchrun: ok=4/4" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
     trials = json.loads((out / "results.json").read_text())
     assert [t["moment"].split(" (")[0] for t in trials] == [
-        trials[0]["moment"].split(" (")[0], "during a checkpoint save", "during an evaluation", "during shutdown",
-        trials[4]["moment"].split(" (")[0]]
-    assert all(t["moment"].startswith("mid-run after step") for t in (trials[0], trials[4]))
+        trials[0]["moment"].split(" (")[0], "during a checkpoint save", "during an evaluation", "during shutdown"]
+    assert trials[0]["moment"].startswith("mid-run after step")
     # Mid-run and at shutdown the kill always lands at its moment; a save or an evaluation of this small model
     # can end between the drill's look and its kill (a kill surely inside each: tests/e2e/test_faults.py).
-    assert all(trials[i]["landed"] for i in (0, 3, 4)), [(t["moment"], t["landed"]) for t in trials]
+    assert all(trials[i]["landed"] for i in (0, 3)), [(t["moment"], t["landed"]) for t in trials]
     logs = ["".join(open(p).read() for p in t["logs"]) for t in trials]
     # What each kill left behind, seen by the restarted workers: a kill in a save left its half-written file
     # (removed at the restart); after a kill mid-run they resumed from a checkpoint; after the kill at
@@ -74,7 +73,7 @@ def test_the_chaos_drill_under_plain_torchrun_ends_every_trial_bit_identical(tmp
     # (rank 0 writes the checkpoints: a kill of rank 1 lets it finish the file before torchrun stops it)
     if trials[1]["landed"] and trials[1]["target"] == "kill -9 rank 0":
         assert "of unfinished checkpoint files" in logs[1], logs[1][-3000:]
-    assert all("resumed from" in logs[i] for i in (0, 1, 2, 4)), [log[-2000:] for log in logs]
+    assert all("resumed from" in logs[i] for i in (0, 1, 2)), [log[-2000:] for log in logs]
     assert "already finished at step 24" in logs[3], logs[3][-3000:]
     assert {t["workers"] for t in trials} == {4}
     for i, trial in enumerate(trials):
