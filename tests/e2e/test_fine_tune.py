@@ -9,6 +9,7 @@ import torch
 
 from tests.e2e.test_run_outputs import _image_folder
 from tests.helpers import DEBUG, assert_bit_identical, env_for_tests, metrics, python_cmd, run, status
+from train.__main__ import main as train_main
 
 
 def test_weights_of_another_class_count_with_a_frozen_backbone(tmp_path):
@@ -47,7 +48,9 @@ def test_a_run_with_weights_resumes_bit_identically_and_never_reloads_them(tmp_p
     assert_bit_identical(run_dir, straight)
 
 
-def test_bad_weights_and_freeze_are_one_line_and_nothing_is_written(tmp_path):
+def test_bad_weights_and_freeze_are_one_line_and_nothing_is_written(tmp_path, capsys, monkeypatch):
+    """Each refused before any worker starts (python -m train's main, in this process, as in test_bad_input),
+    but the damaged cache file, which local rank 0 of a real pair of workers meets."""
     torch_home = tmp_path / "torch-home"
     (torch_home / "hub" / "checkpoints").mkdir(parents=True)
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
@@ -69,11 +72,13 @@ def test_bad_weights_and_freeze_are_one_line_and_nothing_is_written(tmp_path):
     ]
     offline = f"at {torch_home}/hub/checkpoints/resnet18-f37072fd.pth (TORCH_HOME on the NAS shares it"
     env = env_for_tests(TORCH_HOME=str(torch_home))
+    monkeypatch.setenv("TORCH_HOME", str(torch_home))
     for argv, expected in cases:
         run_dir = tmp_path / "run"
-        proc = run(python_cmd(*DEBUG, *argv, "--run-dir", run_dir), expect=2, env=env)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, (argv, proc.stderr)
+        code = train_main([*DEBUG, *argv, "--run-dir", str(run_dir)])
+        errors = capsys.readouterr().err.splitlines()  # all of it: one line
+        assert code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and expected in errors[0], \
+            (argv, code, errors)
         assert not run_dir.exists(), argv  # nothing written
         assert "fetch" not in expected or offline in errors[0], errors[0]  # names the file and where to place it
     # a damaged file in the cache is refused, not loaded, by local rank 0 while the other rank waits for it
