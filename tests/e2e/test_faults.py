@@ -199,8 +199,10 @@ def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(reference
     and must not die before the trainer has saved."""
     data = tmp_path / "data"
     _imagefolder(data)
+    # --timeout-s 60: a rank stuck anywhere is ended by the watchdog (with every thread's stack) long before
+    # the test's own timeout.
     args = [*DEBUG, "--dataset", "imagefolder", "--data-dir", data, "--image-size", 16, "--num-workers", 2,
-            "--max-steps", 60, "--log-every", 2, "--save-every", 1000, "--eval-every", 0]
+            "--max-steps", 60, "--log-every", 2, "--save-every", 1000, "--eval-every", 0, "--timeout-s", 60]
     straight = reference_run(*args)
     run_dir = tmp_path / "run"
     cmd = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, args), "--run-dir", str(run_dir)]
