@@ -49,7 +49,7 @@ log = logging.getLogger("train")
 def run(cfg: Config) -> int:
     """Train according to cfg as the rank the environment says this process is. Returns the exit code."""
     ident = identity()
-    watchdog.label = f"rank {ident.global_rank}"
+    watchdog.begin(f"rank {ident.global_rank}")
     configure_runtime(cfg)
     device = pick_device(cfg.device, ident)
     init(device, cfg.timeout_s)

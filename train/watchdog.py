@@ -28,7 +28,14 @@ class Watchdog:
         self.armed_at = -math.inf
         self._thread: threading.Thread | None = None
         self._report = threading.Lock()
-        self._reported = False  # this process's one error line is out (the watchdog's or the caller's)
+        self._reported = False  # this run's one error line is out (the watchdog's or the caller's)
+
+    def begin(self, label: str) -> None:
+        """A run starts in this process (one per process under a launcher; several where python -m train's
+        main is called again, as tests and notebooks do): its phase, its label, and its own error line."""
+        self.pause("start-up")
+        with self._report:
+            self.label, self._reported = label, False
 
     def enter(self, phase: str, limit_s: float) -> None:
         self.phase, self.limit = phase, limit_s

@@ -61,3 +61,15 @@ def test_after_a_near_miss_a_later_error_has_its_line_again(capfd):
     while watchdog._reported and time.monotonic() < deadline:
         time.sleep(0.01)
     assert watchdog.claim_report()
+
+
+def test_each_run_in_a_process_has_its_own_error_line():
+    """python -m train's main called again in one process (tests, a notebook): the second run's error is
+    reported by its caller, not taken for the first run's."""
+    watchdog = Watchdog()
+    watchdog.begin("rank 0")
+    assert watchdog.claim_report()
+    assert not watchdog.claim_report()  # the same run: its one line is out
+    watchdog.begin("rank 0")
+    assert watchdog.label == "rank 0" and watchdog.phase == "start-up"
+    assert watchdog.claim_report()
