@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+# RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
+from tests.chaos import RECIPE  # noqa: F401 - the tests import it from here
 from tests.processes import children, descendants, environ  # noqa: F401 - the tests import them from here
 from train.runfiles import read_metrics, read_status
 
@@ -28,10 +30,6 @@ DEBUG = ["--preset", "debug"]
 LONG = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-every", 20, "--eval-every", 0]
 # Four workers on the two test nodes (tests/cluster/up.sh): long enough to preempt or kill a node mid-run.
 SLURM_LONG = [*DEBUG, "--max-steps", 160, "--log-every", 5, "--eval-every", 0]  # the default path, exact too
-# A published recipe's state on top of a run (the EMA and its count, Mixup/CutMix, random erasing, label
-# smoothing): what a preempted or killed recipe run must bring back too.
-RECIPE = ["--model-ema", "--model-ema-steps", 2, "--model-ema-decay", "0.9", "--mixup-alpha", "0.2",
-          "--cutmix-alpha", "1.0", "--random-erase", "0.25", "--label-smoothing", "0.1"]
 CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
 CLUSTER_HOST = "10.231.77.1"  # this machine, as the nodes reach it
 
