@@ -3,6 +3,7 @@
   python -m train                                      one process: the GPU if present, else the CPU
   python -m train --preset debug                       a tiny run that finishes in seconds
   python -m train --spawn 2                            two local workers (torch.multiprocessing)
+  python -m train --spawn 8 --dry-run                  the plan of 8 workers, as JSON: nothing is trained
   torchrun --standalone --nproc-per-node=2 -m train    two local workers (torchrun)
   srun python -m train                                 one Slurm task per rank
   python -m train.launch --gpus 2 -- ARGS              what `make train GPUS=2 ARGS=...` runs
@@ -23,10 +24,10 @@ def main(argv: list[str]) -> int:
         cfg = parse_config(argv)
     except ConfigError as e:
         return fail(str(e))
-    if cfg.spawn > 0:  # the workers' fork server imports torch and the trainer while this process does
+    if cfg.spawn > 0 and not cfg.dry_run:  # the workers' fork server imports torch and the trainer meanwhile
         start_fork_server()
-    # The project's one deferred import: everything that needs torch starts here, so that --help and a
-    # mistake in the flags or config file answer at once.
+    # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer
+    # at once.
     from train.launch import start  # noqa: PLC0415
 
     return start(cfg)

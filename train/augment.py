@@ -27,6 +27,11 @@ class BatchAugment:
             ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])
         self.mix = v2.RandomChoice(mixers) if mixers else None
 
+    def __repr__(self) -> str:
+        parts = ([f"{self.erase!r} on each image"] if self.erase is not None else []) + \
+            ([f"{self.mix!r} on the batch"] if self.mix is not None else [])
+        return ", then ".join(parts)
+
     @staticmethod
     def wanted(cfg: Config) -> bool:
         return cfg.random_erase > 0 or cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0

@@ -23,7 +23,8 @@ from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
-from train.weights import fitted, frozen_names, read_weights, resolve
+from train.optim import decay_groups
+from train.weights import fitted, freeze, frozen_names, read_weights, resolve
 
 
 
@@ -33,7 +34,8 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     ident = resolve_identity()
     if cfg.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
-    check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
+    if not cfg.dry_run:  # a dry run plans for the devices the config asks for, present here or not
+        check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
     if cfg.dataset == "cifar10":
         check_cifar(Path(cfg.data_dir), cfg.download)
     if cfg.dataset == "imagefolder":
@@ -42,17 +44,19 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         read_index(Path(cfg.data_dir))
     check_model_spec(cfg)
     check_weights(cfg)
+    check_decay_groups(cfg)
     if cfg.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
         check_steps(cfg.train_samples, world or cfg.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
     port = os.environ.get("MASTER_PORT") if cfg.spawn else \
         str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
-    if port is not None:
+    if port is not None and not cfg.dry_run:
         check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.spawn else
                    "set MASTER_PORT to a free port")
     if cfg.run_dir:
         check_run_dir(cfg, Path(cfg.run_dir))
-    check_tracking(cfg, ident.global_rank)
+    if not cfg.dry_run:
+        check_tracking(cfg, ident.global_rank)
 
 
 def check_weights(cfg: Config) -> None:
@@ -66,6 +70,17 @@ def check_weights(cfg: Config) -> None:
     if cfg.weights and resolve(cfg) is None and not resuming:  # a file (named weights: fetched by the workers)
         fitted(cfg, read_weights(cfg, fetched=False)[0], model, None)
     frozen_names(cfg, model, 1000)
+
+
+def check_decay_groups(cfg: Config) -> None:
+    """A weight decay given for parameters the model has none of (--transformer-embedding-decay on a ResNet, a
+    --norm-weight-decay whose layers are all frozen): one line before any worker starts, on the meta device."""
+    if cfg.norm_weight_decay is None and cfg.bias_weight_decay is None and cfg.transformer_embedding_decay is None:
+        return
+    with torch.device("meta"):
+        model = build_model(cfg, 1000)
+    freeze(model, frozen_names(cfg, model, 1000))
+    decay_groups(cfg, model)
 
 
 def check_tracking(cfg: Config, rank: int) -> None:

@@ -46,6 +46,9 @@ class Config:
     deterministic: bool = _f(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
     threads: int = _f(0, "CPU threads per process; 0: the cores available divided by the local workers")
     # --- launch (read by python -m train before any worker starts) ---
+    dry_run: bool = _f(False, "print the run's plan (steps, world size, weight-decay groups, normalisation, "
+                              "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
+                              "exit: no run folder, no download, no training")
     spawn: int = _f(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
     device: str = _f("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
     timeout_s: int = _f(600, "collective timeout in seconds; a stuck rank fails the job after this long")
@@ -56,7 +59,8 @@ class Config:
                       choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
     data_dir: str = _f("data", "dataset root for cifar10, imagefolder and shards")
     download: bool = _f(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
-    image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it)")
+    image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it); with named "
+                             "--weights on image files: their crop unless given")
     train_samples: int = _f(12000, "shapes/synthetic: number of training images")
     val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
     num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
@@ -89,8 +93,8 @@ class Config:
                           "a checkpoint, a state_dict); a head of another class count is replaced; a resume ignores it")
     freeze: str = _f("", "freeze parameters: backbone (all but the classifier head) or name prefixes, comma-separated "
                          "(no gradient, no optimizer state, BatchNorm statistics kept)")
-    normalize: str = _f("auto", "input normalisation: imagenet (the published weights' mean and std), trainbox "
-                                "(0.5, 0.25); auto: imagenet with named --weights, else trainbox",
+    normalize: str = _f("auto", "input normalisation: imagenet (ImageNet's mean and std), trainbox (0.5, 0.25); "
+                                "auto: the named --weights' own (their transforms()), else trainbox",
                         choices=("auto", "imagenet", "trainbox"))
     width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
@@ -110,8 +114,15 @@ class Config:
     warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
     warmup_epochs: float = _f(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: --warmup-steps")
     min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")
-    norm_weight_decay: float = _f(0.0, "weight decay of normalisation layers' parameters (BatchNorm, LayerNorm, ...)")
-    bias_weight_decay: float = _f(0.0, "weight decay of parameters named bias")
+    norm_weight_decay: float | None = _f(None, "weight decay of normalisation layers' parameters (BatchNorm, "
+                                               "LayerNorm, ...); unset: --weight-decay, in no group of their own "
+                                               "(torchvision's reference)")
+    bias_weight_decay: float | None = _f(None, "weight decay of parameters named bias, ahead of the norm rule; unset: "
+                                               "no group of their own (torchvision's reference)")
+    transformer_embedding_decay: float | None = _f(None, "weight decay of parameters named class_token, "
+                                                         "position_embedding or relative_position_bias_table "
+                                                         "(torchvision's reference and its key list); unset: no "
+                                                         "group of their own")
     lr_scheduler: str = _f("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
                                      "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
                            choices=("cosine", "step", "multistep", "constant"))
@@ -186,8 +197,8 @@ class Config:
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {getattr(self, name)}: pass a fraction")
         for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
-                     "train_crop_size", "val_resize_size", "val_crop_size"):
-            if getattr(self, name) < 0:
+                     "transformer_embedding_decay", "train_crop_size", "val_resize_size", "val_crop_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
         for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
             if getattr(self, name) <= 0:
@@ -224,6 +235,66 @@ PRESETS: dict[str, dict] = {
 
 # Keys that define what the weights are; a checkpoint made with other values cannot be resumed.
 MODEL_KEYS = ("model", "width", "image_size", "dataset")
+BUILT_IN = ("shapes", "synthetic")  # in memory, made at --image-size: no files to resize, crop or augment
+IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
+
+
+def recipe(cfg: Config) -> str:
+    """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
+    if cfg.augment != "auto":
+        return cfg.augment
+    return "imagenet" if cfg.image_size >= IMAGENET_FROM else "cifar"
+
+
+def inert(cfg: Config) -> dict[str, str]:
+    """The settings this config never reads, each with why and the fix: given by a user, they are refused
+    (parse_config), never ignored."""
+    small = "--augment cifar" if cfg.augment == "cifar" else f"--image-size {cfg.image_size} is below {IMAGENET_FROM}"
+    rules: list[tuple[tuple[str, ...], bool, str]] = [
+        (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
+          "ra_magnitude", "augmix_severity", "num_workers"), cfg.dataset in BUILT_IN,
+         f"with --dataset {cfg.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
+         f"or load): drop it, or train on image files (--dataset imagefolder, shards or cifar10)"),
+        (("train_samples", "val_samples"), cfg.dataset not in BUILT_IN,
+         f"with --dataset {cfg.dataset} (its size is its files'): drop it"),
+        (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
+         cfg.dataset not in BUILT_IN and recipe(cfg) == "cifar",
+         f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
+         f"--augment imagenet"),
+        (("ra_magnitude",), cfg.dataset not in BUILT_IN and cfg.auto_augment != "ra",
+         f"with --auto-augment {cfg.auto_augment}: drop it, or pass --auto-augment ra"),
+        (("augmix_severity",), cfg.dataset not in BUILT_IN and cfg.auto_augment != "augmix",
+         f"with --auto-augment {cfg.auto_augment}: drop it, or pass --auto-augment augmix"),
+        (("download",), cfg.dataset != "cifar10",
+         f"with --dataset {cfg.dataset} (only CIFAR-10 is downloaded): drop it"),
+        (("width",), cfg.model != "cnn", f"with --model {cfg.model} (it sizes the built-in cnn): drop it"),
+        (("momentum", "nesterov"), cfg.optimizer != "sgd",
+         f"with --optimizer {cfg.optimizer}: drop it, or pass --optimizer sgd"),
+        (("lr_step_size",), cfg.lr_scheduler != "step",
+         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler step"),
+        (("lr_gamma",), cfg.lr_scheduler not in ("step", "multistep"),
+         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler step or multistep"),
+        (("lr_milestones",), cfg.lr_scheduler != "multistep",
+         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler multistep"),
+        (("min_lr_ratio",), cfg.lr_scheduler != "cosine",
+         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler cosine"),
+        (("warmup_method", "warmup_decay"), not (cfg.warmup_epochs or cfg.warmup_steps),
+         "without a warm-up (--warmup-steps 0): drop it, or give the warm-up a length"),
+        (("model_ema_steps", "model_ema_decay"), not cfg.model_ema,
+         "without --model-ema: drop it, or pass --model-ema"),
+    ]
+    found: dict[str, str] = {}
+    for names, applies, why in rules:
+        for name in names if applies else ():
+            found.setdefault(name, why)
+    return found
+
+
+def check_no_effect(cfg: Config, given: dict[str, str]) -> None:
+    """A setting the user gave (given: name -> where) that this config never reads is one line, not ignored."""
+    for name, why in inert(cfg).items():
+        if name in given:
+            raise ConfigError(f"{given[name]} has no effect {why}")
 
 
 def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
@@ -246,8 +317,9 @@ def _flag(name: str) -> str:
 
 
 def _field_type(name: str) -> type:
-    hints = typing.get_type_hints(Config)
-    return hints[name]
+    """The field's type; for an optional field (float | None: unset means something of its own), its type when set."""
+    kind = typing.get_type_hints(Config)[name]
+    return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
 
 
 def _coerce(name: str, value, source: str):
@@ -315,7 +387,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
     for f in fields(Config):
         kind = _field_type(f.name)
-        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        help_text = f.metadata['help'] + ("" if f.default is None else f" (default: {f.default!r})")
         flag = f"--{_flag(f.name)}"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
@@ -341,4 +413,30 @@ def parse_config(argv: list[str] | None = None) -> Config:
     values = {**PRESETS.get(preset, {}), **file_values, **args}
     cfg = Config(**values)
     cfg.validate()
+    cfg = _weights_sizes(cfg, given)
+    where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
+             **{k: f"--{'no-' if v is False else ''}{_flag(k)}{'' if isinstance(v, bool) else f' {v}'}"
+                for k, v in args.items()}}
+    check_no_effect(cfg, where)
     return cfg
+
+
+def _weights_sizes(cfg: Config, given: dict) -> Config:
+    """Named --weights bring their own evaluation transforms (resize R, crop C, interpolation): on image files they
+    are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
+    (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win."""
+    if not cfg.weights or cfg.dataset in BUILT_IN:
+        return cfg
+    from train.vision import evaluation_transforms  # noqa: PLC0415 - torchvision, for named weights only
+
+    own = evaluation_transforms(cfg.model, cfg.weights)
+    if own is None:  # a file
+        return cfg
+    resize, crop, interpolation = own
+    image_size = cfg.image_size if "image_size" in given else crop
+    sizes = {"image_size": image_size}
+    if "val_resize_size" not in given:
+        sizes["val_resize_size"] = (cfg.val_crop_size or image_size) * resize // crop
+    if "interpolation" not in given and interpolation in ("bilinear", "bicubic"):
+        sizes["interpolation"] = interpolation
+    return dataclasses.replace(cfg, **sizes)

@@ -31,10 +31,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from train.config import Config
+from train.config import Config, recipe
 from train.distributed import gather, identity, usable_cores
 from train.errors import ConfigError, DataError
-from train.weights import MEAN, STD, resolve
+from train.weights import MEAN, STD
 
 NUM_SHAPE_CLASSES = 10
 SYNTHETIC_CLASSES = 1000
@@ -127,16 +127,31 @@ class SeededSample(Dataset):
 
 def samples_per_rank(length: int, world: int, reps: int = 0) -> int:
     """The samples each rank takes in one epoch: an equal share of the set cut to a multiple of the world
-    size, or with --ra-reps the repeated-augmentation sampler's (torchvision's reference: the set cut to a
-    multiple of 256, then shared by the ranks)."""
-    return length // 256 * 256 // world if reps else length // world
+    size, or with --ra-reps on more than one worker the repeated-augmentation sampler's (torchvision's
+    reference: the set cut to a multiple of 256, then shared by the ranks)."""
+    return length // 256 * 256 // world if reps and world > 1 else length // world
+
+
+def describe_sampler(reps: int, world: int) -> str:
+    """What the training sampler does with --ra-reps `reps` on `world` workers, in a line (the plan's, the log's)."""
+    if reps and world > 1:
+        return (f"repeated augmentation (torchvision's RASampler): each image {reps} times in a row in the epoch's "
+                f"order, dealt round the {world} ranks in turn (a rank gets several copies of an image when there are "
+                f"fewer ranks than copies), each copy augmented apart; the epoch cut to a multiple of 256 images")
+    shared = f", rank r taking every {world}-th" if world > 1 else ""
+    plain = f"one shuffled pass over the set per epoch{shared}"
+    if reps:
+        return (f"{plain}: --ra-reps {reps} on one worker samples plainly at random, as torchvision's reference does "
+                f"outside distributed runs (the repetitions need 2 or more workers)")
+    return plain
 
 
 class ShardSampler(Sampler):
     """Like DistributedSampler (shared per-epoch permutation, rank r takes every world-th index),
     plus: a start position inside the epoch for resuming, and a per-sample augmentation seed.
     The epoch is cut to a multiple of world_size so every rank yields the same number of indices.
-    reps > 0: torchvision's repeated-augmentation sampler (RASampler) instead: the epoch's permutation (seeded
+    reps > 0 on more than one worker: torchvision's repeated-augmentation sampler (RASampler) instead (one worker
+    samples plainly, as the reference outside distributed runs): the epoch's permutation (seeded
     with seed + epoch, as the reference's) with each index repeated `reps` times in a row, padded from its
     start to a multiple of the world size, rank r taking every world-th entry from r, cut to
     samples_per_rank. Each entry has a seed of its own, so the repetitions of an image are augmented apart."""
@@ -145,7 +160,7 @@ class ShardSampler(Sampler):
         if length < world_size:
             raise ConfigError(f"dataset has {length} samples but there are {world_size} workers: use more data")
         self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
-        self.with_seeds, self.reps = with_seeds, reps
+        self.with_seeds, self.reps = with_seeds, reps if world_size > 1 else 0  # one worker: plain (the reference)
         self.epoch = 0
         self.start = 0  # indices of this rank to skip in the current epoch (resume)
 
@@ -419,16 +434,6 @@ def check_cifar(root: Path, download: bool) -> None:
         raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
 
 
-IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
-
-
-def recipe(cfg: Config) -> str:
-    """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
-    if cfg.augment != "auto":
-        return cfg.augment
-    return "imagenet" if cfg.image_size >= IMAGENET_FROM else "cifar"
-
-
 def eval_resize(size: int) -> int:
     """The evaluation's resize before its centre crop: size / 0.875 (256 for 224, as torchvision's references)."""
     return int(size / 0.875)
@@ -443,11 +448,7 @@ def _transforms(cfg: Config, train: bool):
     from torchvision.transforms import v2  # noqa: PLC0415 - torchvision: see the module docstring
 
     size, mode = cfg.image_size, v2.InterpolationMode(cfg.interpolation)
-    if not train and resolve(cfg) is not None:  # the named weights' own evaluation transforms
-        resize, crop, interpolation = eval_steps(cfg)
-        steps = [v2.Resize(resize, interpolation=v2.InterpolationMode(interpolation), antialias=True),
-                 v2.CenterCrop(crop)]
-    elif recipe(cfg) == "imagenet" and train:
+    if recipe(cfg) == "imagenet" and train:
         steps = [v2.RandomResizedCrop(cfg.train_crop_size or size, interpolation=mode, antialias=True),
                  v2.RandomHorizontalFlip(), *auto_augment(cfg)]
     elif recipe(cfg) == "imagenet":
@@ -612,13 +613,9 @@ def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> d
 
 
 def eval_steps(cfg: Config) -> tuple[int, int, str]:
-    """The evaluation's (resize, centre crop, interpolation): the named --weights' own transforms (their
-    resize, crop and interpolation), else the recipe's (imagenet: --val-resize-size or the crop / 0.875,
-    --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear)."""
-    entry = resolve(cfg)
-    if entry is not None and cfg.dataset not in ("shapes", "synthetic"):
-        preset = entry.transforms()
-        return preset.resize_size[0], preset.crop_size[0], preset.interpolation.value
+    """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
+    / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
+    (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
     files = cfg.dataset not in ("shapes", "synthetic")
     if not files or recipe(cfg) != "imagenet":
         return cfg.image_size, cfg.image_size, "bilinear"

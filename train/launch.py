@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import faulthandler
 import functools
+import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # its exit hook must be registered before ours (see _kill_loader_workers)
@@ -41,6 +42,7 @@ from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import free_port, identity, is_main
 from train.forkserver import start_fork_server, stop_fork_server
+from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
                           end_process, fail)
 from train.watchdog import watchdog
@@ -50,10 +52,21 @@ def start(cfg: Config) -> int:
     """python -m train, once the config parsed."""
     try:
         preflight(cfg)
+        if cfg.dry_run:
+            return print_plan(cfg, cfg.spawn or identity().world_size)
     except ConfigError as e:
         stop_fork_server()
         return fail(str(e))
     return spawn(cfg) if cfg.spawn else run_worker(cfg)
+
+
+def print_plan(cfg: Config, world: int) -> int:
+    """--dry-run: the plan of `world` workers as JSON on stdout (global rank 0's; every worker of a launch has
+    the same), and nothing else."""
+    plan = dry_run(cfg, world)
+    if is_main():
+        print(json.dumps(plan.to_dict(), indent=1), flush=True)
+    return 0
 
 
 # ---------------------------------------------------------------- one worker
@@ -259,6 +272,8 @@ def launch_main(argv: list[str]) -> int:
         if cfg.spawn:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
         preflight(cfg, nprocs)
+        if cfg.dry_run:
+            return print_plan(cfg, nprocs)
     except (ConfigError, PlanError) as e:
         return fail(str(e))
     if not cfg.run_dir:

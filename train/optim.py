@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from train.config import Config
+from train.errors import ConfigError
 
 
 def _fusable(p: torch.Tensor) -> bool:
@@ -24,23 +25,48 @@ def _keep_this_runs_kernels(optimizer: torch.optim.Optimizer, state_dict: dict) 
 # The modules whose parameters --norm-weight-decay covers (torchvision's reference and torchvision.ops' own list).
 NORM_CLASSES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
                 torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)
+# --transformer-embedding-decay's parameter names, the reference's list as it stands (torchvision's ViT names its
+# position embedding pos_embedding, which this list does not match: there it takes --weight-decay, as in the
+# reference).
+EMBEDDING_KEYS = ("class_token", "position_embedding", "relative_position_bias_table")
 
 
-def param_groups(cfg: Config, model: torch.nn.Module) -> list[dict]:
-    """The trainable parameters in torchvision's reference groups: a parameter named `bias` takes
-    --bias-weight-decay, one of a normalisation layer --norm-weight-decay, every other --weight-decay
-    (empty groups left out, the order as the reference's: other, norm, bias)."""
-    groups: dict[str, list] = {"other": [], "norm": [], "bias": []}
-    for module in model.modules():
+def decay_groups(cfg: Config, model: torch.nn.Module) -> list[dict]:
+    """The trainable parameters' names in the weight-decay groups of torchvision's reference (its
+    utils.set_weight_decay): a parameter named `bias` takes --bias-weight-decay and one of EMBEDDING_KEYS
+    --transformer-embedding-decay, each only when given; else one of a normalisation layer --norm-weight-decay,
+    only when given; every other --weight-decay. Empty groups are left out; the order is the reference's (other,
+    norm, bias, the embedding keys). A decay given for parameters the model does not have is one line."""
+    custom = {**({"bias": cfg.bias_weight_decay} if cfg.bias_weight_decay is not None else {}),
+              **({key: cfg.transformer_embedding_decay for key in EMBEDDING_KEYS}
+                 if cfg.transformer_embedding_decay is not None else {})}
+    decay = {"other": cfg.weight_decay, "norm": cfg.norm_weight_decay, **custom}
+    names: dict[str, list[str]] = {key: [] for key in decay}
+    for prefix, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad:
-                groups["bias" if name == "bias" else "norm" if isinstance(module, NORM_CLASSES) else "other"].append(p)
-    decay = {"other": cfg.weight_decay, "norm": cfg.norm_weight_decay, "bias": cfg.bias_weight_decay}
-    return [{"params": params, "weight_decay": decay[key]} for key, params in groups.items() if params]
+                norm = cfg.norm_weight_decay is not None and isinstance(module, NORM_CLASSES)
+                key = name if name in custom else "norm" if norm else "other"
+                names[key].append(f"{prefix}.{name}" if prefix else name)
+    unused = [flag for flag, keys in (("norm-weight-decay", ["norm"] if cfg.norm_weight_decay is not None else []),
+                                      ("bias-weight-decay", ["bias"] if "bias" in custom else []),
+                                      ("transformer-embedding-decay", [k for k in EMBEDDING_KEYS if k in custom]))
+              if keys and not any(names[k] for k in keys)]
+    if unused:
+        raise ConfigError(f"--{unused[0]} has no effect: --model {cfg.model} has no trainable parameter it covers "
+                          f"({_covers(unused[0])}): drop it")
+    return [{"weight_decay": decay[key], "params": params} for key, params in names.items() if params]
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(cfg, model)
+def _covers(flag: str) -> str:
+    return {"norm-weight-decay": "of a normalisation layer", "bias-weight-decay": "named bias",
+            "transformer-embedding-decay": "named " + ", ".join(EMBEDDING_KEYS)}[flag]
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, groups: list[dict]) -> torch.optim.Optimizer:
+    """The optimizer over `groups` (decay_groups: the parameters by name, with their weight decay)."""
+    by_name = dict(model.named_parameters())
+    groups = [{"params": [by_name[n] for n in g["params"]], "weight_decay": g["weight_decay"]} for g in groups]
     # Fused kernels update every parameter in one pass, on CUDA and on CPU alike (make bench: AdamW's
     # step alone is several times faster on CPU than torch's default there); torch's default otherwise.
     fused = all(_fusable(p) for g in groups for p in g["params"]) or None
@@ -53,20 +79,22 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
     return optimizer
 
 
-def schedule_lengths(cfg: Config) -> tuple[int, int]:
-    """(the schedule's length, its warm-up) in its unit: optimizer steps, or epochs (--schedule-unit epoch)."""
+def schedule_lengths(cfg: Config, max_steps: int, warmup_steps: int) -> tuple[int, int]:
+    """(the schedule's length, its warm-up) in its unit: the run's optimizer steps (max_steps, warmup_steps: the
+    plan's), or epochs (--schedule-unit epoch)."""
     if cfg.schedule_unit == "epoch":
         return cfg.epochs, int(cfg.warmup_epochs)
-    return cfg.max_steps, cfg.warmup_steps
+    return max_steps, warmup_steps
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, max_steps: int,
+                    warmup_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
     """torch's schedulers as torchvision's reference combines them: --warmup-method over the warm-up
     (starting at --warmup-decay times --lr), then --lr-scheduler: cosine (to --min-lr-ratio times --lr at
     the end), step (times --lr-gamma every --lr-step-size), multistep (at each of --lr-milestones) or
     constant. The trainer steps it once per optimizer step, or once per epoch with --schedule-unit epoch."""
     sched = torch.optim.lr_scheduler
-    total, warmup = schedule_lengths(cfg)
+    total, warmup = schedule_lengths(cfg, max_steps, warmup_steps)
     if cfg.lr_scheduler == "cosine":
         # A warm-up as long as the run leaves the cosine no step: one keeps torch's scheduler defined.
         main = sched.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup), eta_min=cfg.lr * cfg.min_lr_ratio)

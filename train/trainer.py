@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train import runfiles
-from train.checks import check_same_model, check_steps, not_writable
-from train.config import Config, default_run_dir, steps_for_epochs
+from train.checks import check_same_model, not_writable
+from train.config import Config, default_run_dir
 from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs, relayout
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
@@ -35,13 +35,14 @@ from train.memory import is_out_of_memory, out_of_memory
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, setup_logging
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
-from train.ema import ModelEma, adjusted_decay
+from train.ema import ModelEma
 from train.optim import build_optimizer, build_scheduler
+from train.plan import make_plan, precision_name
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.scoring import score
 from train.tracking import catch_up_tracking, start_tracking
 from train.watchdog import watchdog
-from train.weights import fitted, freeze, frozen_names, normalisation_on, read_weights
+from train.weights import fitted, freeze, frozen_names, read_weights
 
 log = logging.getLogger("train")
 
@@ -99,7 +100,6 @@ class Trainer:
         self.settle_s = 0.0  # this attempt's settling pass (settle_buckets), in seconds
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
-        self.norm = normalisation_on(cfg, device)  # the inputs' mean and std (--normalize, --weights)
         self.weights: dict = {"weights": cfg.weights} if cfg.weights else {}  # what the manifest records
         # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
         initial = read_weights(cfg) if cfg.weights and not self._has_checkpoint() else None
@@ -108,8 +108,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         train_set, val_set, self.num_classes = build_datasets(cfg)
         self.class_names = class_names(train_set)
-        self.train_loader, self.sampler, self.val_loader, self.steps_per_epoch = self._loaders(train_set, val_set)
         self.raw_model = self._model()
+        # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).
+        self.plan = make_plan(cfg, self.world, device.type, precision_name(self.autocast_dtype), train_set, val_set,
+                              self.num_classes, self.raw_model, str(run_dir))
+        self.max_steps, self.steps_per_epoch = self.plan.max_steps, self.plan.steps_per_epoch
+        self.norm = tuple(torch.tensor(self.plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
+        self.train_loader, self.sampler, self.val_loader = self._loaders(train_set, val_set)
         self.optimizer, self.scheduler, self.scaler, self.ema = self._optimisation(self.raw_model)
         self._resume(initial)
         self.model = self._wrap(self.raw_model)
@@ -132,12 +137,12 @@ class Trainer:
         try:
             if self.eval_owed:  # stopped at an evaluation step before evaluating
                 self.evaluate()
-            if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < cfg.max_steps:
+            if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < self.max_steps:
                 return self.stop_here(f"--stop-at {cfg.stop_at}: already at step {self.step}", save=False)
             self.model.train()
             self.settle_s = self.settle_buckets()
             batches = self.batches()
-            while self.step < cfg.max_steps:
+            while self.step < self.max_steps:
                 losses = self.train_step(batches)
                 self.after_step(losses)
                 if self.stop.agreed() or self.step == cfg.stop_at:
@@ -145,7 +150,7 @@ class Trainer:
                                           self.stop.received or "a stop signal on another rank")
                 if self.is_eval_step(self.step):
                     self.evaluate()
-                if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                if self.step % cfg.save_every == 0 and self.step < self.max_steps:
                     self.save(f"every {cfg.save_every} steps")
             return self.finish()
         finally:
@@ -203,7 +208,7 @@ class Trainer:
         """Whether the optimizer step just taken was in the warm-up (an epoch of it, with --schedule-unit epoch)."""
         if self.cfg.schedule_unit == "epoch":
             return self.epoch < self.cfg.warmup_epochs
-        return self.step < self.cfg.warmup_steps
+        return self.step < self.plan.warmup_steps
 
     def settle_buckets(self) -> float:
         """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
@@ -258,12 +263,11 @@ class Trainer:
             self.first_step_logged = True
             self.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
                                                          "settle_s": self.settle_s})
-        if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+        if self.step % self.cfg.log_every == 0 or self.step == self.max_steps:
             self.log_window()
 
     def log_window(self) -> None:
         """One log line and metrics record: the window's means over every rank, with GPU telemetry."""
-        cfg = self.cfg
         window = self.window.report(self.world)
         values = {"loss": window["loss"], "lr": self.scheduler.get_last_lr()[0],
                   **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
@@ -272,12 +276,12 @@ class Trainer:
             # A rank without NVML reads []: it adds nothing.
             names = ("util", "mem_mib", "power_w")
             values.update({f"gpu{r}_{k}": v for k, v in zip(names, reading, strict=False)})
-        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, cfg.max_steps,
+        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.max_steps,
                  values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
         self.metrics.write(self.step, "train", values)
 
     def is_eval_step(self, step: int) -> bool:
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and step < self.cfg.max_steps
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and step < self.max_steps
 
     def evaluate(self) -> dict:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
@@ -351,7 +355,8 @@ class Trainer:
             best = {"best": {"path": "best.pt", **self.best}} if self.best else {}
             if self.best_ema:
                 best["best_ema"] = {"path": "best_ema.pt", **self.best_ema}
-            runfiles.write_status(self.run_dir, state, self.step, **run_length(self.cfg), **best, **extra)
+            runfiles.write_status(self.run_dir, state, self.step, **run_length(self.cfg, self.max_steps), **best,
+                                  **extra)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -415,7 +420,7 @@ class Trainer:
         if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
-        self.eval_owed = state.get("eval_owed", False) and self.step < cfg.max_steps  # older checkpoints: none
+        self.eval_owed = state.get("eval_owed", False) and self.step < self.max_steps  # older checkpoints: none
         self.best, self.best_ema = state.get("best"), state.get("best_ema")
         saved = (state["world_size"], state["batch_size"], state["grad_accum"])
         if cfg.epochs and saved != (self.world, cfg.batch_size, cfg.grad_accum):
@@ -454,19 +459,17 @@ class Trainer:
         setup_logging(self.run_dir if is_main() else None)
 
     def _loaders(self, train_set, val_set) -> tuple:
-        """(train loader, its sampler, validation loader, steps per epoch); with --epochs, the run's length in
-        steps on this layout goes into cfg."""
-        cfg, pin = self.cfg, self.device.type == "cuda"
+        """(train loader, its sampler, validation loader)."""
+        cfg, plan, pin = self.cfg, self.plan, self.device.type == "cuda"
         train_loader, sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
         val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
-        steps_per_epoch = check_steps(len(train_set), self.world, cfg)
-        if cfg.epochs:  # the run's length in steps, from its length in epochs on this layout
-            cfg.max_steps, cfg.warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
-            if is_main():
-                log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
-                         "warm-up %d steps", cfg.epochs, cfg.max_steps, steps_per_epoch, len(train_set),
-                         self.world, cfg.batch_size, cfg.grad_accum, cfg.warmup_steps)
-        return train_loader, sampler, val_loader, steps_per_epoch
+        if is_main() and cfg.epochs:  # the run's length in steps, from its length in epochs on this layout
+            log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
+                     "warm-up %d steps", cfg.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
+                     self.world, cfg.batch_size, cfg.grad_accum, plan.warmup_steps)
+        if is_main() and cfg.ra_reps and self.world == 1:
+            log.info("sampler: %s", plan.sampler)
+        return train_loader, sampler, val_loader
 
     def _model(self) -> torch.nn.Module:
         """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
@@ -482,12 +485,11 @@ class Trainer:
 
     def _optimisation(self, model: torch.nn.Module) -> tuple:
         """(optimizer, schedule, grad scaler, EMA or None) of the model."""
-        cfg = self.cfg
-        optimizer = build_optimizer(cfg, model)
+        cfg, plan = self.cfg, self.plan
+        optimizer = build_optimizer(cfg, model, plan.param_groups)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
-        epochs = cfg.epochs or cfg.max_steps / self.steps_per_epoch
-        ema = ModelEma(model, adjusted_decay(cfg, self.world, epochs), self.device) if cfg.model_ema else None
-        return optimizer, build_scheduler(cfg, optimizer), scaler, ema
+        ema = ModelEma(model, plan.ema["decay"], self.device) if plan.ema else None
+        return optimizer, build_scheduler(cfg, optimizer, plan.max_steps, plan.warmup_steps), scaler, ema
 
     def _has_checkpoint(self) -> bool:
         """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""
@@ -513,7 +515,7 @@ class Trainer:
         state = ckpt.load_checkpoint(Path(newest), self.device)
         self.load_state_dict(state, Path(newest))
         self.resumed_from = self.step
-        log.info("resumed from %s (step %d of %d)", newest, self.step, self.cfg.max_steps)
+        log.info("resumed from %s (step %d of %d)", newest, self.step, self.max_steps)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         cfg = self.cfg
@@ -532,6 +534,7 @@ class Trainer:
 
         def write() -> None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (run_dir / "plan.json").write_text(json.dumps(self.plan.to_dict(), indent=1) + "\n")
             (run_dir / "classes.json").write_text(json.dumps(self.class_names) + "\n")  # label i is name i
             manifest = build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from)
             runfiles.write_manifest(run_dir, {**manifest, **self.weights})
@@ -541,7 +544,7 @@ class Trainer:
                                  f"permissions")
         if is_main():
             log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
-                     run_dir, self.world, self.launcher, self.device.type, cfg.max_steps, self.steps_per_epoch,
+                     run_dir, self.world, self.launcher, self.device.type, self.max_steps, self.steps_per_epoch,
                      self.world * cfg.batch_size * cfg.grad_accum,
                      str(self.autocast_dtype or "fp32").replace("torch.", ""))
             if self.device.type == "cuda" and not cfg.deterministic:  # said once, where it applies
@@ -587,9 +590,9 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
             error.recorded = True
 
 
-def run_length(cfg: Config) -> dict:
-    """What status.json says of the run's length: its steps, and its epochs when given in --epochs."""
-    return {"max_steps": cfg.max_steps, **({"epochs": cfg.epochs} if cfg.epochs else {})}
+def run_length(cfg: Config, max_steps: int) -> dict:
+    """What status.json says of the run's length: its steps (the plan's), and its epochs when given in --epochs."""
+    return {"max_steps": max_steps, **({"epochs": cfg.epochs} if cfg.epochs else {})}
 
 
 def resolve_run_dir(cfg: Config) -> Path:

@@ -26,6 +26,7 @@ from torch import nn
 from train.config import Config
 from train.distributed import gather, identity
 from train.errors import ConfigError
+from train.vision import named_weights
 
 log = logging.getLogger("train")
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -82,36 +83,19 @@ def _stay_in_eval(module: nn.Module, _inputs) -> None:
 
 def resolve(cfg: Config):
     """The torchvision weights enum entry that cfg.weights names, or None for a file."""
-    if not cfg.weights or Path(cfg.weights).exists() or "/" in cfg.weights or cfg.weights.endswith((".pt", ".pth")):
-        return None
-    from torchvision import models  # noqa: PLC0415 - torchvision: only the runs that use it pay its import
-
-    own = models.get_model_weights(cfg.model) if cfg.model in models.list_models() else None
-    if cfg.weights == "DEFAULT":
-        if own is None:
-            raise ConfigError(f"--weights DEFAULT: --model {cfg.model} is not a torchvision model with named weights: "
-                              f"give a weights file")
-        return own.DEFAULT
-    try:
-        entry = models.get_weight(cfg.weights)
-    except (ValueError, KeyError, AttributeError):
-        every = [f"{enum.__name__}.{e.name}" for enum in
-                 ([own] if own else [models.get_model_weights(m) for m in models.list_models(module=models)])
-                 for e in enum]
-        close = difflib.get_close_matches(cfg.weights, every, n=3, cutoff=0.4)
-        raise ConfigError(f"--weights {cfg.weights} is neither a file nor torchvision weights"
-                          f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give a file or a name such as "
-                          f"{(close or every)[0]}") from None
-    if own is None or type(entry) is not own:
-        raise ConfigError(f"--weights {cfg.weights} are weights of another architecture than --model {cfg.model}"
-                          f"{': ' + own.__name__ + '.DEFAULT fits it' if own else ''}")
-    return entry
+    return named_weights(cfg.model, cfg.weights)
 
 
 def normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The input's mean and std (--normalize): ImageNet's, the published weights' own; or trainbox's (0.5, 0.25)."""
-    imagenet = cfg.normalize == "imagenet" or (cfg.normalize == "auto" and resolve(cfg) is not None)
-    return IMAGENET if imagenet else ((MEAN,) * 3, (STD,) * 3)
+    """The input's mean and std (--normalize): auto takes the named --weights' own (their transforms(): ImageNet's
+    for most, 0.5 for EfficientNet-V2-L, ...), else trainbox's (0.5, 0.25); imagenet forces ImageNet's."""
+    if cfg.normalize == "imagenet":
+        return IMAGENET
+    entry = resolve(cfg) if cfg.normalize == "auto" else None
+    if entry is not None:
+        preset = entry.transforms()
+        return tuple(preset.mean), tuple(preset.std)
+    return (MEAN,) * 3, (STD,) * 3
 
 
 def normalisation_on(cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,18 +119,19 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
     from train.config import parse_config
     from train.models import SmallCNN
-    from train.optim import build_optimizer, param_groups
+    from train.optim import build_optimizer, decay_groups
 
     torch.manual_seed(0)
     model = SmallCNN(10, 8)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    cfg = parse_config(["--optimizer", name])
-    groups = [{"params": g["params"]} for g in param_groups(cfg, model)]  # the same groups, default kernels
+    cfg = parse_config(["--optimizer", name, "--norm-weight-decay", "0", "--bias-weight-decay", "0"])  # 3 groups
+    named, by_name = decay_groups(cfg, model), dict(model.named_parameters())
+    groups = [{"params": [by_name[n] for n in g["params"]]} for g in named]  # the same groups, default kernels
     old = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if name == "sgd" else torch.optim.AdamW(groups, lr=0.1)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     old.step()
 
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, named)
     optimizer.load_state_dict(old.state_dict())
     assert all(g["fused"] for g in optimizer.param_groups)
     scaler = torch.amp.GradScaler("cpu")
@@ -147,11 +148,11 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
 def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
     """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
     from train.config import parse_config
-    from train.optim import build_optimizer
+    from train.optim import build_optimizer, decay_groups
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])
-    optimizer = build_optimizer(parse_config([]), model)
+    optimizer = build_optimizer(parse_config([]), model, decay_groups(parse_config([]), model))
     assert not optimizer.param_groups[0]["fused"]
     expected = model.w.detach().clone()
     group = optimizer.param_groups[0]

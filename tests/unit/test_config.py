@@ -92,3 +92,64 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"cannot read config file .*latin1.toml \(not UTF-8 text\)"):
         parse_config(["--config", str(tmp_path / "latin1.toml")])
+
+
+@pytest.mark.parametrize("argv, setting", [
+    (["--dataset", "imagefolder", "--train-crop-size", "100000"], "--train-crop-size 100000"),  # cifar recipe (32 px)
+    (["--dataset", "cifar10", "--val-crop-size", "24"], "--val-crop-size 24"),
+    (["--dataset", "cifar10", "--val-resize-size", "36"], "--val-resize-size 36"),
+    (["--dataset", "imagefolder", "--image-size", "224", "--augment", "cifar", "--interpolation", "bicubic"],
+     "--interpolation bicubic"),
+    (["--auto-augment", "ta_wide"], "--auto-augment ta_wide"),  # shapes: made in memory, nothing to augment
+    (["--train-crop-size", "24"], "--train-crop-size 24"),
+    (["--num-workers", "4"], "--num-workers 4"),
+    (["--dataset", "imagefolder", "--train-samples", "100"], "--train-samples 100"),
+    (["--dataset", "imagefolder", "--auto-augment", "ta_wide", "--ra-magnitude", "5"], "--ra-magnitude 5"),
+    (["--dataset", "imagefolder", "--auto-augment", "ra", "--augmix-severity", "2"], "--augmix-severity 2"),
+    (["--download"], "--download"),
+    (["--model", "resnet18", "--width", "8"], "--width 8"),
+    (["--momentum", "0.5"], "--momentum 0.5"),
+    (["--no-nesterov"], "--no-nesterov"),
+    (["--lr-step-size", "3"], "--lr-step-size 3"),
+    (["--lr-gamma", "0.5"], "--lr-gamma 0.5"),
+    (["--lr-scheduler", "step", "--lr-milestones", "3,6"], "--lr-milestones 3,6"),
+    (["--lr-scheduler", "constant", "--min-lr-ratio", "0.1"], "--min-lr-ratio 0.1"),
+    (["--warmup-steps", "0", "--warmup-decay", "0.1"], "--warmup-decay 0.1"),
+    (["--model-ema-steps", "4"], "--model-ema-steps 4"),
+])
+def test_a_setting_that_has_no_effect_is_refused_in_one_line(argv, setting, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_config(argv)
+    message = str(e.value)
+    assert message.startswith(f"{setting} has no effect ") and ": drop it" in message and "\n" not in message
+    # The same setting from a config file names the file; in the setup where it acts, it is accepted.
+    flag, *value = setting.split(" ")
+    key = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps({key: _typed(value[0]) if value else not flag.startswith("--no-")}))
+    with pytest.raises(ConfigError, match=f"^{key} = .* in {file} has no effect"):
+        parse_config([a for a in argv if a not in (flag, *value)] + ["--config", str(file)])
+
+
+def _typed(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dataset", "imagefolder", "--image-size", "224", "--train-crop-size", "176", "--val-resize-size", "232",
+     "--val-crop-size", "224", "--interpolation", "bicubic", "--auto-augment", "ra", "--ra-magnitude", "5"],
+    ["--dataset", "cifar10", "--auto-augment", "augmix", "--augmix-severity", "2", "--download"],
+    ["--optimizer", "sgd", "--momentum", "0.5", "--no-nesterov"],
+    ["--lr-scheduler", "step", "--lr-step-size", "3", "--lr-gamma", "0.5"],
+    ["--lr-scheduler", "multistep", "--lr-milestones", "3,6"],
+    ["--min-lr-ratio", "0.1", "--warmup-decay", "0.1", "--warmup-method", "constant"],
+    ["--model-ema", "--model-ema-steps", "4", "--model-ema-decay", "0.9"],
+    ["--train-samples", "100", "--val-samples", "50"],
+])
+def test_the_same_settings_where_they_act_are_accepted(argv):
+    parse_config(argv)

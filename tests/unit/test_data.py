@@ -107,3 +107,22 @@ def test_the_repeated_augmentation_sampler_takes_the_references_indices(n, world
             sampler.set_epoch(epoch, start=11)
             assert list(sampler) == taken[11:] and len(sampler) == keep - 11
         assert len(seeds) == world * keep  # the repetitions of an image are augmented apart
+
+
+def test_repeated_augmentation_on_one_worker_samples_plainly_as_the_reference():
+    """The reference uses RASampler only when distributed, RandomSampler otherwise: on one worker --ra-reps
+    leaves the order a plain shuffle of the whole set (no copies in a batch, no cut to 256), and the line that
+    describes the sampler says so."""
+    from train.data import describe_sampler
+
+    plain = ShardSampler(1000, 0, 1, seed=7, with_seeds=True)
+    repeated = ShardSampler(1000, 0, 1, seed=7, with_seeds=True, reps=4)
+    for epoch in (0, 3):
+        plain.set_epoch(epoch)
+        repeated.set_epoch(epoch)
+        taken = [i for i, _ in repeated]
+        assert list(repeated) == list(plain) and len(repeated) == 1000 and sorted(taken) == list(range(1000))
+    assert "--ra-reps 4 on one worker samples plainly at random" in describe_sampler(4, 1)
+    two = ShardSampler(1000, 0, 2, seed=7, with_seeds=True, reps=4)  # two workers: the copies come back
+    first = [i for i, _ in two][:8]
+    assert first[0] == first[1] and "RASampler" in describe_sampler(4, 2)

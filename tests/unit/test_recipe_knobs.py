@@ -10,9 +10,10 @@ from torchvision.transforms import v2
 
 from train.augment import BatchAugment
 from train.config import parse_config
+from train.errors import ConfigError
 from train.data import _transforms, eval_steps
 from train.ema import ModelEma, adjusted_decay
-from train.optim import build_optimizer, build_scheduler, param_groups
+from train.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups
 
 
 def lrs(scheduler, optimizer, n):
@@ -46,12 +47,12 @@ def reference_scheduler(optimizer, kind, total, warmup, method, decay, **kw):
 ])
 @pytest.mark.parametrize("method, warmup", [("linear", 5), ("constant", 5), ("linear", 0)])
 def test_every_schedule_is_torchs_own_sequence(flags, kind, kw, method, warmup):
-    cfg = parse_config([*flags, "--lr", "0.5", "--max-steps", "40", "--warmup-steps", str(warmup),
-                        "--warmup-method", method, "--warmup-decay", "0.03"])
+    shape = ["--warmup-method", method, "--warmup-decay", "0.03"] if warmup else []  # no warm-up: refused
+    cfg = parse_config([*flags, "--lr", "0.5", "--max-steps", "40", "--warmup-steps", str(warmup), *shape])
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     expected = lrs(reference_scheduler(theirs, kind, 40, warmup, method, 0.03, **kw), theirs, 40)
-    assert lrs(build_scheduler(cfg, ours), ours, 40) == expected
+    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 40) == expected
     assert len(set(expected)) > (1 if kind == "constant" and warmup else 0)  # the schedule moves where it should
 
 
@@ -61,7 +62,7 @@ def test_an_epoch_schedule_counts_in_epochs():
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     expected = lrs(reference_scheduler(theirs, "step", 12, 2, "linear", 0.01, step_size=4, gamma=0.1), theirs, 12)
-    assert lrs(build_scheduler(cfg, ours), ours, 12) == expected
+    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 12) == expected
 
 
 @pytest.mark.parametrize("flags", [["--schedule-unit", "epoch"], ["--epochs", "3", "--warmup-epochs", "0.5",
@@ -75,23 +76,103 @@ def test_an_impossible_schedule_is_one_line(flags):
     assert "\n" not in str(e.value) and ": " in str(e.value)
 
 
-def test_weight_decay_groups_are_the_references():
-    """torchvision's reference: a parameter named bias takes --bias-weight-decay (before the norm rule), a
-    normalisation layer's --norm-weight-decay (the layers torchvision.ops' split finds), the rest --weight-decay."""
-    from torchvision.models import resnet18
+def reference_groups(model, weight_decay, norm_weight_decay=None, bias_weight_decay=None,
+                     transformer_embedding_decay=None) -> list[tuple[float, list[str]]]:
+    """torchvision's references/classification: train.py's custom keys and utils.set_weight_decay, transcribed
+    (parameters by name instead of by object): [(weight decay, names)] in the reference's group order."""
+    custom = []
+    if bias_weight_decay is not None:
+        custom.append(("bias", bias_weight_decay))
+    if transformer_embedding_decay is not None:
+        for key in ["class_token", "position_embedding", "relative_position_bias_table"]:
+            custom.append((key, transformer_embedding_decay))
+    params = {"other": [], "norm": []}
+    decay = {"other": weight_decay, "norm": norm_weight_decay}
+    for key, value in custom:
+        params[key], decay[key] = [], value
+    norm_classes = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
+                    torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)
 
-    model = resnet18(num_classes=10)
-    cfg = parse_config(["--weight-decay", "1e-4", "--norm-weight-decay", "0.0", "--bias-weight-decay", "2e-5"])
-    groups = param_groups(cfg, model)
-    norm, _ = split_normalization_params(model)
-    bias = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "bias"]
-    ids = lambda ps: [id(p) for p in ps]  # noqa: E731
-    expect_norm = [p for p in norm if id(p) not in set(ids(bias))]
-    expect_other = [p for p in model.parameters() if id(p) not in set(ids(norm)) | set(ids(bias))]
-    assert [(ids(g["params"]), g["weight_decay"]) for g in groups] == [
-        (ids(expect_other), 1e-4), (ids(expect_norm), 0.0), (ids(bias), 2e-5)]
-    optimizer = build_optimizer(cfg, model)  # what the trainer builds carries them
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0, 2e-5]
+    def add(module, prefix=""):
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            for key, _ in custom:
+                if key == (full if prefix != "" and "." in key else name):
+                    params[key].append(full)
+                    break
+            else:
+                in_norm = norm_weight_decay is not None and isinstance(module, norm_classes)
+                params["norm" if in_norm else "other"].append(full)
+        for child_name, child in module.named_children():
+            add(child, f"{prefix}.{child_name}" if prefix else child_name)
+
+    add(model)
+    return [(decay[key], names) for key, names in params.items() if names]
+
+
+DECAY_FLAGS = {"norm_weight_decay": "--norm-weight-decay", "bias_weight_decay": "--bias-weight-decay",
+               "transformer_embedding_decay": "--transformer-embedding-decay"}
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "resnet18", "vit_b_16", "swin_t", "mobilenet_v3_small"])
+@pytest.mark.parametrize("given", [{}, {"norm_weight_decay": 0.0}, {"bias_weight_decay": 2e-5},
+                                   {"norm_weight_decay": 0.0, "bias_weight_decay": 1e-3},
+                                   {"transformer_embedding_decay": 0.0},
+                                   {"norm_weight_decay": 0.0, "bias_weight_decay": 0.0,
+                                    "transformer_embedding_decay": 0.1}])
+def test_weight_decay_groups_are_the_references_by_name(model_name, given):
+    """Every trainable parameter in the reference's group with the reference's decay, by name: a group of its own
+    only for the decays given (on the meta device: no memory, no weights)."""
+    from train.models import build_model
+
+    cfg_args = ["--model", model_name, "--weight-decay", "1e-4"]
+    for key, value in given.items():
+        cfg_args += [DECAY_FLAGS[key], str(value)]
+    with torch.device("meta"):
+        model = build_model(parse_config(["--model", model_name]), 10)
+    names = [n for n, _ in model.named_parameters()]
+    model.get_parameter(names[len(names) // 2]).requires_grad_(False)  # frozen: in no group
+    expected = reference_groups(model, 1e-4, **given)
+    has_embedding = any(n.rsplit(".", 1)[-1] in EMBEDDING_KEYS for n, p in model.named_parameters() if p.requires_grad)
+    if "transformer_embedding_decay" in given and not has_embedding:
+        with pytest.raises(ConfigError, match="--transformer-embedding-decay has no effect"):
+            decay_groups(parse_config(cfg_args), model)
+        return
+    groups = decay_groups(parse_config(cfg_args), model)
+    assert [(g["weight_decay"], g["params"]) for g in groups] == expected
+    if given == {"norm_weight_decay": 0.0}:  # the norm rule alone: torchvision.ops' own split of the parameters
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        norm, other = split_normalization_params(model)
+        assert [[by_id[id(p)] for p in ps if p.requires_grad] for ps in (other, norm)] == \
+            [g["params"] for g in groups] + [[]] * (2 - len(groups))
+    assert len(groups) == 1 + sum(1 for key in ("norm_weight_decay", "bias_weight_decay") if key in given) \
+        + ("transformer_embedding_decay" in given) * sum(1 for k in EMBEDDING_KEYS if any(
+            n.rsplit(".", 1)[-1] == k for n, _ in model.named_parameters()))
+    # What the trainer builds carries them: every parameter once, with its group's decay.
+    with torch.device("cpu"):
+        real = build_model(parse_config(["--model", "cnn"]), 10) if model_name == "cnn" else None
+    if real is not None:
+        optimizer = build_optimizer(parse_config(cfg_args), real, decay_groups(parse_config(cfg_args), real))
+        by_id = {id(p): n for n, p in real.named_parameters()}
+        assert [(g["weight_decay"], [by_id[id(p)] for p in g["params"]]) for g in optimizer.param_groups] == \
+            reference_groups(real, 1e-4, **given)
+
+
+def test_the_published_resnet50_grouping_keeps_batchnorm_biases_out_of_decay():
+    """The published command: --weight-decay 0.00002 --norm-weight-decay 0.0 and no --bias-weight-decay: all 106
+    BatchNorm weights and biases take 0, the convolutions and the head (fc.bias included) 2e-5."""
+    from torchvision.models import resnet50
+
+    with torch.device("meta"):
+        model = resnet50()
+    groups = decay_groups(parse_config(["--model", "resnet50", "--weight-decay", "2e-5", "--norm-weight-decay", "0"]),
+                          model)
+    decay = {name: g["weight_decay"] for g in groups for name in g["params"]}
+    assert len(decay) == 161 and sum(1 for n in decay if "bn" in n or "downsample.1" in n) == 106
+    assert all(v == 0.0 for n, v in decay.items() if "bn" in n or "downsample.1" in n)
+    assert decay["fc.bias"] == decay["fc.weight"] == decay["conv1.weight"] == 2e-5
 
 
 def test_the_ema_is_averaged_model_with_torchs_ema_function_without_reading_the_device():
@@ -114,7 +195,7 @@ def test_the_ema_is_averaged_model_with_torchs_ema_function_without_reading_the_
         for a, b in zip(ours.state_dict().values(), theirs.state_dict().values(), strict=True):
             assert torch.equal(a, b)
     assert not torch.equal(ours.module[0].weight, model[0].weight)  # an average, not a copy
-    cfg = parse_config(["--batch-size", "32", "--model-ema-steps", "32", "--model-ema-decay", "0.99998"])
+    cfg = parse_config(["--batch-size", "32", "--model-ema", "--model-ema-steps", "32", "--model-ema-decay", "0.99998"])
     assert adjusted_decay(cfg, 8, 600) == 1 - min(1.0, (1 - 0.99998) * 8 * 32 * 32 / 600)
 
 
@@ -139,9 +220,9 @@ def test_mixup_cutmix_and_random_erasing_are_v2s_on_the_batch_seed():
     ("imagenet", lambda m: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=m)),
 ])
 def test_the_train_transforms_are_the_reference_presets(policy, made):
+    knob = {"ra": ["--ra-magnitude", "7"], "augmix": ["--augmix-severity", "2"]}.get(policy, [])  # its own only
     cfg = parse_config(["--dataset", "imagefolder", "--augment", "imagenet", "--image-size", "64",
-                        "--train-crop-size", "48", "--interpolation", "bicubic", "--auto-augment", policy,
-                        "--ra-magnitude", "7", "--augmix-severity", "2"])
+                        "--train-crop-size", "48", "--interpolation", "bicubic", "--auto-augment", policy, *knob])
     mode = v2.InterpolationMode.BICUBIC  # the crop's; the policies' rotations on tensors take bilinear at most
     reference = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(48, interpolation=mode, antialias=True),
                             v2.RandomHorizontalFlip(), made(v2.InterpolationMode.BILINEAR),
@@ -171,4 +252,4 @@ def test_a_warm_up_as_long_as_the_run_is_a_schedule_too():
     ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     warmup = S.LinearLR(theirs, start_factor=0.01, total_iters=5)
-    assert lrs(build_scheduler(cfg, ours), ours, 5) == lrs(warmup, theirs, 5)
+    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 5) == lrs(warmup, theirs, 5)

@@ -89,3 +89,73 @@ def test_named_weights_bring_their_own_evaluation_transforms():
     assert (ours - theirs).abs().mean() < level / 4
     plain = parse_config(["--dataset", "imagefolder", "--image-size", "224"])
     assert eval_steps(plain) == (256, 224, "bilinear")  # without them: the recipe's size / 0.875
+
+
+def every_classification_weight() -> list[tuple[str, str]]:
+    """(model, weights name) for every entry of every classification weights enum in torchvision."""
+    from torchvision import models
+
+    return [(m, f"{models.get_model_weights(m).__name__}.{e.name}") for m in models.list_models(module=models)
+            for e in models.get_model_weights(m)]
+
+
+def test_every_classification_weights_enum_is_covered():
+    from torchvision import models
+
+    entries = every_classification_weight()
+    assert len(entries) == sum(len(models.get_model_weights(m)) for m in models.list_models(module=models)) > 100
+    assert ("efficientnet_v2_l", "EfficientNet_V2_L_Weights.IMAGENET1K_V1") in entries
+    assert ("vgg16", "VGG16_Weights.IMAGENET1K_FEATURES") in entries
+
+
+@pytest.mark.parametrize("model, weights", every_classification_weight())
+def test_named_weights_bring_their_own_statistics_and_sizes(model, weights):
+    """Each classification weights entry in torchvision (nothing is downloaded: the enum knows its transforms):
+    the normalisation is its transforms()' mean and std (EfficientNet-V2-L's 0.5, VGG16 FEATURES' 1/255 std), and
+    on image files its resize, crop and interpolation are the evaluation's, the export's and the image size's
+    defaults."""
+    from torchvision import models
+
+    from train.data import eval_steps, preprocessing
+
+    preset = models.get_weight(weights).transforms()
+    cfg = parse_config(["--dataset", "imagefolder", "--model", model, "--weights", weights])
+    assert normalisation(cfg) == (tuple(preset.mean), tuple(preset.std))
+    assert cfg.image_size == preset.crop_size[0]
+    assert eval_steps(cfg) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value)
+    exported = preprocessing(cfg, ["a"], *normalisation(cfg))  # what model.pt2.json tells a caller
+    assert (exported["resize"], exported["center_crop"], exported["interpolation"], exported["mean"],
+            exported["std"]) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value,
+                                 list(preset.mean), list(preset.std))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], (224, 232, 224, "bilinear")),  # the weights' own: ResNet50 V2 evaluates 232 -> 224
+    (["--image-size", "160"], (160, 232 * 160 // 224, 160, "bilinear")),  # the user's size, the weights' ratio
+    (["--val-resize-size", "256"], (224, 256, 224, "bilinear")),
+    (["--val-crop-size", "192", "--val-resize-size", "220"], (224, 220, 192, "bilinear")),
+    (["--interpolation", "bicubic"], (224, 232, 224, "bicubic")),
+    (["--dataset", "shapes"], (32, 256, 32, "bilinear")),  # built-in: made at --image-size, no files to resize
+])
+def test_sizes_the_user_gives_win_over_the_weights_defaults(argv, expected):
+    from train.data import eval_steps
+
+    dataset = [] if "--dataset" in argv else ["--dataset", "imagefolder"]
+    cfg = parse_config([*dataset, "--model", "resnet50", "--weights", "ResNet50_Weights.IMAGENET1K_V2", *argv])
+    resize, crop, interpolation = eval_steps(cfg)
+    if cfg.dataset == "shapes":
+        assert (cfg.image_size, crop) == (expected[0], expected[2])
+        return
+    assert (cfg.image_size, resize, crop, interpolation) == expected
+
+
+def test_a_cifar_run_from_named_weights_trains_and_evaluates_at_one_size():
+    """--dataset cifar10 --weights ResNet50_Weights.DEFAULT: the training crop and the evaluation's are both the
+    weights' 224 (upsampled CIFAR), or both the user's --image-size: never 32 px trained and 224 px evaluated."""
+    from train.data import _transforms, eval_steps
+
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    for argv, size in (([], 224), (["--image-size", "32"], 32)):
+        cfg = parse_config(["--dataset", "cifar10", "--model", "resnet50", "--weights", "DEFAULT", *argv])
+        assert _transforms(cfg, True)(image).shape[-1] == _transforms(cfg, False)(image).shape[-1] == size
+        assert eval_steps(cfg)[1] == size

@@ -1,0 +1,178 @@
+"""The plan: what a run derives from its config, once, before it trains.
+
+  python -m train --dry-run ...           prints it as JSON and exits: no run folder, no download, no training
+  make train ARGS="--config train/recipes/resnet50.toml --data-dir /nas/imagenet --dry-run"   (GPUS=8: 8 workers)
+
+The Trainer builds it where it starts (make_plan, from its own datasets and model) and trains from it: the steps,
+the warm-up, the weight-decay groups, the normalisation, the learning rates, the EMA's decay. The run folder keeps
+it as plan.json. A dry run builds it with the same function from the same config, on a model on the meta device
+(no memory, no weights), for the workers the launch would start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.augment import BatchAugment
+from train.checks import check_steps
+from train.config import Config, default_run_dir, steps_for_epochs
+from train.data import build_datasets, check_cifar, describe_sampler
+from train.ema import adjusted_decay
+from train.errors import ConfigError
+from train.models import build_model
+from train.optim import build_optimizer, build_scheduler, decay_groups
+from train.weights import cached_file, freeze, frozen_names, normalisation, resolve
+
+# Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
+LR_EVERY_STEP = 1000
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_dir: str  # where the run writes (a dry run writes nothing there)
+    world_size: int  # workers, all nodes together
+    device: str  # cuda or cpu
+    precision: str  # fp32, bf16 or fp16 (a GradScaler with fp16)
+    train_samples: int
+    val_samples: int
+    num_classes: int
+    steps_per_epoch: int  # optimizer steps per pass over the training set, on this layout
+    max_steps: int  # the run's optimizer steps (from --epochs, or --max-steps)
+    warmup_steps: int  # in optimizer steps (an epoch schedule's warm-up is whole epochs: lr says which)
+    epochs: float
+    global_batch: int  # workers x --batch-size x --grad-accum: images per optimizer step
+    sampler: str
+    normalize: dict  # mean and std per channel, of images scaled to [0, 1]
+    train_transform: str  # per image, in the loader (uint8 in, uint8 out)
+    batch_transform: str  # per batch, on the training device after the normalisation
+    eval_transform: str
+    loss: str
+    optimizer: dict  # its class and settings (the learning rate and weight decay are below), the gradient clipping
+    param_groups: list  # each: its weight_decay and its parameters' names
+    lr: dict  # per: epoch or step; values: the learning rate of each epoch's (or step's) optimizer steps
+    ema: dict | None  # decay per update (after the reference's adjustment), every_steps, restarted in the warm-up
+    weights: dict | None  # the starting weights
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, val_set, num_classes: int,
+              model: torch.nn.Module, run_dir: str) -> Plan:
+    """The plan of cfg on `world` workers, from the datasets and the model (frozen where --freeze says) the run
+    trains; a setting that has no effect on them is one line (ConfigError)."""
+    steps_per_epoch = check_steps(len(train_set), world, cfg)
+    max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
+    epochs = cfg.epochs or max_steps / steps_per_epoch
+    mean, std = normalisation(cfg)
+    batch = BatchAugment(cfg, num_classes) if BatchAugment.wanted(cfg) else None
+    return Plan(
+        run_dir=run_dir, world_size=world, device=device, precision=precision, train_samples=len(train_set),
+        val_samples=len(val_set), num_classes=num_classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        warmup_steps=warmup_steps, epochs=epochs, global_batch=world * cfg.batch_size * cfg.grad_accum,
+        sampler=describe_sampler(cfg.ra_reps, world), normalize={"mean": list(mean), "std": list(std)},
+        train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
+        eval_transform=_transform_of(val_set, cfg),
+        loss=f"CrossEntropyLoss(label_smoothing={cfg.label_smoothing})", optimizer=_optimizer(cfg),
+        param_groups=decay_groups(cfg, model),
+        lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
+        ema={"decay": adjusted_decay(cfg, world, epochs), "given_decay": cfg.model_ema_decay,
+             "every_steps": cfg.model_ema_steps,
+             "restarted_during": f"the warm-up ({cfg.warmup_epochs:g} epochs)" if cfg.schedule_unit == "epoch"
+             else f"the warm-up ({warmup_steps} steps)"} if cfg.model_ema else None,
+        weights=_weights(cfg))
+
+
+def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epoch: int) -> dict:
+    """The learning rate of each epoch's optimizer steps, or of each step for runs of up to LR_EVERY_STEP steps
+    that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it."""
+    optimizer = _probe_optimizer(cfg)
+    scheduler = build_scheduler(cfg, optimizer, max_steps, warmup_steps)
+    every_step = cfg.schedule_unit == "step"
+    per_step = every_step and max_steps <= LR_EVERY_STEP
+    values = []
+    with warnings.catch_warnings():  # the scheduler steps without an optimizer step: there is nothing to train
+        warnings.simplefilter("ignore", UserWarning)
+        for step in range(0, max_steps, 1 if every_step else steps_per_epoch):
+            if per_step or step % steps_per_epoch == 0:
+                values.append(optimizer.param_groups[0]["lr"])
+            scheduler.step()
+    return {"per": "step" if per_step else "epoch", "values": values}
+
+
+def _probe_optimizer(cfg: Config) -> torch.optim.Optimizer:
+    """The trainer's optimizer (build_optimizer) over one parameter of its own: its class and settings."""
+    probe = torch.nn.Linear(1, 1, bias=False)
+    return build_optimizer(cfg, probe, [{"weight_decay": cfg.weight_decay, "params": ["weight"]}])
+
+
+def _optimizer(cfg: Config) -> dict:
+    optimizer = _probe_optimizer(cfg)
+    keys = ("momentum", "dampening", "nesterov") if isinstance(optimizer, torch.optim.SGD) else ("betas", "eps")
+    return {"name": type(optimizer).__name__, **{k: optimizer.defaults[k] for k in keys},
+            "grad_clip": cfg.grad_clip or None}
+
+
+def _transform_of(dataset, cfg: Config) -> str:
+    """The repr of the transform the dataset applies to each image (through its wrappers)."""
+    while dataset is not None:
+        transform = getattr(dataset, "transform", None)
+        if transform is not None:
+            return repr(transform)
+        dataset = getattr(dataset, "source", None)
+    return f"none: images made in memory at {cfg.image_size} px"
+
+
+def _weights(cfg: Config) -> dict | None:
+    if not cfg.weights:
+        return None
+    entry = resolve(cfg)
+    if entry is None:
+        return {"weights": cfg.weights, "file": str(Path(cfg.weights))}
+    return {"weights": cfg.weights, "torchvision": f"{type(entry).__name__}.{entry.name}",
+            "file": str(cached_file(entry)), "transforms": repr(entry.transforms())}
+
+
+def planned_device(cfg: Config) -> str:
+    """The device a dry run plans for: --device, else CUDA where it is here or where the config needs it
+    (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs), else the CPU."""
+    if cfg.device != "auto":
+        return cfg.device
+    needs_gpu = cfg.precision in ("bf16", "fp16") or cfg.decode == "gpu" or cfg.sync_bn
+    return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
+
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def planned_precision(cfg: Config, device: str) -> str:
+    if cfg.precision != "auto":
+        return cfg.precision
+    if device != "cuda":
+        return "fp32"
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16 on a GPU with bf16 (Ampere and newer), else fp32"
+
+
+def dry_run(cfg: Config, world: int) -> Plan:
+    """The plan of cfg on `world` workers, without a process group, a run folder, a download or a weight."""
+    if cfg.dataset == "cifar10":
+        try:
+            check_cifar(Path(cfg.data_dir), False)
+        except ConfigError:
+            raise ConfigError(f"--dry-run downloads nothing, and CIFAR-10 is not under {cfg.data_dir}: run once "
+                              f"without --dry-run (with --download) first, or point --data-dir at it") from None
+    train_set, val_set, num_classes = build_datasets(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg, num_classes)
+    freeze(model, frozen_names(cfg, model, num_classes))
+    device = planned_device(cfg)
+    return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
+                     cfg.run_dir or default_run_dir())
