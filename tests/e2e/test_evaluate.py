@@ -2,11 +2,12 @@
 own final evaluation on the same data and layout."""
 
 import json
+import shutil
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, PY, make, python_cmd, run, status
+from tests.helpers import DEBUG, PEAKED, PY, make, python_cmd, run, status
 
 
 def _equal_to_the_final_evaluation(run_dir, report):
@@ -48,6 +49,21 @@ def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
     recorded = status(run_dir)["best"]
     assert (best["loss"], best["accuracy"], best["samples"]) == \
         (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"])
+
+
+def test_make_evaluate_weights_best_scores_the_best_evaluation_not_the_last(reference_run, tmp_path):
+    """A run whose best evaluation (best.pt) came before its last (model.pt): WEIGHTS=best gives the best's figures
+    and WEIGHTS=model the final ones, and the two differ."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
+    make("evaluate", f"RUN={run_dir}", "WEIGHTS=best")
+    make("evaluate", f"RUN={run_dir}")
+    best, final = (json.loads((run_dir / f"eval-{w}.json").read_text()) for w in ("best", "model"))
+    recorded = status(run_dir)["best"]
+    assert (best["loss"], best["accuracy"], best["samples"]) == \
+        (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"])
+    _equal_to_the_final_evaluation(run_dir, final)
+    assert recorded["step"] < status(run_dir)["step"] and best["accuracy"] > final["accuracy"]
 
 
 def test_bad_input_is_one_line(tmp_path):

@@ -1,11 +1,12 @@
 """make export / python -m train.export: a run's model for a process that has torch alone."""
 
 import json
+import shutil
 import sys
 
 import torch
 
-from tests.helpers import DEBUG, PY, make, python_cmd, run, snapshot
+from tests.helpers import DEBUG, PEAKED, PY, make, python_cmd, run, snapshot
 from train.config import Config, parse_config
 from train.data import build_datasets, prepare_inputs
 from train.models import build_model
@@ -24,16 +25,19 @@ assert not [m for m in sys.modules if m.split(".")[0] in ("train", "torchvision"
 """
 
 
-def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(tmp_path):
+def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(reference_run, tmp_path):
+    """best.pt and model.pt of a run whose best evaluation is not its last: each program equals its own eager
+    model, and the two differ."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--run-dir", run_dir))
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
     make("export", f"RUN={run_dir}", "WEIGHTS=best")
     run([PY, "-m", "train.export", str(run_dir)])  # model.pt, the default
-    cfg = parse_config([*DEBUG])
+    cfg = parse_config([*map(str, PEAKED)])
     _, val_set, classes = build_datasets(cfg)
     images = torch.stack([val_set[i][0] for i in range(64)])
     batch = prepare_inputs(images, torch.device("cpu"), channels_last=False)  # as the evaluation feeds it
     torch.save(batch, tmp_path / "batch.pt")
+    programs = []
     for name, weights in (("best.pt2", "best.pt"), ("model.pt2", "model.pt")):
         record = json.loads((run_dir / f"{name}.json").read_text())
         assert (record["center_crop"], record["mean"], record["std"]) == (16, [0.5] * 3, [0.25] * 3)
@@ -49,6 +53,8 @@ def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(tmp_path
         torch.testing.assert_close(outputs[0], expected, rtol=1e-5, atol=1e-5)  # fp32 tolerance
         torch.testing.assert_close(outputs[1], expected[:1], rtol=1e-5, atol=1e-5)  # the batch size is dynamic
         torch.testing.assert_close(outputs[2], expected[:7], rtol=1e-5, atol=1e-5)
+        programs.append(outputs[0])
+    assert not torch.allclose(*programs, rtol=1e-3, atol=1e-3)  # best.pt2 is best.pt's model, not model.pt's
 
 
 def test_a_model_that_cannot_be_exported_is_one_line_and_nothing_is_written(tmp_path):

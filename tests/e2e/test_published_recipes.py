@@ -127,3 +127,55 @@ def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_pat
     run(python_cmd(*args, "--auto-augment", "none", "--dataset", "imagefolder", "--data-dir", data,
                    "--run-dir", control))
     assert any(not torch.equal(v, load_model(files)[k]) for k, v in load_model(control).items())
+
+
+def test_label_smoothing_alone_changes_what_the_trainer_learns(reference_run, tmp_path):
+    """--label-smoothing and nothing else (no Mixup or CutMix, whose soft targets would hide it): the run's loss
+    is torch's smoothed cross-entropy, so its first logged loss and its weights differ from the plain run's."""
+    plain = reference_run(*DEBUG, "--max-steps", 10, "--log-every", 1, workers=1)
+    smoothed = tmp_path / "smoothed"
+    run(python_cmd(*DEBUG, "--max-steps", 10, "--log-every", 1, "--label-smoothing", "0.2", "--run-dir", smoothed))
+    losses = [[m["loss"] for m in metrics(d, "train")] for d in (plain, smoothed)]
+    assert losses[0][0] != losses[1][0]  # the same first batch and weights: only the loss differs
+    assert any(not torch.equal(v, load_model(plain)[k]) for k, v in load_model(smoothed).items())
+
+
+@pytest.mark.parametrize("schedule", [["--schedule-unit", "epoch", "--epochs", 4, "--warmup-epochs", 1],
+                                      ["--max-steps", 20, "--warmup-steps", 5]])
+def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(schedule, tmp_path):
+    """The EMA in model_ema.pt equals torch's AveragedModel (EMA function, buffers averaged) fed the trainer's own
+    weights as the reference feeds them: after the optimizer step of every --model-ema-steps-th batch of an epoch
+    (counted from 0), restarted (n_averaged 0) during the warm-up, with the reference's decay adjustment. The
+    weights after each step are read from a checkpoint per step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from train.config import parse_config
+    from train.models import build_model
+
+    run_dir = tmp_path / "run"
+    args = [*DEBUG, "--train-samples", 96, "--model-ema", "--model-ema-steps", 4, "--model-ema-decay", "0.999",
+            "--save-every", 1, "--keep-checkpoints", 1000, "--eval-every", 0, *schedule]
+    run(python_cmd(*args, "--run-dir", run_dir))
+    steps_per_epoch, epoch_unit = 96 // 16, "epoch" in schedule
+    max_steps = 4 * steps_per_epoch if epoch_unit else 20
+    epochs = 4 if epoch_unit else max_steps / steps_per_epoch
+    decay = 1.0 - min(1.0, (1.0 - 0.999) * 1 * 16 * 4 / epochs)  # the reference: world x batch x steps / epochs
+    cfg = parse_config([*map(str, DEBUG), "--train-samples", "96"])
+    model = build_model(cfg, 10)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    updates = 0
+    for step in range(1, max_steps + 1):
+        index, epoch = (step - 1) % steps_per_epoch, (step - 1) // steps_per_epoch  # the batch's, in its epoch
+        if index % 4:
+            continue
+        state = torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"]
+        model.load_state_dict(state)
+        ema.update_parameters(model)
+        updates += 1
+        if (epoch < 1) if epoch_unit else (step - 1 < 5):  # in the warm-up: the next update copies again
+            ema.n_averaged.fill_(0)
+    theirs = ema.module.state_dict()
+    ours = torch.load(run_dir / "model_ema.pt", weights_only=True)
+    assert updates > 4 and ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert any(not torch.equal(ours[k], load_model(run_dir)[k]) for k in ours)  # an average, not the last weights

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, REPO, metrics, python_cmd, run, status, torchrun_cmd
+from tests.helpers import DEBUG, PEAKED, REPO, metrics, python_cmd, run, status, torchrun_cmd
 from train.config import parse_config
 from train.models import build_model
 
@@ -146,13 +146,15 @@ def test_imagefolder_trains_with_loader_workers(tmp_path):
 
 def test_best_pt_holds_the_best_evaluation_and_the_figures_include_top5(tmp_path):
     """best.pt: the evaluation with the highest top-1 (the earlier of a tie), its model bit for bit the one
-    evaluated (the checkpoint of the same step), named in status.json; top-5 beside top-1 (10 classes)."""
+    evaluated (the checkpoint of the same step), named in status.json; top-5 beside top-1 (10 classes). The run
+    peaks before its end, so the best evaluation is not the last."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--eval-every", 5, "--save-every", 5, "--keep-checkpoints", 20, "--run-dir", run_dir))
+    run(python_cmd(*PEAKED, "--eval-every", 5, "--save-every", 5, "--keep-checkpoints", 20, "--run-dir", run_dir))
     evals = metrics(run_dir, "eval")
     assert [m["step"] for m in evals] == list(range(5, 41, 5)) and all(m["top5"] >= m["accuracy"] for m in evals)
     top = max(m["accuracy"] for m in evals)
     expected = next(m for m in evals if m["accuracy"] == top)  # the first of the best
+    assert expected["step"] < evals[-1]["step"] and top > evals[-1]["accuracy"] + 0.05
     best = torch.load(run_dir / "best.pt", weights_only=True)
     assert (best["step"], best["val_accuracy"], best["val_top5"]) == (expected["step"], top, expected["top5"])
     saved = torch.load(run_dir / "checkpoints" / f"step_{expected['step']:08d}.pt", weights_only=True)["model"]
