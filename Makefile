@@ -33,7 +33,8 @@ BUILD_FLAGS ?=
 # The container user: yours (root's too); the image's own default user is never root (1000 for root)
 HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
 HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
-# NAS folders for `make env` (datasets read-only); `make evaluate`: another dataset to score on
+# The datasets' folder: --data-dir of `make train` (in the container: mounted read-only by `make env`);
+# `make evaluate`: another dataset to score on
 DATA_DIR ?=
 # NAS folder for `make env` (runs and checkpoints, read-write)
 RUNS_DIR ?=
@@ -122,7 +123,8 @@ train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, e
 
 train-local: $(STAMP) ## train in the local environment (what RUNTIME=local selects)
 	@echo "trainbox: local environment ($(VENV)); RUNTIME=docker for the container" >&2
-	$(PY) -m train.launch --gpus "$(GPUS)" --max-restarts "$(MAX_RESTARTS)" -- $(ARGS)
+	@$(PY) -m train.launch --gpus "$(GPUS)" --max-restarts "$(MAX_RESTARTS)" -- \
+	  $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") $(ARGS)
 
 train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNTIME=docker selects)
 	@echo "trainbox: container $(IMAGE) via $(COMPOSE); RUNTIME=local for the local environment" >&2
