@@ -67,3 +67,9 @@ def test_a_dry_run_refuses_what_the_run_would_refuse(tmp_path):
     cifar = run(python_cmd("--dataset", "cifar10", "--data-dir", tmp_path / "none", "--download", "--dry-run"),
                 expect=2)
     assert "--dry-run downloads nothing" in cifar.stderr and not (tmp_path / "none").exists()
+
+
+def test_repeated_augmentation_on_one_worker_says_it_samples_plainly(tmp_path):
+    out = run(python_cmd(*DEBUG, "--ra-reps", 3, "--max-steps", 2, "--eval-every", 0, "--run-dir", tmp_path / "run"))
+    lines = [line for line in out.stderr.splitlines() if "--ra-reps 3 on one worker samples plainly" in line]
+    assert len(lines) == 1 and "sampler: one shuffled pass" in lines[0]
