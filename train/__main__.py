@@ -9,14 +9,20 @@
   python -m train.launch --gpus 2 -- ARGS              what `make train GPUS=2 ARGS=...` runs
 
 Exit codes (train/errors.py): 0 done, 1 failed, 2 bad input (one line on stderr), 75 stopped by a
-signal after saving a checkpoint.
+signal after saving a checkpoint. Under torchrun a failed run fails torchrun too: after an error a restart
+cannot mend, its restarts refuse at once and it exits non-zero; a stop leaves it with 0 (status.json says
+"stopped"; make, compose and the templates exit 75).
 """
 
 import sys
 
-from train.config import parse_config
-from train.errors import ConfigError, end_process, fail
+import os
+from pathlib import Path
+
+from train.config import launch_run_dir, parse_config
+from train.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
 from train.forkserver import start_fork_server
+from train.runfiles import failed_in_this_launch
 
 
 def main(argv: list[str]) -> int:
@@ -24,6 +30,8 @@ def main(argv: list[str]) -> int:
         cfg = parse_config(argv)
     except ConfigError as e:
         return fail(str(e))
+    if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
+        return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
     if cfg.spawn > 0 and not cfg.dry_run:  # the workers' fork server imports torch and the trainer meanwhile
         start_fork_server()
     # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer

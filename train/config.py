@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import time
 import typing
 from dataclasses import dataclass, field, fields
@@ -308,6 +309,28 @@ def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
 def default_run_dir(started: float | None = None) -> str:
     """runs/<start time>, the run directory when --run-dir is not given."""
     return time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
+
+
+def launch_run_dir(cfg: Config) -> str:
+    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
+    parent), so the attempts it restarts after a failure resume the same run instead of starting new ones."""
+    if cfg.run_dir:
+        return cfg.run_dir
+    return default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
+
+
+def process_start_time(pid: int | str = "self") -> float:
+    """When this process (or pid) started (Unix time), from /proc; the import of this module elsewhere."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
 
 _TYPES = {f.name: f.type for f in fields(Config)}
 

@@ -2,9 +2,12 @@
 
 import atexit
 import gc
+import hashlib
 import os
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import NoReturn
 
 EXIT_DONE = 0  # finished (or already finished): model.pt written
@@ -32,9 +35,29 @@ class PeerGaveUp(ConfigError):
 
 
 def fail(message: str) -> int:
-    """A user's mistake, before anything started: one line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
+    """A user's mistake, before anything started: one line on stderr, exit code 2. Under torchrun every worker
+    meets it, and meets it again in every attempt torchrun restarts: the line is said once per node and launch."""
+    if not _said_in_this_launch(message):
+        print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def _said_in_this_launch(message: str) -> bool:
+    """Under torchrun: whether a worker of this node's torchrun (this process's parent) said `message` already.
+    The first to create its marker (a file named by the launch, the torchrun process and the message) says it."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return False
+    folder = Path(tempfile.gettempdir()) / f"trainbox-{os.getuid()}"
+    marker = folder / hashlib.sha256(f"{run_id}\n{os.getppid()}\n{message}".encode()).hexdigest()[:32]
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return True
+    except OSError:  # no temporary folder to write: say it
+        return False
+    return False
 
 
 _ran_a_process_group = False

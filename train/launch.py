@@ -94,7 +94,7 @@ def run_worker(cfg: Config) -> int:
             if is_main():
                 print(f"error: {_last_line(e)}", file=sys.stderr)
         if isinstance(e, ConfigError):
-            return _unrecoverable_exit(getattr(e, "recorded", False))
+            return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
         if not _lost_peer(e):
             raise
         _report_lost_peer(rank, e)
@@ -116,18 +116,6 @@ def _interrupted(error: BaseException | None) -> bool:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
-
-
-def _unrecoverable_exit(recorded: bool) -> int:
-    """Exit code 2 for an error that a restart cannot mend. Under torchrun with restarts left, 0 instead:
-    torchrun restarts a worker group on any non-zero exit, whatever the code, and the attempt would only
-    meet the error again. The run's status.json then says "failed" with exit code 2 (rank 0 wrote it, or
-    exits 2 itself), which `make train`, compose and the Slurm and SkyPilot templates exit with."""
-    env = os.environ
-    restarts_left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if "TORCHELASTIC_RUN_ID" in env and restarts_left > 0 and (recorded or not is_main()):
-        return 0
-    return EXIT_BAD_INPUT
 
 
 def _last_line(error: Exception) -> str:

@@ -20,24 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from train.config import process_start_time  # noqa: F401 - the trainer imports it from here
 from train.distributed import identity, is_main
 from train.runfiles import atomic_write
 
 log = logging.getLogger("train")
-
-
-def process_start_time(pid: int | str = "self") -> float:
-    """When this process (or pid) started (Unix time), from /proc; the import of this module elsewhere."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
 
 
 def _step_of(line: str) -> float:

@@ -69,6 +69,19 @@ def read_status(run_dir: Path) -> dict:
     return read_json(run_dir / "status.json")
 
 
+def failed_in_this_launch(run_dir: Path, env) -> bool:
+    """Whether this process is a torchrun restart after this very launch (TORCHELASTIC_RUN_ID) ended on an error
+    that a restart cannot mend: status.json says failed with exit code 2 and names the launch. torchrun restarts
+    a worker group on any non-zero exit; such an attempt refuses at once, before any import of torch or any
+    rendezvous, and torchrun ends non-zero once its restarts are spent. A crash (exit 1, a kill) is not such an
+    error: its restart resumes. The same command run again is a new launch, and tries again."""
+    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0 or "TORCHELASTIC_RUN_ID" not in env:
+        return False
+    status = read_status(run_dir)
+    return status.get("state") == "failed" and status.get("exit_code") == 2 and \
+        status.get("launch") == env["TORCHELASTIC_RUN_ID"]
+
+
 def write_manifest(run_dir: Path, manifest: dict) -> None:
     """manifest.json describes the latest start; earlier starts of the same run are kept under 'previous'."""
     path = run_dir / "manifest.json"

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import checkpoint as ckpt
 from train import runfiles
 from train.checks import check_same_model, not_writable
-from train.config import Config, default_run_dir
+from train.config import Config, launch_run_dir
 from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs, relayout
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
@@ -575,9 +575,10 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
 
 
 def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer | None) -> None:
-    """Every rank ends with exit code 2 and no restart (train/launch.py): this rank's line goes to its
-    peers (a peer blocked in a collective with it reads it there once this rank has exited), rank 0
-    records it in status.json. Nothing already saved is touched."""
+    """Every rank ends with exit code 2: this rank's line goes to its peers (a peer blocked in a collective with it
+    reads it there once this rank has exited), rank 0 records it in status.json with the torchrun launch it
+    happened in, whose restarts then refuse at once (runfiles.failed_in_this_launch). Nothing already saved is
+    touched."""
     if not isinstance(error, PeerGaveUp):
         error.first = announce_unrecoverable(str(error))  # every rank may meet it: one of them prints it
     if is_main() and run_dir is not None and run_dir.is_dir():
@@ -586,8 +587,9 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
             if last.get("state") == "failed" else {}  # a failed save's own record (the space it needed) stays
         with contextlib.suppress(OSError):
             runfiles.write_status(run_dir, "failed", trainer.step if trainer else last.get("step", -1),
-                              **{"error": str(error), **kept, "exit_code": EXIT_BAD_INPUT})
-            error.recorded = True
+                                  **{"error": str(error), **kept, "exit_code": EXIT_BAD_INPUT},
+                                  **({"launch": os.environ["TORCHELASTIC_RUN_ID"]}
+                                     if "TORCHELASTIC_RUN_ID" in os.environ else {}))
 
 
 def run_length(cfg: Config, max_steps: int) -> dict:
@@ -596,12 +598,8 @@ def run_length(cfg: Config, max_steps: int) -> dict:
 
 
 def resolve_run_dir(cfg: Config) -> Path:
-    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (the parent),
-    so the attempts it restarts after a failure resume the same run instead of starting new ones."""
-    run_dir = cfg.run_dir
-    if not run_dir and is_main():
-        run_dir = default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
-    return Path(broadcast_from_main(run_dir))
+    """The run directory (config.launch_run_dir), rank 0's on every rank: nodes' torchruns start apart."""
+    return Path(broadcast_from_main(launch_run_dir(cfg) if is_main() else None))
 
 
 def already_finished(run_dir: Path, cfg: Config) -> bool:

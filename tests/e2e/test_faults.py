@@ -300,8 +300,9 @@ def _unshare() -> list[str]:
 
 def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, tmp_path):
     """The run directory on a 2.5 MB tmpfs: the checkpoints of steps 20 and 40 (0.9 MB each) fit, 60 does not.
-    A restart cannot free space: torchrun restarts nothing (restarts=2 left), and the same command run again
-    before space is freed fails at start-up, in seconds, instead of training up to the save again."""
+    A restart cannot free space: torchrun's restarts (2 left) refuse at once and none trains, and the same
+    command run again before space is freed fails at start-up, in seconds, instead of training up to the save
+    again."""
     out = tmp_path / "out"
     out.mkdir()
     mnt = tmp_path / "mnt"
@@ -330,7 +331,7 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
     assert (out / "code_again").read_text().strip() == "2", again[-4000:]
     assert "MiB free but a checkpoint needs" in again and "resumed from" not in again  # at start-up
     after = out / "after_failure"
-    assert (after / "train.log").read_text().count(f"run {mnt / 'run'}:") == 1  # torchrun restarted nothing
+    assert (after / "train.log").read_text().count(f"run {mnt / 'run'}:") == 1  # no restart trained again
     assert ckpt.newest_valid(after).name == "step_00000040.pt"
     assert not list((after / "checkpoints").glob(".*")), "a partial file was left behind"
     assert status(after)["state"] == "failed"
