@@ -53,6 +53,8 @@ DST ?=
 RUN ?=
 # ... and its weights: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a checkpoint file
 WEIGHTS ?= model
+# ... and, for a run of your own package.module:factory model, that factory (a run folder alone never runs code)
+MODEL ?=
 # The output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
@@ -146,12 +148,12 @@ evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [WEIGHTS=best] [DATA_
 	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
 	  exit 2; }
 	$(PY) -m train.evaluate "$(RUN)" --weights "$(WEIGHTS)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
-	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS))
+	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS)) $(if $(MODEL),--model "$(MODEL)")
 
 export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best] -> RUN/model.pt2 + .json
 	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
 	  exit 2; }
-	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)"
+	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)" $(if $(MODEL),--model "$(MODEL)")
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)

@@ -4,6 +4,7 @@
   python -m train.evaluate runs/exp1 --weights best          best.pt (ema: model_ema.pt; or a checkpoint file)
   python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: /nas/val2/val/<class>/*, the run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
+  python -m train.evaluate runs/exp2 --model mypkg.nets:build a run of your own model: name its factory again
   torchrun --nproc-per-node=4 -m train.evaluate runs/exp1    any launcher, as for training (srun too)
 
 Every rank scores its shard of the validation set, each sample counted exactly once (no padding), with the
@@ -42,11 +43,12 @@ class Job:
     weights: str
     data_dir: str
     out: Path
+    model: str = ""  # --model: a run of a package.module:factory model is evaluated only when it names it
 
 
 def score_run(job: Job) -> int:
     """One rank's part of the evaluation; rank 0 writes what it found. Returns the exit code."""
-    cfg, classes, state, source = load_run(job.run_dir, job.weights)
+    cfg, classes, state, source = load_run(job.run_dir, job.weights, job.model)
     cfg = Config(**{**cfg.to_dict(), **({"data_dir": job.data_dir} if job.data_dir else {})})
     configure_runtime(cfg)
     ident = identity()
@@ -122,10 +124,13 @@ def main(argv: list[str]) -> int:
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")
     parser.add_argument("--spawn", type=int, default=0, help="start N local workers (torch.multiprocessing)")
+    parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
+                                                    "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
-    job = Job(ns.run_dir, ns.weights, ns.data_dir, ns.out or ns.run_dir / f"eval-{Path(ns.weights).stem}.json")
+    job = Job(ns.run_dir, ns.weights, ns.data_dir, ns.out or ns.run_dir / f"eval-{Path(ns.weights).stem}.json",
+              ns.model)
     try:
-        load_run(job.run_dir, job.weights)  # a bad run folder or weights: one line before any worker starts
+        load_run(job.run_dir, job.weights, job.model)  # a bad run folder, weights or model: one line, no worker
         if ns.spawn < 0:
             raise ConfigError(f"--spawn must be >= 0, got {ns.spawn}: pass 0 or a worker count")
         if ns.spawn:

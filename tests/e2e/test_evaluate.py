@@ -2,12 +2,13 @@
 own final evaluation on the same data and layout."""
 
 import json
+import os
 import shutil
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, PEAKED, PY, make, python_cmd, run, status
+from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status
 
 
 def _equal_to_the_final_evaluation(run_dir, report):
@@ -73,3 +74,31 @@ def test_bad_input_is_one_line(tmp_path):
     run(python_cmd(*DEBUG, "--max-steps", 3, "--eval-every", 0, "--stop-at", 2, "--run-dir", run_dir), expect=75)
     unfinished = run([PY, "-m", "train.evaluate", str(run_dir)], expect=2)
     assert "the run has not finished (no model.pt)" in unfinished.stderr and "Traceback" not in unfinished.stderr
+
+
+def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_path):
+    """A run folder on a shared NAS whose config.json names a module:factory (planted here, it leaves a mark when
+    imported): evaluate and export refuse in one line that gives --model, and import nothing; naming the same
+    factory on the command line is the user's consent; another name is refused; torchvision models need nothing."""
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--run-dir", run_dir))
+    planted = tmp_path / "site"
+    planted.mkdir()
+    mark = tmp_path / "imported"
+    (planted / "planted.py").write_text(f"import pathlib\npathlib.Path({str(mark)!r}).touch()\n"
+                                        f"from tests.models import tiny_groupnorm_cnn as net  # noqa: F401\n")
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "model": "planted:net"}))
+    env = env_for_tests(PYTHONPATH=f"{planted}{os.pathsep}{REPO}")
+    for command in (["train.evaluate"], ["train.export"]):
+        refused = run([PY, "-m", *command, str(run_dir)], expect=2, env=env)
+        assert refused.stderr.strip().splitlines() == [
+            f"error: {run_dir} was trained with --model planted:net, code outside trainbox, and its factory would be "
+            f"imported and run: pass --model planted:net (MODEL= with make) if you trust that module"]
+        other = run([PY, "-m", *command, str(run_dir), "--model", "tests.models:wide_mlp"], expect=2, env=env)
+        assert "--model tests.models:wide_mlp does not name it" in other.stderr
+        assert not mark.exists()
+    refused = make("evaluate", f"RUN={run_dir}", expect=2)
+    assert "pass --model planted:net (MODEL= with make)" in refused.stderr and not mark.exists()
+    consented = run([PY, "-m", "train.evaluate", str(run_dir), "--model", "planted:net"], expect=None, env=env)
+    assert mark.exists() and "code outside trainbox" not in consented.stderr  # imported: the user named it

@@ -61,7 +61,7 @@ def test_a_model_that_cannot_be_exported_is_one_line_and_nothing_is_written(tmp_
     run_dir = tmp_path / "run"
     run(python_cmd(*DEBUG, "--model", "tests.models:branches_on_its_input", "--max-steps", 2, "--run-dir", run_dir))
     before = snapshot(run_dir)
-    proc = run([PY, "-m", "train.export", str(run_dir)], expect=None)
+    proc = run([PY, "-m", "train.export", str(run_dir), "--model", "tests.models:branches_on_its_input"], expect=None)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors[0].startswith("error: --model tests.models:branches_on_its_input cannot be exported with "
