@@ -198,6 +198,21 @@ class Local:
     def exit_ok(self, handle: dict) -> bool:
         return handle.get("code") == 0
 
+    def stop_code_problem(self, handle: dict, target: str, log: str) -> str | None:
+        """Whether the launcher ended as a stop makes it end, or why not. torchrun: 0 when its workers stopped (a
+        stop is a clean end for it; status.json says stopped), its own failure code when the signal was its own;
+        make: the launcher's 75, reported by make as a failed recipe (Ctrl-C to the process group interrupts make
+        itself, which then reports the interrupt)."""
+        code = handle.get("code")
+        if self.name == "torchrun":
+            expected = "non-zero" if target.endswith("to torchrun") else 0
+            ok = code != 0 if expected == "non-zero" else code == 0
+        elif "process group" in target:
+            expected, ok = "non-zero", code not in (0, None)
+        else:
+            expected, ok = "2 with make's 'Error 75'", code == 2 and "Error 75" in log
+        return None if ok else f"{self.name} exited {code}, not {expected}, after the stop"
+
 
 class Slurm:
     """sbatch slurm/multinode.sh on the 2-node test cluster, half the workers on each node."""
@@ -284,6 +299,13 @@ class Slurm:
     def exit_ok(self, handle: dict) -> bool:
         return handle.get("info", {}).get("JobState") == "COMPLETED"
 
+    def stop_code_problem(self, handle: dict, target: str, log: str) -> str | None:
+        """A stop that is not a preemption: the job ends with the run's 75, not requeued."""
+        info = handle.get("info", {})
+        if info.get("ExitCode") == "75:0" and "stopped at a checkpoint, not requeued" in log:
+            return None
+        return f"job {handle['job']} ended {info.get('JobState')} with {info.get('ExitCode')}, not 75 unrequeued"
+
 
 # ---------------------------------------------------------------- one trial
 
@@ -351,6 +373,45 @@ def back_to_training(run_dir: Path, hit: float) -> float | None:
                  and r["time"] > hit), None)
 
 
+def newest_checkpoint(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint (one with its size-and-CRC32 sidecar)."""
+    done = [int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt")
+            if (p.parent / f"{p.name}.crc32").exists()]
+    return max(done, default=None)
+
+
+def stop_problem(launcher, handle: dict, run_dir: Path, target: str, hit: float, preemption: bool) -> str | None:
+    """None when the signal stopped the run as a stop must, else what went wrong: every rank at one step, that
+    step's checkpoint saved and named in the log, status.json 'stopped' with exit code 75 at that step, and the
+    launcher's own code for a stop (a preemption instead requeues the job, which resumes from that checkpoint).
+    A signal after the last step has nothing to stop: the run finishes."""
+    status, log = read_status(run_dir), (run_dir / "train.log").read_text(errors="replace")
+    last = next((r for r in read_metrics(run_dir, "train") if r["step"] == MAX_STEPS), None)
+    saved = [int(m) for m in re.findall(r"saving at step (\d+) and exiting with code 75", log)]
+    if not saved:
+        if status.get("state") == "done" and last is not None and last["time"] < hit:
+            return None  # the signal came after training ended: the final save, evaluation or shutdown
+        return (f"after {target} no rank saved and exited with 75: status.json says {status.get('state')!r} at step "
+                f"{status.get('step')}")
+    step = saved[0]
+    if preemption:
+        resumed = re.search(r"resumed from \S*step_(\d+)\.pt", log)
+        if "requeueing job" not in handle_log(launcher, handle) or not resumed or int(resumed.group(1)) != step:
+            return f"the preemption stopped the run at step {step}, but the job was not requeued to resume from it"
+        return None
+    if (status.get("state"), status.get("exit_code"), status.get("step")) != ("stopped", 75, step):
+        return (f"the stop saved step {step}, but status.json says {status.get('state')!r} at step "
+                f"{status.get('step')} with exit code {status.get('exit_code')}, not stopped at {step} with 75")
+    if newest_checkpoint(run_dir) != step:
+        return f"the stop at step {step} left step {newest_checkpoint(run_dir)} as the newest complete checkpoint"
+    return launcher.stop_code_problem(handle, target, handle_log(launcher, handle))
+
+
+def handle_log(launcher, handle: dict) -> str:
+    path = handle.get("log_path") or Path(handle["log"].name)
+    return Path(path).read_text(errors="replace") if Path(path).exists() else ""
+
+
 def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, reference: Path,
               moment: str) -> Trial:
     trial = Trial(launcher.name, fault, launcher.workers, index, moment)
@@ -389,14 +450,18 @@ def run_trial(launcher, fault: str, index: int, rng: random.Random, out: Path, r
     trial.moment = what
     problem = launcher.wait(handle, timeout)
     run_dir = launcher.run_dir(handle)
-    resumed = fault == "signal" and not (launcher.name == "slurm" and "preemption" in trial.target)
-    if not problem and resumed:  # stopped at a checkpoint: the same command resumes it
-        if read_status(run_dir).get("state") not in ("stopped", "done"):
-            problem = f"after the signal status.json says {read_status(run_dir).get('state')!r}, not stopped"
-        else:
-            handle = launcher.start(folder, fault, run_dir, "attempt-2.log")
-            trial.logs.append(str(folder / "attempt-2.log"))
-            problem = launcher.wait(handle, timeout)
+    preemption = launcher.name == "slurm" and "preemption" in trial.target
+    if not problem and fault == "signal":
+        problem = stop_problem(launcher, handle, run_dir, trial.target, hit, preemption)
+    resumed = fault == "signal" and not preemption
+    if not problem and resumed:  # the same command resumes a stopped run from its checkpoint (or finds it done)
+        stopped_at = read_status(run_dir).get("step") if read_status(run_dir).get("state") == "stopped" else None
+        handle = launcher.start(folder, fault, run_dir, "attempt-2.log")
+        trial.logs.append(str(folder / "attempt-2.log"))
+        problem = launcher.wait(handle, timeout)
+        began = read_json(run_dir / "manifest.json").get("resumed_from_step")
+        if not problem and stopped_at is not None and began != stopped_at:
+            problem = f"the run stopped at step {stopped_at}, but the same command resumed it from {began}"
     if not problem and not launcher.exit_ok(handle):
         problem = f"the {'resumed ' if resumed else ''}run did not end cleanly " \
                   f"({handle.get('code', handle.get('info', {}).get('JobState'))})"

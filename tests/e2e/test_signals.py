@@ -26,6 +26,9 @@ def _finish_and_compare(proc, run_dir, resume_cmd, straight, expected_code):
     assert 20 <= step < 240
     newest = ckpt.newest_valid(run_dir)  # the stop's own checkpoint, whole: its size and CRC32 verified
     assert newest is not None and newest.name == f"step_{step:08d}.pt"
+    assert stopped["exit_code"] == 75
+    log = (run_dir / "train.log").read_text()
+    assert log.count("and exiting with code 75") == 1 and f"saving at step {step} and exiting with code 75" in log
     assert not (run_dir / "model.pt").exists()
     resumed = run(resume_cmd)  # resume to the end, from that checkpoint (not an earlier one)
     assert f"resumed from {newest}" in resumed.stderr, resumed.stderr[-3000:]
@@ -87,12 +90,16 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # the first Ctrl-C: stop after this step, saving it
     wait_for(lambda: any(p.stat().st_size > 0 for p in folder.glob(".step_*.pt.tmp.*")), 180, "the stop's save",
              proc)
+    (partial,) = folder.glob(".step_*.pt.tmp.*")
+    saving = int(partial.name.split("_")[1].split(".")[0])  # the step whose checkpoint is being written
     os.killpg(proc.pid, signal.SIGINT)  # the second: now, without the checkpoint
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "SIGINT: saving at step" in err, err[-3000:]  # 128 + SIGINT, as a shell says
+    # 128 + SIGINT, as a shell says; the first Ctrl-C had asked for the checkpoint of the step being saved
+    assert proc.returncode == 130 and f"SIGINT: saving at step {saving} and exiting" in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert errors == ["error: [rank 0] interrupted by a second Ctrl-C during the checkpoint save of step "
-                      f"{errors[0].split('step ')[1].split(':')[0]}: stopped without saving; run the same command to "
-                      "resume from the newest checkpoint"] and "Traceback" not in err, err[-3000:]
-    assert ckpt.newest_valid(run_dir).name == "step_00000005.pt"
-    assert status(run_dir)["state"] != "stopped"
+    assert errors == [f"error: [rank 0] interrupted by a second Ctrl-C during the checkpoint save of step {saving}: "
+                      "stopped without saving; run the same command to resume from the newest checkpoint"] and \
+        "Traceback" not in err, err[-3000:]
+    assert ckpt.newest_valid(run_dir).name == "step_00000005.pt" and saving > 5
+    recorded = status(run_dir)  # as the last step left it: running, not a stop that never saved
+    assert (recorded["state"], recorded.get("exit_code")) == ("running", None)
