@@ -39,9 +39,9 @@ set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
 # NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN TRAINER_ARGS,
-# and the torchrun environment (the same as `make train` gets): every decision is in slurm/plan.py. A
+# and the torchrun environment (the same as `make train` gets): every decision is in train/cluster.py. A
 # --run-dir among the arguments is the run's folder (RUN_DIR), as RUNS_DIR=its parent RUN_NAME=its name.
-plan=$(python3 slurm/plan.py plan -- "$@") || exit 2
+plan=$(python3 -m train.cluster plan -- "$@") || exit 2
 eval "$plan"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
@@ -58,7 +58,7 @@ trap 'echo "trainbox: cancelled: checkpointing, no requeue"; scancel --signal=US
 while kill -0 "$step" 2>/dev/null; do wait "$step"; done   # wait returns early when a trap runs
 wait "$step"; code=$?                                       # the step's own exit code
 
-read -r verdict recorded < <(python3 slurm/plan.py after "$RUN_DIR" ${preempted:+--preempted})
+read -r verdict recorded < <(python3 -m train.cluster after "$RUN_DIR" ${preempted:+--preempted})
 case "$verdict" in
   done)    echo "trainbox: finished: $RUN_DIR/model.pt"; exit 0 ;;
   requeue) echo "trainbox: stopped at a checkpoint: requeueing job $SLURM_JOB_ID"

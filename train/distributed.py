@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 
-from slurm.plan import expand_hostlist, master_port
+from train.cluster import expand_hostlist, master_port
 from train.errors import ConfigError, note_process_group
 from train.watchdog import watchdog
 

@@ -35,8 +35,8 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from slurm.plan import TORCHRUN_ENV, PlanError, torchrun_flags
 from train import trainer
+from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config

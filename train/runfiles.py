@@ -42,7 +42,7 @@ def atomic_write(path: Path, data: bytes) -> None:
 def status_record(state: str, step: int, env, **extra) -> dict:
     """What status.json says: starting (before the first step) | running | stopped (at a checkpoint, on a
     signal) | failed | done, for scripts that decide whether to resume (the Slurm template requeues only
-    'stopped', and only what this attempt of the job wrote: see slurm/plan.py after)."""
+    'stopped', and only what this attempt of the job wrote: see train/cluster.py after)."""
     if state not in STATES:
         raise ValueError(f"status {state!r} is not one of {STATES}")
     record = {"state": state, "step": step, **extra}

@@ -2,7 +2,7 @@
 the `cluster` fixture in tests/conftest.py).
 
 Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
-The decisions of slurm/plan.py are unit-tested in tests/unit/test_slurm_plan.py.
+The decisions of train/cluster.py are unit-tested in tests/unit/test_slurm_plan.py.
 """
 
 import json
@@ -152,3 +152,22 @@ def test_missing_nas_folder_is_one_line_in_the_job_log(cluster, tmp_path):
     info = wait_job(cluster, job)
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0"
     assert f"error: RUNS_DIR={tmp_path / 'not-mounted'} does not exist on" in log.read_text()
+
+
+def test_an_error_a_restart_cannot_mend_fails_the_job_with_its_code(cluster, tmp_path):
+    """Out of memory at start-up on 2 nodes x 1 worker (torchrun --max-restarts=3 on each): the job fails with
+    the run's own exit code 2, is not requeued, and the error is said once; torchrun's restarts refused at once
+    (no attempt got as far as training)."""
+    env, runs = nas(tmp_path)
+    log = tmp_path / "job.out"
+    job = sbatch(cluster, "multinode.sh", *DEBUG, "--image-size", 100000, "--run-dir", runs / "oom",
+                 sbatch_args=("--nodes=2", f"--output={log}"), env={**env, "NPROC_PER_NODE": "1"})
+    info = wait_job(cluster, job)
+    text = log.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "out of memory during start-up" in errors[0], text[-4000:]
+    assert "trainbox: the run failed (exit code 2): not requeued" in text
+    recorded = json.loads((runs / "oom" / "status.json").read_text())
+    assert (recorded["state"], recorded["exit_code"]) == ("failed", 2) and recorded["launch"]
+    assert not (runs / "oom" / "train.log").exists() or " run " not in (runs / "oom" / "train.log").read_text()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from slurm.plan import expand_hostlist
-from slurm.plan import master_port as slurm_master_port
+from train.cluster import expand_hostlist
+from train.cluster import master_port as slurm_master_port
 from train.distributed import resolve_identity
 from train.errors import ConfigError
 

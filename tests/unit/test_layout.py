@@ -5,8 +5,8 @@ import sys
 
 from tests.helpers import REPO
 
-HOST_HELPERS = ("slurm/plan.py", "docker/hostenv.py")  # run before any environment exists
-STDLIB_ONLY = ("train/runfiles.py", "train/cuda_driver.py")  # trainbox modules the host helpers may import
+HOST_HELPERS = ("train/cluster.py", "docker/hostenv.py")  # run before any environment exists
+STDLIB_ONLY = ("train/runfiles.py", "train/cuda_driver.py", "train/cluster.py")  # what the host helpers may import
 
 
 def _imports(path) -> set[str]:

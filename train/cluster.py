@@ -1,23 +1,24 @@
-"""The decisions behind the cluster launchers, in Python (standard library only: the batch shell's or
-the cloud node's python3 runs it).
+"""The cluster logic of every launch, in one place and standard library only (the batch shell's or the cloud
+node's bare python3 runs it from the checkout): hostlists, ports, torchrun's flags and environment, and the
+plans of the Slurm template and the SkyPilot task.
 
-  python3 slurm/plan.py plan -- TRAINER ARGS     for slurm/multinode.sh, shell assignments: NNODES,
+  python3 -m train.cluster plan -- TRAINER ARGS  for slurm/multinode.sh, shell assignments: NNODES,
                                                  NPROC_PER_NODE, CPUS_PER_TASK, MASTER_ADDR, MASTER_PORT,
                                                  RUN_DIR (a --run-dir among the trainer's arguments, else
                                                  RUNS_DIR/RUN_NAME), RUN_DIR_ARG, LAUNCH (the runtime's
                                                  command prefix), TORCHRUN (torchrun's arguments) and
                                                  TRAINER_ARGS (the trainer's, without --run-dir)
-  python3 slurm/plan.py after RUN_DIR [--preempted]
+  python3 -m train.cluster after RUN_DIR [--preempted]
                                                  what the batch shell does once the step ended, and the
                                                  job's exit code: done | requeue | stopped | failed CODE
                                                  (from RUN_DIR/status.json)
-  python3 slurm/plan.py sky                      the same assignments for one node of a SkyPilot task
+  python3 -m train.cluster sky                   the same assignments for one node of a SkyPilot task
                                                  (slurm/skypilot.yaml), from SkyPilot's environment
 
 Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES)
 is one line on stderr and exit code 2, so the job log says what to fix before any process starts.
 
-The trainer imports the same hostlist and port rules (train/distributed.py: a srun task per rank) and
+The trainer takes the same hostlist and port rules (train/distributed.py: a srun task per rank) and
 torchrun flags (train/launch.py: `make train`) from here, so every launch path shares one copy.
 """
 
@@ -31,7 +32,6 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: its run-file reader, stdlib only
 from train.runfiles import read_status
 
 RUNTIMES = ("local", "pyxis", "apptainer")
@@ -340,7 +340,8 @@ def main(argv: list[str]) -> int:
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("usage: python3 slurm/plan.py plan [-- TRAINER ARGS] | after RUN_DIR [--preempted] | sky", file=sys.stderr)
+    print("usage: python3 -m train.cluster plan [-- TRAINER ARGS] | after RUN_DIR [--preempted] | sky",
+          file=sys.stderr)
     return 2
 
 

@@ -1,10 +1,10 @@
-"""slurm/plan.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
+"""train/cluster.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
 
 import json
 
 import pytest
 
-import slurm.plan as slurm
+import train.cluster as cluster
 from tests.helpers import PY, REPO
 from train.runfiles import write_status
 
@@ -16,28 +16,28 @@ def _job_env(tmp_path, **extra):
 
 
 def test_plan_local_runtime(tmp_path):
-    out = slurm.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
+    out = cluster.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
     assert (out["NNODES"], out["NPROC_PER_NODE"], out["MASTER_ADDR"]) == ("2", "4", "gpu07")
     assert out["MASTER_PORT"] == str(20000 + 777) and out["LAUNCH"] == [PY]
     assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(tmp_path / "runs" / "slurm-777")
-    assert slurm.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
-    assert slurm.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
+    assert cluster.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
+    assert cluster.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
 
 
 def test_plan_creates_the_default_runs_folder_beside_the_checkout(tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     env = {k: v for k, v in _job_env(tmp_path, TRAINBOX_DIR=str(checkout)).items() if k != "RUNS_DIR"}
-    out = slurm.plan(env)
+    out = cluster.plan(env)
     assert (checkout / "runs").is_dir() and out["RUN_DIR"] == str(checkout / "runs" / "slurm-777")
-    assert slurm.plan(env)["RUN_DIR"] == out["RUN_DIR"]  # a second job finds it there
+    assert cluster.plan(env)["RUN_DIR"] == out["RUN_DIR"]  # a second job finds it there
 
 
 @pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
 def test_plan_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
-    assert slurm.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
+    assert cluster.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
 
 
 def test_plan_container_runtimes_mount_the_nas(tmp_path):
@@ -45,12 +45,12 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     image = tmp_path / "trainbox.sqsh"
     image.write_text("x")
     env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "data"), IMAGE=str(image))
-    pyxis = slurm.plan({**env, "RUNTIME": "pyxis"})
+    pyxis = cluster.plan({**env, "RUNTIME": "pyxis"})
     assert pyxis["LAUNCH"][0] == f"--container-image={image}"
     assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
     assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
     assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
-    apptainer = slurm.plan({**env, "RUNTIME": "apptainer"})
+    apptainer = cluster.plan({**env, "RUNTIME": "apptainer"})
     assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
 
 
@@ -66,8 +66,8 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"MAX_REQUEUES": "x"}, "MAX_REQUEUES='x' is not a number: use 0, 1, 3, ..."),
 ])
 def test_plan_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(slurm.PlanError) as e:
-        slurm.plan({**_job_env(tmp_path), **extra})
+    with pytest.raises(cluster.PlanError) as e:
+        cluster.plan({**_job_env(tmp_path), **extra})
     assert message in str(e.value)
 
 
@@ -82,16 +82,17 @@ def test_after_the_step(tmp_path, state, restarts, preempted, decision):
     if state:
         (tmp_path / "status.json").write_text(json.dumps({"state": state, "step": 5}))
     env = {"SLURM_RESTART_COUNT": restarts, "MAX_REQUEUES": "10"}
-    assert slurm.after(tmp_path, env, preempted=preempted) == decision
+    assert cluster.after(tmp_path, env, preempted=preempted) == decision
 
 
 def test_after_an_error_a_restart_cannot_mend_the_job_exits_with_its_code(tmp_path):
     """Out of memory: the workers exit 0 (so that torchrun does not restart them) and status.json holds 2."""
     (tmp_path / "status.json").write_text(json.dumps({"state": "failed", "step": 5, "exit_code": 2,
                                                       "slurm_restart_count": 1}))
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=False) == ("failed", 2)
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=True) == ("failed", 2)  # not requeued
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "2"}, preempted=False) == ("failed", 0)  # an earlier attempt's
+    assert cluster.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=False) == ("failed", 2)
+    assert cluster.after(tmp_path, {"SLURM_RESTART_COUNT": "1"}, preempted=True) == ("failed", 2)  # not requeued
+    # an earlier attempt's record
+    assert cluster.after(tmp_path, {"SLURM_RESTART_COUNT": "2"}, preempted=False) == ("failed", 0)
 
 
 def test_a_run_dir_among_the_trainer_arguments_is_the_run_folder(tmp_path):
@@ -99,23 +100,23 @@ def test_a_run_dir_among_the_trainer_arguments_is_the_run_folder(tmp_path):
     nas = tmp_path / "nas" / "runs"
     nas.mkdir(parents=True)
     args = ["--preset", "debug", "--run-dir", str(nas / "exp1"), "--max-steps", "6"]
-    out = slurm.plan(env, args)
+    out = cluster.plan(env, args)
     assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(nas / "exp1")
     assert out["TRAINER_ARGS"] == ["--preset", "debug", "--max-steps", "6"]
-    assert slurm.plan(env, [f"--run-dir={nas / 'exp2'}"])["RUN_DIR"] == str(nas / "exp2")
-    assert slurm.plan({**env, "RUN_NAME": "exp1", "RUNS_DIR": str(nas)}, args)["RUN_DIR"] == str(nas / "exp1")
+    assert cluster.plan(env, [f"--run-dir={nas / 'exp2'}"])["RUN_DIR"] == str(nas / "exp2")
+    assert cluster.plan({**env, "RUN_NAME": "exp1", "RUNS_DIR": str(nas)}, args)["RUN_DIR"] == str(nas / "exp1")
     # relative to the checkout, as the trainer would take it there
-    assert slurm.plan({**env, "TRAINBOX_DIR": str(tmp_path / "nas")}, ["--run-dir", "runs/exp3"])["RUN_DIR"] == \
+    assert cluster.plan({**env, "TRAINBOX_DIR": str(tmp_path / "nas")}, ["--run-dir", "runs/exp3"])["RUN_DIR"] == \
         str(nas / "exp3")
     config = tmp_path / "exp.json"
     config.write_text(json.dumps({"run_dir": str(nas / "exp4")}))
-    assert slurm.plan(env, ["--config", str(config)])["RUN_DIR"] == str(nas / "exp4")
-    assert slurm.plan(env, ["--config", str(config), "--run-dir", str(nas / "exp5")])["RUN_DIR"] == str(nas / "exp5")
+    assert cluster.plan(env, ["--config", str(config)])["RUN_DIR"] == str(nas / "exp4")
+    assert cluster.plan(env, ["--config", str(config), "--run-dir", str(nas / "exp5")])["RUN_DIR"] == str(nas / "exp5")
     (tmp_path / "i.sqsh").write_text("x")
-    pyxis = slurm.plan({**env, "RUNTIME": "pyxis", "IMAGE": str(tmp_path / "i.sqsh")}, args)
+    pyxis = cluster.plan({**env, "RUNTIME": "pyxis", "IMAGE": str(tmp_path / "i.sqsh")}, args)
     assert pyxis["RUN_DIR"] == str(nas / "exp1") and pyxis["RUN_DIR_ARG"] == "runs/exp1"  # its parent mounted
     assert f"{nas}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
-    sky = slurm.plan_sky({**_sky_env(tmp_path, 0), "RUNS_DIR": str(nas), "RUN_NAME": "exp1",
+    sky = cluster.plan_sky({**_sky_env(tmp_path, 0), "RUNS_DIR": str(nas), "RUN_NAME": "exp1",
                           "ARGS": f"--preset debug --run-dir {nas / 'exp1'}"})
     assert sky["RUN_DIR"] == str(nas / "exp1") and sky["TRAINER_ARGS"] == ["--preset", "debug"]
 
@@ -130,22 +131,21 @@ def test_a_run_dir_that_contradicts_the_job_or_is_missing_is_refused(tmp_path, e
     env = {k: v for k, v in _job_env(tmp_path).items() if k != "RUNS_DIR"}
     (tmp_path / "nas").mkdir()
     fill = {"nas": tmp_path / "nas", "tmp": tmp_path}
-    with pytest.raises(slurm.PlanError) as e:
-        slurm.plan({**env, **{k: v.format(**fill) for k, v in extra.items()}}, [a.format(**fill) for a in args])
+    with pytest.raises(cluster.PlanError) as e:
+        cluster.plan({**env, **{k: v.format(**fill) for k, v in extra.items()}}, [a.format(**fill) for a in args])
     assert message.format(**fill) in str(e.value)
 
 
 def test_make_train_and_the_slurm_template_take_their_torchrun_flags_from_here(tmp_path):
-    import slurm.plan
     from train import launch
 
-    assert launch.torchrun_flags is slurm.plan.torchrun_flags and launch.TORCHRUN_ENV is slurm.plan.TORCHRUN_ENV
-    assert slurm.plan.torchrun_flags("") == slurm.plan.torchrun_flags(None) == slurm.plan.torchrun_flags(3)
-    assert "--max-restarts=3" in slurm.plan.torchrun_flags("") and "--max-restarts=0" in slurm.plan.torchrun_flags("0")
-    planned = slurm.plan.plan(_job_env(tmp_path, MAX_RESTARTS="5"))
+    assert launch.torchrun_flags is cluster.torchrun_flags and launch.TORCHRUN_ENV is cluster.TORCHRUN_ENV
+    assert cluster.torchrun_flags("") == cluster.torchrun_flags(None) == cluster.torchrun_flags(3)
+    assert "--max-restarts=3" in cluster.torchrun_flags("") and "--max-restarts=0" in cluster.torchrun_flags("0")
+    planned = cluster.plan(_job_env(tmp_path, MAX_RESTARTS="5"))
     assert planned["TORCHRUN"] == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                    "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:20777", "--rdzv-id=777",
-                                   *slurm.plan.torchrun_flags("5")]
+                                   *cluster.torchrun_flags("5")]
 
 
 def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
@@ -155,8 +155,8 @@ def test_a_stale_stopped_status_is_not_requeued_again(tmp_path, monkeypatch):
     write_status(tmp_path, "stopped", 30)  # what attempt 0 wrote, under Slurm
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["slurm_restart_count"] == 0 and status["slurm_job_id"] == "42"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True)[0] == "requeue"
-    assert slurm.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True)[0] == "failed"
+    assert cluster.after(tmp_path, {"SLURM_RESTART_COUNT": "0", "MAX_REQUEUES": "10"}, preempted=True)[0] == "requeue"
+    assert cluster.after(tmp_path, {"SLURM_RESTART_COUNT": "1", "MAX_REQUEUES": "10"}, preempted=True)[0] == "failed"
 
 
 def _sky_env(tmp_path, rank: int, **extra):
@@ -167,15 +167,15 @@ def _sky_env(tmp_path, rank: int, **extra):
 
 
 def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
-    head, other = slurm.plan_sky(_sky_env(tmp_path, 0)), slurm.plan_sky(_sky_env(tmp_path, 1))
+    head, other = cluster.plan_sky(_sky_env(tmp_path, 0)), cluster.plan_sky(_sky_env(tmp_path, 1))
     assert (head["NNODES"], head["NPROC_PER_NODE"], head["MASTER_ADDR"]) == ("2", "8", "10.0.0.1")
     assert head["RUN_DIR"] == other["RUN_DIR"] == str(tmp_path / "runs" / "resnet50-a")  # a relaunch resumes it
     assert head["LAUNCH"] == [PY]
     common = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
               "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=resnet50-a"]
-    assert head["TORCHRUN"] == [*common, "--rdzv-conf=is_host=true", *slurm.torchrun_flags(None)]
-    assert other["TORCHRUN"] == [*common, "--rdzv-conf=is_host=false", *slurm.torchrun_flags(None)]
-    cpu = slurm.plan_sky(_sky_env(tmp_path, 0, SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
+    assert head["TORCHRUN"] == [*common, "--rdzv-conf=is_host=true", *cluster.torchrun_flags(None)]
+    assert other["TORCHRUN"] == [*common, "--rdzv-conf=is_host=false", *cluster.torchrun_flags(None)]
+    cpu = cluster.plan_sky(_sky_env(tmp_path, 0, SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
     assert cpu["NPROC_PER_NODE"] == "2"
 
 
@@ -189,6 +189,6 @@ def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1' is not a number"),
 ])
 def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(slurm.PlanError) as e:
-        slurm.plan_sky({**_sky_env(tmp_path, 0), **extra})
+    with pytest.raises(cluster.PlanError) as e:
+        cluster.plan_sky({**_sky_env(tmp_path, 0), **extra})
     assert message in str(e.value)
