@@ -51,8 +51,8 @@ SRC ?=
 DST ?=
 # `make evaluate`, `make export`: the run's folder
 RUN ?=
-# ... and its weights: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a checkpoint file
-WEIGHTS ?= model
+# ... and which of its checkpoints: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a file
+CHECKPOINT ?= model
 # ... and, for a run of your own package.module:factory model, that factory (a run folder alone never runs code)
 MODEL ?=
 # The output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
@@ -83,6 +83,9 @@ NEEDS_310 := import sys; v = sys.version.split()[0]; ok = sys.version_info >= (3
 NEEDS_310 += ; sys.exit(0 if ok else "error: trainbox needs Python >= 3.10, found " + v + ": set PYTHON=python3.X")
 ON_PATH := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
 ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
+# WEIGHTS= (the old name of CHECKPOINT=) given to evaluate or export: one line naming the new, exit 2.
+renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo "error: WEIGHTS=$(WEIGHTS) is now \
+  CHECKPOINT=$(WEIGHTS): make $(1) RUN=$(RUN) CHECKPOINT=$(WEIGHTS)" >&2; exit 2,true)
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
 MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
@@ -144,16 +147,18 @@ pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index
 	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
 	$(PY) -m train.pack "$(SRC)" "$(DST)"
 
-evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [WEIGHTS=best] [DATA_DIR=another set] [GPUS=N workers]
-	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
-	  exit 2; }
-	$(PY) -m train.evaluate "$(RUN)" --weights "$(WEIGHTS)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
+evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DATA_DIR=another set] [GPUS=N workers]
+	@$(call renamed_weights,evaluate)
+	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
+	  >&2; exit 2; }
+	$(PY) -m train.evaluate "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
 	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS)) $(if $(MODEL),--model "$(MODEL)")
 
-export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [WEIGHTS=best] -> RUN/model.pt2 + .json
-	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (WEIGHTS=best for best.pt)" >&2; \
-	  exit 2; }
-	$(PY) -m train.export "$(RUN)" --weights "$(WEIGHTS)" $(if $(MODEL),--model "$(MODEL)")
+export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [CHECKPOINT=best] -> RUN/model.pt2 + .json
+	@$(call renamed_weights,export)
+	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
+	  >&2; exit 2; }
+	$(PY) -m train.export "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(MODEL),--model "$(MODEL)")
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 DEBUG = ["--preset", "debug"]
 # Trains at lr 0.01 for 30 steps, then at 1.0 until step 40: its best evaluation (step 30, about 20 % top-1) is not
-# its last (about 9 %), so best.pt and WEIGHTS=best differ from model.pt and the last evaluation.
+# its last (about 9 %), so best.pt and CHECKPOINT=best differ from model.pt and the last evaluation.
 PEAKED = [*DEBUG, "--eval-every", 10, "--lr", 1.0, "--warmup-method", "constant", "--warmup-decay", 0.01,
           "--warmup-steps", 30, "--lr-scheduler", "constant"]
 # A few seconds on 2 cores, long enough that a fault or a signal lands mid-run; a checkpoint every 20 steps,

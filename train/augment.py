@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from train import vision
 from train.config import Config
 
 
@@ -20,8 +21,7 @@ def batch_seed(cfg: Config, step: int, micro: int, rank: int) -> int:
 
 class BatchAugment:
     def __init__(self, cfg: Config, num_classes: int):
-        from torchvision.transforms import v2  # noqa: PLC0415 - torchvision only where a recipe asks for it
-
+        v2 = vision.v2  # torchvision, only where a recipe asks for it
         self.erase = v2.RandomErasing(p=cfg.random_erase) if cfg.random_erase > 0 else None
         mixers = ([v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes)] if cfg.mixup_alpha > 0 else []) + \
             ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])

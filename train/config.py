@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from train.errors import ConfigError
+from train.vision import evaluation_transforms
 
 try:
     import tomllib
@@ -450,9 +451,7 @@ def _weights_sizes(cfg: Config, given: dict) -> Config:
     (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win."""
     if not cfg.weights or cfg.dataset in BUILT_IN:
         return cfg
-    from train.vision import evaluation_transforms  # noqa: PLC0415 - torchvision, for named weights only
-
-    own = evaluation_transforms(cfg.model, cfg.weights)
+    own = evaluation_transforms(cfg.model, cfg.weights)  # torchvision is imported for named weights only
     if own is None:  # a file
         return cfg
     resize, crop, interpolation = own

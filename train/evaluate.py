@@ -1,7 +1,10 @@
-"""python -m train.evaluate RUN_DIR (make evaluate RUN=...): score a run's model on its validation set, or another.
+"""Evaluation, one verb: a model scored on a validation set, every sample counted once across ranks. The
+trainer's evaluations call evaluate() from here, and so does the command, on a finished run:
+
+  python -m train.evaluate RUN_DIR (make evaluate RUN=...): a finished run's model, on its validation set or another
 
   python -m train.evaluate runs/exp1                         model.pt on the run's own validation set
-  python -m train.evaluate runs/exp1 --weights best          best.pt (ema: model_ema.pt; or a checkpoint file)
+  python -m train.evaluate runs/exp1 --checkpoint best       best.pt (ema: model_ema.pt; or a checkpoint file)
   python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: /nas/val2/val/<class>/*, the run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
   python -m train.evaluate runs/exp2 --model mypkg.nets:build a run of your own model: name its factory again
@@ -9,9 +12,10 @@
 
 Every rank scores its shard of the validation set, each sample counted exactly once (no padding), with the
 trainer's own evaluation: on the same data and layout the figures equal the run's final evaluation bit for bit.
-Rank 0 writes OUT (default RUN_DIR/eval-<weights>.json): loss, top-1, top-5 (more than 5 classes), per-class
+Rank 0 writes OUT (default RUN_DIR/eval-<checkpoint>.json): loss, top-1, top-5 (more than 5 classes), per-class
 accuracy, the confusion matrix (rows: true class, columns: predicted); OUT.png, the matrix as an image; and
-the figures to TensorBoard (RUN_DIR/tensorboard/eval-<weights>).
+the figures to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>). This module sits below the trainer: it
+imports neither the trainer nor its launcher.
 """
 
 from __future__ import annotations
@@ -24,31 +28,109 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+from train import vision
 from train.config import Config
-from train.data import build_datasets, build_val_loader, class_names
+from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
 from train.distributed import identity, init, is_main, teardown
 from train.errors import ConfigError, end_process, fail
-from train.export import load_run
-from train.launch import spawn_workers
 from train.models import build_model
 from train.runtime import configure_runtime, pick_device, resolve_precision
-from train.scoring import score
-from train.weights import normalisation_on
+from train.weights import MEAN, STD, normalisation_on
+from train.workers import spawn_workers
+
+
+@torch.inference_mode()
+def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None,
+             top5: bool = False, confusion_of: int = 0, norm: tuple = (MEAN, STD)) -> dict:
+    """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
+    set, each sample counted once across ranks; with confusion_of=C classes, the C x C confusion matrix too
+    (rows: the true class, columns: the predicted one).
+
+    Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
+    hold: a rank's own differ after its last training batch, and the figures would then depend on
+    whether the run was resumed. The next training step broadcasts rank 0's buffers anyway (DDP)."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, correct in the top 5
+    confusion = torch.zeros(confusion_of, confusion_of, dtype=torch.int64, device=device)
+    for x, y in loader:
+        x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += y.numel()
+        if top5:
+            totals[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(1).sum()
+        if confusion_of:
+            confusion.index_put_((y, logits.argmax(1)), torch.ones_like(y), accumulate=True)
+        progress()
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+        if confusion_of:
+            dist.all_reduce(confusion)
+    loss, correct, count, in_top5 = totals.tolist()
+    model.train()
+    return {"loss": loss / count, "accuracy": correct / count, **({"top5": in_top5 / count} if top5 else {}),
+            "samples": int(count), **({"confusion": confusion.cpu().tolist()} if confusion_of else {})}
+
+
+# --checkpoint by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
+CHECKPOINTS = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
+
+
+def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, list[str], dict, Path]:
+    """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
+    model). A run folder is data, never code: a run of a `package.module:factory` model is loaded only when the
+    command line names the same factory (`model`, --model), since building it imports and runs that module."""
+    config, classes = run_dir / "config.json", run_dir / "classes.json"
+    if not config.is_file() or not classes.is_file():
+        raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
+                          f"folder a run trained in (runs/<name>)")
+    try:
+        cfg = Config(**json.loads(config.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{config} cannot be read as a trainbox config ({str(e).splitlines()[0][:120]}): pass the "
+                          f"folder a run trained in (runs/<name>)") from None
+    if ":" in cfg.model and model != cfg.model:
+        given = f"--model {model} does not name it" if model else "its factory would be imported and run"
+        raise ConfigError(f"{run_dir} was trained with --model {cfg.model}, code outside trainbox, and {given}: pass "
+                          f"--model {cfg.model} (MODEL= with make) if you trust that module")
+    if model and model != cfg.model:
+        raise ConfigError(f"--model {model}: {run_dir} was trained with --model {cfg.model}: pass that, or no --model")
+    path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
+    if not path.is_file():
+        what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
+                "ema": "no finished run with --model-ema (no model_ema.pt)",
+                "best_ema": "no evaluation with --model-ema yet (no best_ema.pt)"}.get(checkpoint, "no such file")
+        raise ConfigError(f"{path}: {what}: pass --checkpoint model, best, ema, best_ema or a checkpoint file of the "
+                          f"run")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
+        raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
+                          f"best.pt or a checkpoint of the run") from None
+    state = state.get("model", state) if isinstance(state, dict) else state
+    return cfg, json.loads(classes.read_text()), state, path
 
 
 @dataclass
 class Job:
     run_dir: Path
-    weights: str
+    checkpoint: str
     data_dir: str
     out: Path
     model: str = ""  # --model: a run of a package.module:factory model is evaluated only when it names it
 
 
-def score_run(job: Job) -> int:
-    """One rank's part of the evaluation; rank 0 writes what it found. Returns the exit code."""
-    cfg, classes, state, source = load_run(job.run_dir, job.weights, job.model)
+def evaluate_run(job: Job) -> int:
+    """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
+    cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model)
     cfg = Config(**{**cfg.to_dict(), **({"data_dir": job.data_dir} if job.data_dir else {})})
     configure_runtime(cfg)
     ident = identity()
@@ -71,7 +153,7 @@ def score_run(job: Job) -> int:
         model.to(device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        result = score(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
+        result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
                           top5=len(classes) > 5, confusion_of=len(classes), norm=normalisation_on(cfg, device))
         if is_main():
             report(job, cfg, classes, source, result)
@@ -93,7 +175,7 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
     write_png(confusion, job.out.with_suffix(".png"))
     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - only the evaluation command writes here
 
-    with SummaryWriter(str(job.run_dir / "tensorboard" / f"eval-{Path(job.weights).stem}")) as board:
+    with SummaryWriter(str(job.run_dir / "tensorboard" / f"eval-{Path(job.checkpoint).stem}")) as board:
         for key, value in figures.items():
             board.add_scalar(f"eval/{key}", value, 0)
     top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
@@ -105,21 +187,20 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
 
 def write_png(confusion: torch.Tensor, path: Path) -> None:
     """The confusion matrix as an image: each row normalised by its true-class count, dark = many."""
-    from torchvision.io import write_png as write  # noqa: PLC0415 - torchvision: see train/data.py
-
     cell = max(1, 512 // len(confusion))
     rows = confusion.sum(1, keepdim=True).clamp(min=1)
     shade = (255 - 255 * confusion / rows).round().to(torch.uint8)
     image = shade.repeat_interleave(cell, 0).repeat_interleave(cell, 1)
-    write(image.expand(3, *image.shape).contiguous(), str(path))
+    vision.io.write_png(image.expand(3, *image.shape).contiguous(), str(path))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                           "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
-                                                           "file of the run")
+    parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
+                                                              "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
+                                                              "file of the run")
+    parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
     parser.add_argument("--data-dir", default="", help="another dataset root (its val/ split, the run's classes); "
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")
@@ -127,10 +208,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
                                                     "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
-    job = Job(ns.run_dir, ns.weights, ns.data_dir, ns.out or ns.run_dir / f"eval-{Path(ns.weights).stem}.json",
-              ns.model)
+    if ns.weights is not None:
+        return fail(renamed("python -m train.evaluate", ns.weights))
+    job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
+              ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model)
     try:
-        load_run(job.run_dir, job.weights, job.model)  # a bad run folder, weights or model: one line, no worker
+        load_run(job.run_dir, job.checkpoint, job.model)  # a bad run folder, checkpoint or model: one line
         if ns.spawn < 0:
             raise ConfigError(f"--spawn must be >= 0, got {ns.spawn}: pass 0 or a worker count")
         if ns.spawn:
@@ -143,11 +226,18 @@ def main(argv: list[str]) -> int:
 def worker(job: Job) -> int:
     """A rank of the evaluation: a user's mistake is one line (on rank 0) and exit code 2."""
     try:
-        return score_run(job)
+        return evaluate_run(job)
     except ConfigError as e:
         if is_main():
             print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def renamed(command: str, value: str) -> str:
+    """The old --weights of evaluate and export: one line naming --checkpoint (--weights is the starting weights of
+    python -m train)."""
+    return (f"{command} --weights {value}: a finished run's weights are --checkpoint {value} (CHECKPOINT= with "
+            f"make); --weights is python -m train's starting weights")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 torch to run, with the preprocessing a caller needs recorded beside it.
 
   python -m train.export runs/exp1                      model.pt (the final model) -> runs/exp1/model.pt2
-  python -m train.export runs/exp1 --weights best       best.pt (the best evaluation)
-  python -m train.export runs/exp1 --weights ema        model_ema.pt -> model_ema.pt2 (--model-ema; best_ema too)
-  python -m train.export runs/exp1 --weights runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
+  python -m train.export runs/exp1 --checkpoint best    best.pt (the best evaluation)
+  python -m train.export runs/exp1 --checkpoint ema     model_ema.pt -> model_ema.pt2 (--model-ema; best_ema too)
+  python -m train.export runs/exp1 --checkpoint runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
   python -m train.export runs/exp2 --model mypkg.nets:build   a run of your own model: name its factory again
 
 Writes OUT (torch.export, the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation,
@@ -27,55 +27,17 @@ from pathlib import Path
 import torch
 
 from train.runfiles import atomic_write
-from train.config import Config
 from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail
+from train.evaluate import CHECKPOINTS, load_run, renamed
 from train.models import build_model
 from train.weights import normalisation
 
 MAX_BATCH = 4096
 
 
-# --weights by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
-NAMED = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
-
-
-def load_run(run_dir: Path, weights: str, model: str = "") -> tuple[Config, list[str], dict, Path]:
-    """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
-    model). A run folder is data, never code: a run of a `package.module:factory` model is loaded only when the
-    command line names the same factory (`model`, --model), since building it imports and runs that module."""
-    config, classes = run_dir / "config.json", run_dir / "classes.json"
-    if not config.is_file() or not classes.is_file():
-        raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
-                          f"folder a run trained in (runs/<name>)")
-    try:
-        cfg = Config(**json.loads(config.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{config} cannot be read as a trainbox config ({str(e).splitlines()[0][:120]}): pass the "
-                          f"folder a run trained in (runs/<name>)") from None
-    if ":" in cfg.model and model != cfg.model:
-        given = f"--model {model} does not name it" if model else "its factory would be imported and run"
-        raise ConfigError(f"{run_dir} was trained with --model {cfg.model}, code outside trainbox, and {given}: pass "
-                          f"--model {cfg.model} (MODEL= with make) if you trust that module")
-    if model and model != cfg.model:
-        raise ConfigError(f"--model {model}: {run_dir} was trained with --model {cfg.model}: pass that, or no --model")
-    path = run_dir / NAMED[weights] if weights in NAMED else Path(weights)
-    if not path.is_file():
-        what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
-                "ema": "no finished run with --model-ema (no model_ema.pt)",
-                "best_ema": "no evaluation with --model-ema yet (no best_ema.pt)"}.get(weights, "no such file")
-        raise ConfigError(f"{path}: {what}: pass --weights model, best, ema, best_ema or a checkpoint file of the run")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
-        raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
-                          f"best.pt or a checkpoint of the run") from None
-    state = state.get("model", state) if isinstance(state, dict) else state
-    return cfg, json.loads(classes.read_text()), state, path
-
-
-def export(run_dir: Path, weights: str, out: Path, model_spec: str = "") -> Path:
-    cfg, classes, state, source = load_run(run_dir, weights, model_spec)
+def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "") -> Path:
+    cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec)
     model = build_model(cfg, len(classes))
     try:
         model.load_state_dict(state)
@@ -107,18 +69,21 @@ def export(run_dir: Path, weights: str, out: Path, model_spec: str = "") -> Path
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--weights", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                           "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
-                                                           "file of the run")
+    parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
+                                                              "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
+                                                              "file of the run")
+    parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
     parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2; OUT.json beside)")
     parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
                                                     "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
-    out = ns.out or ns.run_dir / (Path(NAMED.get(ns.weights, "model.pt")).stem + ".pt2")
+    if ns.weights is not None:
+        return fail(renamed("python -m train.export", ns.weights))
+    out = ns.out or ns.run_dir / (Path(CHECKPOINTS.get(ns.checkpoint, "model.pt")).stem + ".pt2")
     try:
         if ns.out and not out.parent.is_dir():
             raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")
-        written = export(ns.run_dir, ns.weights, out, ns.model)
+        written = export(ns.run_dir, ns.checkpoint, out, ns.model)
     except ConfigError as e:
         return fail(str(e))
     print(f"exported {written} (+ {written.name}.json: size, mean, std, interpolation, classes)")

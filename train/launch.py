@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
+import dataclasses
 import faulthandler
 import functools
 import json
-import multiprocessing
-import multiprocessing.connection
-import multiprocessing.util  # its exit hook must be registered before ours (see _kill_loader_workers)
 import os
 import re
 import signal
 import sys
-import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -40,12 +34,13 @@ from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import free_port, identity, is_main
-from train.forkserver import start_fork_server, stop_fork_server
+from train.distributed import identity, is_main
+from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
                           end_process, fail)
 from train.watchdog import watchdog
+from train.workers import kill_loader_workers, spawn_workers, workers_for
 
 
 def start(cfg: Config) -> int:
@@ -74,7 +69,7 @@ def print_plan(cfg: Config, world: int) -> int:
 def run_worker(cfg: Config) -> int:
     """Train as the rank the environment says this process is; every error becomes an exit code."""
     faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
-    atexit.register(_kill_loader_workers)
+    atexit.register(kill_loader_workers)
     rank = identity().global_rank
     try:
         code = trainer.run(cfg)
@@ -144,100 +139,15 @@ def _report_lost_peer(rank: int, error: Exception) -> None:
     faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
 
 
-def _kill_loader_workers() -> None:
-    """DataLoader workers ignore SIGTERM (a preemption signal must not kill them before the save), so
-    multiprocessing's own exit hook, which terminates and then joins them, could wait forever when a run
-    ends on an error with a worker still alive. Registered after that hook, this runs first."""
-    with contextlib.suppress(Exception):
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would report the kill
-        for child in multiprocessing.active_children():  # this process's children: its loader workers
-            with contextlib.suppress(Exception):
-                child.kill()
-                child.join(5)
-
-
 # ---------------------------------------------------------------- --spawn N
-
-def _spawned(local_rank: int, work: Callable[[], int], nprocs: int, environ: dict[str, str]) -> None:
-    os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
-    os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
-    try:
-        code = work()
-    except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
-        traceback.print_exc()
-        code = 1
-    try:
-        end_process(code)
-    finally:  # it raised SystemExit: a fork server's child then leaves with os._exit, without exit handlers
-        atexit._run_exitfuncs()
-
 
 def spawn(cfg: Config) -> int:
     """Start cfg.spawn local training workers and wait for all of them; signals are passed on to them."""
-    cfg.run_dir = cfg.run_dir or default_run_dir()
+    cfg = dataclasses.replace(cfg, run_dir=cfg.run_dir or default_run_dir())  # one run folder for them all
     return spawn_workers(cfg.spawn, functools.partial(run_worker, cfg))
 
 
-def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
-    """Start nprocs local workers, each running work() as its rank (python -m train --spawn, python -m
-    train.evaluate --spawn), and wait for all of them; signals are passed on to them."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    start_fork_server()  # train/forkserver.py: python -m train started it already
-    context = mp.start_processes(_spawned, args=(work, nprocs, dict(os.environ)), nprocs=nprocs, join=False,
-                                 start_method="forkserver")
-
-    def forward(signum, _frame):
-        for process in context.processes:
-            if process.is_alive() and signum != signal.SIGINT:  # Ctrl-C already reaches the whole group
-                os.kill(process.pid, signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-        signal.signal(sig, forward)
-    # Wait for all; if one fails, stop the rest now rather than after the collective timeout. The run's
-    # code is the first failure's (the workers stopped here would only report this kill); a crash
-    # outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does. After an
-    # error a restart cannot mend (2), the others are given a moment: they lose contact with it at once,
-    # read its line and end with the same code (rank 0 records it in status.json).
-    waiting = {p.sentinel: p for p in context.processes}
-    failed, deadline = None, None
-    while waiting:
-        ready = multiprocessing.connection.wait(list(waiting), timeout=None if deadline is None else
-                                                max(0.0, deadline - time.monotonic()))
-        if not ready:
-            for other in waiting.values():
-                other.kill()
-            deadline = None
-        for sentinel in ready:
-            process = waiting.pop(sentinel)
-            process.join()
-            code = process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
-            if failed is None and code not in (0, EXIT_STOPPED):
-                failed = code
-                if code == EXIT_BAD_INPUT:
-                    deadline = time.monotonic() + 30
-                    continue
-                for other in waiting.values():
-                    other.kill()  # not SIGTERM: that asks for a checkpoint, which needs the dead rank
-    return failed if failed is not None else max(p.exitcode for p in context.processes)
-
-
 # ---------------------------------------------------------------- python -m train.launch (make train)
-
-def workers_for(gpus: str, visible: int) -> tuple[int, bool]:
-    """(local workers, force CPU) for GPUS=... ('' means all visible GPUs, or one CPU worker)."""
-    if gpus.strip() == "":
-        return max(1, visible), visible == 0
-    if not gpus.strip().isdigit():
-        raise ConfigError(f"GPUS={gpus!r} is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ...")
-    n = int(gpus)
-    if n == 0:
-        return 1, True
-    if visible and n > visible:
-        raise ConfigError(f"GPUS={n} but {visible} GPU(s) visible: set GPUS<={visible} or CUDA_VISIBLE_DEVICES")
-    return n, visible == 0
-
 
 def launch_main(argv: list[str]) -> int:
     """python -m train.launch --gpus N -- TRAINER ARGS: the `make train` path."""
@@ -265,7 +175,7 @@ def launch_main(argv: list[str]) -> int:
     except (ConfigError, PlanError) as e:
         return fail(str(e))
     if not cfg.run_dir:
-        cfg.run_dir = default_run_dir()
+        cfg = dataclasses.replace(cfg, run_dir=default_run_dir())
         args += ["--run-dir", cfg.run_dir]
     where = "CPU (gloo)" if cpu_only else "GPU (nccl)"
     if nprocs == 1:

@@ -7,6 +7,7 @@ import importlib
 import torch
 from torch import nn
 
+from train import vision
 from train.config import Config
 from train.errors import ConfigError
 
@@ -68,9 +69,7 @@ def check_model_spec(cfg: Config) -> None:
 
 def _torchvision_models(name: str):
     """torchvision.models, once `name` is known to be one of its classification models."""
-    import torchvision  # noqa: PLC0415 - only the runs that use it pay its import (see train/data.py)
-
-    if name not in torchvision.models.list_models(module=torchvision.models):
+    if name not in vision.models.list_models(module=vision.models):
         raise ConfigError(f"--model {name!r} is not cnn, a torchvision classification model "
                           f"(e.g. resnet18, resnet50, mobilenet_v3_small) or package.module:factory: pass one of those")
-    return torchvision.models
+    return vision.models

@@ -13,7 +13,7 @@ metadata round trips, and the dataset's length comes from index.json without lis
 is written under a temporary name and renamed when complete; index.json last, so a folder without it is
 an unfinished pack. `python -m train.pack --verify DST` re-reads every shard: counts and checksums.
 
-The `shards` dataset (train/data.py, ShardSplit: --dataset shards --data-dir DST) reads a sample by its
+The `shards` dataset (train/data/folders.py, ShardSplit: --dataset shards --data-dir DST) reads a sample by its
 offset, so the sampler, the per-sample seeds, exact mid-epoch resume and the validation split work as with
 the loose files.
 """

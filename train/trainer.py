@@ -39,7 +39,7 @@ from train.ema import ModelEma
 from train.optim import build_optimizer, build_scheduler
 from train.plan import make_plan, precision_name
 from train.runtime import configure_runtime, pick_device, resolve_precision
-from train.scoring import score
+from train.evaluate import evaluate
 from train.tracking import catch_up_tracking, start_tracking
 from train.watchdog import watchdog
 from train.weights import fitted, freeze, frozen_names, read_weights
@@ -287,7 +287,7 @@ class Trainer:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         models = {"": self.raw_model, **({"EMA ": self.ema.module} if self.ema is not None else {})}
-        results = {name: score(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
+        results = {name: evaluate(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
                                   watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
                    for name, model in models.items()}
         watchdog.enter("training", self.limit)

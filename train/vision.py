@@ -1,13 +1,31 @@
-"""torchvision's models and weights by name, for the runs that name them. torchvision is imported on first use: it
-costs about 1.5 s of a process's start-up, and the built-in dataset and model need none of it. No trainbox module
-is imported here, so the config may ask it for the named weights' sizes while it is parsed."""
+"""torchvision, in one place, for the runs that use it: its modules handed out on first use (vision.v2,
+vision.io, vision.datasets, vision.models), and its models' weights by name. The import costs about 1.5 s of a
+process's start-up, and the built-in dataset and model need none of it. No trainbox module but the errors is
+imported here, so the config may ask it for the named weights' sizes while it is parsed.
+
+  from train import vision
+  vision.v2.Resize(256)              # torchvision.transforms.v2, imported at this first use
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from pathlib import Path
 
 from train.errors import ConfigError
+
+MODULES = {"v2": "torchvision.transforms.v2", "io": "torchvision.io", "datasets": "torchvision.datasets",
+           "models": "torchvision.models"}
+
+
+def __getattr__(name: str):
+    """vision.v2 and the rest: the torchvision module, imported on first use (PEP 562)."""
+    if name not in MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(MODULES[name])
+    globals()[name] = module
+    return module
 
 
 def named_weights(model: str, weights: str):
@@ -15,8 +33,7 @@ def named_weights(model: str, weights: str):
     None for a file (an existing path, or one that looks like a path)."""
     if not weights or Path(weights).exists() or "/" in weights or weights.endswith((".pt", ".pth")):
         return None
-    from torchvision import models  # noqa: PLC0415 - torchvision: only the runs that use it pay its import
-
+    models = importlib.import_module("torchvision.models")
     own = models.get_model_weights(model) if model in models.list_models() else None
     if weights == "DEFAULT":
         if own is None:

@@ -45,7 +45,7 @@ def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
     report = json.loads((run_dir / "eval-model.json").read_text())
     assert report["samples"] == 255 and report["world_size"] == 2
     _equal_to_the_final_evaluation(run_dir, report)
-    run([PY, "-m", "train.evaluate", str(run_dir), "--weights", "best", "--spawn", "2"])
+    run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best", "--spawn", "2"])
     best = json.loads((run_dir / "eval-best.json").read_text())
     recorded = status(run_dir)["best"]
     assert (best["loss"], best["accuracy"], best["samples"]) == \
@@ -53,11 +53,11 @@ def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
 
 
 def test_make_evaluate_weights_best_scores_the_best_evaluation_not_the_last(reference_run, tmp_path):
-    """A run whose best evaluation (best.pt) came before its last (model.pt): WEIGHTS=best gives the best's figures
-    and WEIGHTS=model the final ones, and the two differ."""
+    """A run whose best evaluation (best.pt) came before its last (model.pt): CHECKPOINT=best gives the best's figures
+    and CHECKPOINT=model the final ones, and the two differ."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
-    make("evaluate", f"RUN={run_dir}", "WEIGHTS=best")
+    make("evaluate", f"RUN={run_dir}", "CHECKPOINT=best")
     make("evaluate", f"RUN={run_dir}")
     best, final = (json.loads((run_dir / f"eval-{w}.json").read_text()) for w in ("best", "model"))
     recorded = status(run_dir)["best"]
@@ -74,6 +74,16 @@ def test_bad_input_is_one_line(tmp_path):
     run(python_cmd(*DEBUG, "--max-steps", 3, "--eval-every", 0, "--stop-at", 2, "--run-dir", run_dir), expect=75)
     unfinished = run([PY, "-m", "train.evaluate", str(run_dir)], expect=2)
     assert "the run has not finished (no model.pt)" in unfinished.stderr and "Traceback" not in unfinished.stderr
+    # The old spelling of --checkpoint (--weights is python -m train's starting weights): one line naming the new
+    for command in ("train.evaluate", "train.export"):
+        old = run([PY, "-m", command, str(run_dir), "--weights", "best"], expect=2)
+        assert old.stderr.strip().splitlines() == [
+            f"error: python -m {command} --weights best: a finished run's weights are --checkpoint best (CHECKPOINT= "
+            f"with make); --weights is python -m train's starting weights"]
+    for target in ("evaluate", "export"):
+        old = make(target, f"RUN={run_dir}", "WEIGHTS=ema", expect=2)
+        assert old.stderr.splitlines()[0] == f"error: WEIGHTS=ema is now CHECKPOINT=ema: make {target} RUN={run_dir} " \
+                                             f"CHECKPOINT=ema"  # then make's own "Error 2"
 
 
 def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_path):

@@ -30,7 +30,7 @@ def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(referenc
     model, and the two differ."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
-    make("export", f"RUN={run_dir}", "WEIGHTS=best")
+    make("export", f"RUN={run_dir}", "CHECKPOINT=best")
     run([PY, "-m", "train.export", str(run_dir)])  # model.pt, the default
     cfg = parse_config([*map(str, PEAKED)])
     _, val_set, classes = build_datasets(cfg)

@@ -66,11 +66,11 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
     log = (recipe_run / "train.log").read_text()
     assert log.count("eval step 48: EMA loss") == 1
     out = tmp_path / "ema.json"
-    run([PY, "-m", "train.evaluate", str(recipe_run), "--weights", "ema", "--spawn", "2", "--out", str(out)])
+    run([PY, "-m", "train.evaluate", str(recipe_run), "--checkpoint", "ema", "--spawn", "2", "--out", str(out)])
     report = json.loads(out.read_text())
     final = status(recipe_run)
     assert (report["loss"], report["accuracy"]) == (final["val_ema_loss"], final["val_ema_accuracy"])
-    refused = run([PY, "-m", "train.evaluate", str(recipe_run.parent), "--weights", "ema"], expect=2)
+    refused = run([PY, "-m", "train.evaluate", str(recipe_run.parent), "--checkpoint", "ema"], expect=2)
     assert "error:" in refused.stderr and "Traceback" not in refused.stderr
     # best_ema.pt: the EMA's best evaluation, apart from the model's best.pt; status.json names both.
     best, best_ema = final["best"], final["best_ema"]
@@ -83,7 +83,7 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
     # Exported under its own name, beside the model's.
     copy = tmp_path / "run"
     shutil.copytree(recipe_run, copy)
-    run([PY, "-m", "train.export", str(copy), "--weights", "ema"])
+    run([PY, "-m", "train.export", str(copy), "--checkpoint", "ema"])
     assert (copy / "model_ema.pt2").is_file() and not (copy / "model.pt2").exists()
     assert json.loads((copy / "model_ema.pt2.json").read_text())["weights"].endswith("model_ema.pt")
 

@@ -4,7 +4,7 @@ import pytest
 
 from train.checks import check_gpu_per_worker, visible_devices_problem
 from train.errors import ConfigError
-from train.launch import workers_for
+from train.workers import workers_for
 
 
 @pytest.mark.parametrize("value, host, problem", [

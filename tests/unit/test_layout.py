@@ -37,3 +37,33 @@ def test_the_worker_package_has_no_import_cycle():
 
     cycles = sorted(m for m in modules if reaches(m, m))
     assert not cycles, f"modules in an import cycle: {cycles}"
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (REPO / "train").rglob("*.py")}
+    return {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    return seen
+
+
+def test_evaluation_sits_below_the_trainer_and_its_launcher():
+    """python -m train.evaluate (and export) import neither the trainer nor its launcher; the trainer imports the
+    evaluation, and the command line's workers, the cluster plans and the run files sit below both."""
+    graph = _graph()
+    for command in ("train.evaluate", "train.export"):
+        assert not {"train.trainer", "train.launch", "train.plan"} & _reach(graph, command), command
+    assert "train.evaluate" in graph["train.trainer"]
+    assert "train.trainer" not in _reach(graph, "train.workers") | _reach(graph, "train.cluster")
+
+
+def test_the_data_package_holds_one_job_per_module_none_long():
+    for path in (REPO / "train" / "data").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 300, path

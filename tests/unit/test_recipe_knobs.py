@@ -11,7 +11,7 @@ from torchvision.transforms import v2
 from train.augment import BatchAugment
 from train.config import parse_config
 from train.errors import ConfigError
-from train.data import _transforms, eval_steps
+from train.data import image_transforms, eval_steps
 from train.ema import ModelEma, adjusted_decay
 from train.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups
 
@@ -232,7 +232,7 @@ def test_the_train_transforms_are_the_reference_presets(policy, made):
         torch.manual_seed(seed)
         expected = reference(image)
         torch.manual_seed(seed)
-        assert torch.equal(_transforms(cfg, train=True)(image), expected)
+        assert torch.equal(image_transforms(cfg, train=True)(image), expected)
 
 
 def test_the_evaluation_sizes_follow_the_crop_flags():
@@ -242,7 +242,7 @@ def test_the_evaluation_sizes_follow_the_crop_flags():
     image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8)
     expected = v2.Compose([v2.Resize(232, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
                            v2.CenterCrop(224)])(image)
-    assert torch.equal(_transforms(cfg, train=False)(image), expected)
+    assert torch.equal(image_transforms(cfg, train=False)(image), expected)
     assert eval_steps(parse_config(["--dataset", "imagefolder", "--image-size", "224"])) == (256, 224, "bilinear")
 
 

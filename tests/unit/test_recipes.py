@@ -10,7 +10,8 @@ from torchvision import transforms as v1
 from torchvision.transforms import v2
 
 from train.config import parse_config
-from train.data import _transforms, eval_resize, recipe
+from train.config import recipe
+from train.data import eval_resize, image_transforms
 
 
 def photo(h: int, w: int) -> torch.Tensor:
@@ -32,7 +33,7 @@ def test_auto_picks_the_recipe_by_image_size_and_the_flag_overrides_it(size, exp
 
 
 def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():
-    ours = _transforms(cfg("--image-size", 224), train=True)
+    ours = image_transforms(cfg("--image-size", 224), train=True)
     crop = next(t for t in ours.transforms if isinstance(t, v2.RandomResizedCrop))
     defaults = inspect.signature(v1.RandomResizedCrop).parameters  # the reference recipe keeps them
     assert (crop.scale, crop.ratio) == (defaults["scale"].default, defaults["ratio"].default) == \
@@ -55,7 +56,7 @@ def test_imagenet_evaluation_equals_torchvisions_packaged_preset():
     preset = models.ResNet50_Weights.IMAGENET1K_V1.transforms()
     assert (preset.resize_size, preset.crop_size) == ([eval_resize(224)], [224]) == ([256], [224])
     image = photo(375, 500)
-    ours = _transforms(cfg("--image-size", 224), train=False)(image)
+    ours = image_transforms(cfg("--image-size", 224), train=False)(image)
     mean, std = torch.tensor(preset.mean).view(3, 1, 1), torch.tensor(preset.std).view(3, 1, 1)
     theirs = ((preset(image) * std + mean) * 255).round()  # back to the uint8 levels it started from
     # The same geometry; the uint8 kernel (ours) and the float one (theirs) may round one level apart.
@@ -64,12 +65,12 @@ def test_imagenet_evaluation_equals_torchvisions_packaged_preset():
 
 
 def test_cifar_sizes_keep_the_padded_crop_recipe():
-    ours = _transforms(cfg("--image-size", 32), train=True)
+    ours = image_transforms(cfg("--image-size", 32), train=True)
     kinds = [type(t) for t in ours.transforms]
     assert v2.RandomResizedCrop not in kinds and v2.RandomCrop in kinds and v2.RandomHorizontalFlip in kinds
     crop = next(t for t in ours.transforms if isinstance(t, v2.RandomCrop))
     assert crop.padding == [4, 4, 4, 4]
     out = ours(photo(40, 48))
     assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
-    evaluation = _transforms(cfg("--image-size", 32), train=False)(photo(40, 48))
+    evaluation = image_transforms(cfg("--image-size", 32), train=False)(photo(40, 48))
     assert torch.equal(evaluation, v2.functional.center_crop(v2.functional.resize(photo(40, 48), 32), 32))

@@ -75,13 +75,13 @@ def test_named_weights_bring_their_own_evaluation_transforms():
     trainer resizes uint8 with transforms v2, which rounds a few pixels one level apart from theirs)."""
     from torchvision.models import ResNet50_Weights
 
-    from train.data import _transforms, eval_steps
+    from train.data import image_transforms, eval_steps
 
     cfg = parse_config(["--dataset", "imagefolder", "--image-size", "224", "--model", "resnet50",
                         "--weights", "ResNet50_Weights.IMAGENET1K_V2"])
     assert eval_steps(cfg) == (232, 224, "bilinear")
     image = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8)
-    ours = prepare_inputs(_transforms(cfg, False)(image)[None], torch.device("cpu"), False,
+    ours = prepare_inputs(image_transforms(cfg, False)(image)[None], torch.device("cpu"), False,
                           *normalisation_on(cfg, torch.device("cpu")))
     theirs = ResNet50_Weights.IMAGENET1K_V2.transforms()(image)[None]
     level = 1 / 255 / min(IMAGENET[1])
@@ -152,10 +152,10 @@ def test_sizes_the_user_gives_win_over_the_weights_defaults(argv, expected):
 def test_a_cifar_run_from_named_weights_trains_and_evaluates_at_one_size():
     """--dataset cifar10 --weights ResNet50_Weights.DEFAULT: the training crop and the evaluation's are both the
     weights' 224 (upsampled CIFAR), or both the user's --image-size: never 32 px trained and 224 px evaluated."""
-    from train.data import _transforms, eval_steps
+    from train.data import image_transforms, eval_steps
 
     image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
     for argv, size in (([], 224), (["--image-size", "32"], 32)):
         cfg = parse_config(["--dataset", "cifar10", "--model", "resnet50", "--weights", "DEFAULT", *argv])
-        assert _transforms(cfg, True)(image).shape[-1] == _transforms(cfg, False)(image).shape[-1] == size
+        assert image_transforms(cfg, True)(image).shape[-1] == image_transforms(cfg, False)(image).shape[-1] == size
         assert eval_steps(cfg)[1] == size

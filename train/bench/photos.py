@@ -25,7 +25,7 @@ from torchvision import transforms
 
 from train.bench.arms import median, row
 from train.config import parse_config
-from train.data import _transforms, eval_resize, load_image
+from train.data import image_transforms, eval_resize, load_image
 from train.errors import ConfigError
 
 SOURCES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg", "retina.jpg",
@@ -79,7 +79,7 @@ def examples_pipeline(train: bool, size: int = 224):
 
 
 def trainbox_pipeline(train: bool, size: int = 224):
-    transform = _transforms(parse_config(["--dataset", "imagefolder", "--image-size", str(size)]), train)
+    transform = image_transforms(parse_config(["--dataset", "imagefolder", "--image-size", str(size)]), train)
     return lambda path: transform(load_image(str(path)))
 
 

@@ -1,0 +1,25 @@
+"""Datasets, sampling and loaders, one job per module:
+
+  shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
+  folders     file datasets on disk: an ImageFolder, packed shards, CIFAR-10, and their checks
+  decode      file bytes to uint8 tensors, in the loader workers or on the GPU (--decode gpu)
+  transforms  the per-image recipe (torchvision's reference presets), the evaluation's steps, normalisation
+  samplers    which samples each rank trains on, in which order, with which augmentation seed
+  loaders     the datasets a run uses and their loaders
+
+This face hands on what the rest of trainbox uses.
+"""
+
+from train.data.decode import DeviceDecoder, load_image
+from train.data.folders import ShardSplit, check_cifar, check_imagefolder, read_idx, read_index
+from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names,
+                                default_num_workers)
+from train.data.samplers import SeededSample, ShardSampler, describe_sampler, relayout, samples_per_rank
+from train.data.shapes import SHAPE_CLASSES, ShapesDataset, make_shapes
+from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs
+
+__all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
+           "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
+           "class_names", "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms",
+           "load_image", "make_shapes", "prepare_inputs", "preprocessing", "read_idx", "read_index", "relayout",
+           "samples_per_rank"]

@@ -1,0 +1,137 @@
+"""The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
+a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10 (torchvision's, downloaded
+only with --download, by local rank 0 of each node).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from train import vision
+from train.data.decode import load_image
+from train.distributed import gather, identity
+from train.errors import ConfigError, DataError
+
+
+def path_of(folder, index: int) -> str:
+    return folder.samples[index][0]
+
+
+def imagefolder_split(root: Path, split: str, loader=load_image):
+    path = root / split
+    try:
+        return vision.datasets.ImageFolder(str(path), loader=loader)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
+
+
+def check_imagefolder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
+    """The folder layout, checked before any worker starts: both splits, the same non-empty class list."""
+    classes = {"train": None, "val": None}
+    for split in splits:
+        path = root / split
+        if not path.is_dir():
+            raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
+                              f"{root}/val/<class>/")
+        classes[split] = sorted(d.name for d in path.iterdir() if d.is_dir())
+        if not classes[split]:
+            raise ConfigError(f"{path} has no class folders: put images in {path}/<class>/")
+    if None not in classes.values() and classes["train"] != classes["val"]:
+        only = sorted(set(classes["train"]) ^ set(classes["val"]))
+        raise ConfigError(f"{root}: train and val hold different classes (only in one: {', '.join(only[:5])}): "
+                          f"give both the same class folders")
+
+
+def read_index(root: Path) -> dict:
+    try:
+        return json.loads((root / "index.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{root}/index.json is missing: pack an ImageFolder with `make pack SRC=... DST={root}` "
+                          f"(a folder without it is an unfinished pack)") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{root}/index.json cannot be read ({e}): pack the dataset again") from None
+
+
+def read_idx(shard: Path) -> torch.Tensor:
+    data = (shard.parent / f"{shard.name}.idx").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 3)
+
+
+class ShardSplit(Dataset):
+    """One split of a pack, read by offset: item i is (bytes, label); files stay open per loader worker."""
+
+    def __init__(self, root: Path, split: str):
+        info = read_index(root)["splits"][split]
+        self.root, self.classes = root, info["classes"]
+        self.shards = [root / s["name"] for s in info["shards"]]
+        try:
+            self.rows = [read_idx(shard) for shard in self.shards]
+        except OSError as e:
+            raise ConfigError(f"{root}: {e}: the pack is incomplete: pack it again, or run "
+                              f"`python -m train.pack --verify {root}`") from None
+        self.starts = [0]
+        for rows in self.rows:
+            self.starts.append(self.starts[-1] + len(rows))
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self):  # loader workers open their own files
+        return {**self.__dict__, "_open": {}}
+
+    def locate(self, index: int) -> tuple[int, int]:
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return shard, index - self.starts[shard]
+
+    def name(self, index: int) -> str:
+        shard, row = self.locate(index)
+        return f"sample {index:09d} of {self.shards[shard]}"
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        shard, row = self.locate(index)
+        offset, size, label = self.rows[shard][row].tolist()
+        try:
+            f = self._open.get(shard)
+            if f is None:
+                f = self._open[shard] = open(self.shards[shard], "rb")
+            f.seek(offset)
+            data = f.read(size)
+        except OSError as e:
+            raise DataError(f"cannot read {self.name(index)} ({e}): check the storage, or pack the dataset again") \
+                from None
+        if len(data) != size:
+            raise DataError(f"{self.shards[shard]} is damaged: {self.name(index)} is cut short: run `python -m "
+                            f"train.pack --verify {self.root}`, then pack the dataset again")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+
+
+def check_cifar(root: Path, download: bool) -> None:
+    if not download and not (root / "cifar-10-batches-py").is_dir():
+        raise ConfigError(f"CIFAR-10 not found under {root}: pass --download or point --data-dir at it")
+
+
+def cifar_split(root: Path, train: bool, transform, download: bool = False):
+    """CIFAR-10's training or validation split under root, downloaded first with --download (local rank 0 of
+    each node; every rank learns whether that worked, and none waits)."""
+    check_cifar(root, download)
+    if download:
+        error = None
+        if identity().local_rank == 0:  # once per node
+            try:
+                vision.datasets.CIFAR10(str(root), train=True, download=True)
+            except (OSError, RuntimeError) as e:
+                error = f"downloading CIFAR-10 into {root} failed ({e}): check the network or download it by hand"
+        failed = [e for e in gather(error) if e]
+        if failed:
+            raise ConfigError(failed[0])
+    try:
+        return vision.datasets.CIFAR10(str(root), train=train, transform=transform)
+    except RuntimeError as e:  # torchvision's checksum test failed
+        raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
+                          f"{root / 'cifar-10-batches-py'} and pass --download") from None

@@ -1,0 +1,140 @@
+"""The datasets a run trains and evaluates on (build_datasets) and their loaders: the training loader with its
+sampler (in-memory batches for the built-in sets, DataLoader workers for files) and the validation loader
+(every sample once across ranks, no padding).
+"""
+
+from __future__ import annotations
+
+import signal
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from train.config import Config
+from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, read_bytes
+from train.data.folders import ShardSplit, check_imagefolder, cifar_split, imagefolder_split, path_of
+from train.data.samplers import SeededSample, ShardSampler
+from train.data.shapes import ShapesDataset, SyntheticDataset
+from train.data.transforms import image_transforms
+from train.distributed import identity, usable_cores
+
+
+class TensorLoader:
+    """Batches straight from in-memory tensors: no worker processes, no per-sample collate."""
+
+    def __init__(self, dataset: ShapesDataset, sampler: ShardSampler, batch_size: int):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+    def __iter__(self):
+        indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.dataset.images.device)
+        for b in range(len(self)):
+            idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
+            yield self.dataset.images[idx], self.dataset.labels[idx]
+
+
+def class_names(dataset) -> list[str]:
+    """The class names of a dataset that build_datasets made, in label order (through its wrappers)."""
+    while not hasattr(dataset, "classes") and hasattr(dataset, "source"):
+        dataset = dataset.source
+    return [str(c) for c in dataset.classes]
+
+
+def build_datasets(cfg: Config, train: bool = True):
+    """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device).
+    train=False: the validation set alone (train is None; an ImageFolder needs no train/ then)."""
+    root = Path(cfg.data_dir)
+    if not train:
+        val = validation_set(cfg, root)
+        return None, val, len(class_names(val))
+    if cfg.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
+        train_set = kind(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
+    elif cfg.dataset == "cifar10":
+        train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.download)
+    elif cfg.dataset == "shards":
+        split = ShardSplit(root, "train")
+        train_set = (FileBytes if cfg.decode == "gpu" else Decoded)(split, image_transforms(cfg, True), split.name)
+    else:
+        check_imagefolder(root)
+        if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
+            split = imagefolder_split(root, "train", loader=read_bytes)
+            train_set = FileBytes(split, image_transforms(cfg, True), partial(path_of, split))
+        else:
+            train_set = imagefolder_split(root, "train")
+            train_set.transform = image_transforms(cfg, True)
+    return train_set, validation_set(cfg, root), len(class_names(train_set))
+
+
+def validation_set(cfg: Config, root: Path):
+    """The validation set, with the evaluation's transforms."""
+    if cfg.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
+        return kind(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
+    if cfg.dataset == "cifar10":
+        return cifar_split(root, False, image_transforms(cfg, False))
+    if cfg.dataset == "shards":
+        split = ShardSplit(root, "val")
+        return (FileBytes if cfg.decode == "gpu" else Decoded)(split, image_transforms(cfg, False), split.name)
+    check_imagefolder(root, ("val",))
+    if cfg.decode == "gpu":
+        split = imagefolder_split(root, "val", loader=read_bytes)
+        return FileBytes(split, image_transforms(cfg, False), partial(path_of, split))
+    split = imagefolder_split(root, "val")
+    split.transform = image_transforms(cfg, False)
+    return split
+
+
+def default_num_workers(cfg: Config) -> int:
+    if cfg.num_workers >= 0:
+        return cfg.num_workers
+    if cfg.dataset in ("shapes", "synthetic"):
+        return 0
+    # Every core of this process's share but one (the one that runs the training loop itself), no cap:
+    # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).
+    return max(1, usable_cores() // max(1, identity().local_world_size) - 1)
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    # A preemption signal sent to the whole process group must not kill loader workers before
+    # the trainer has saved its checkpoint; the trainer shuts them down itself.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+                       device: torch.device | None = None, persistent: bool = True):
+    if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
+        sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False, reps=cfg.ra_reps)
+        return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True, reps=cfg.ra_reps)
+    workers = default_num_workers(cfg)
+    files = isinstance(dataset, FileBytes)
+    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler,
+                        drop_last=True, num_workers=workers, pin_memory=pin_memory and not files,
+                        persistent_workers=persistent and workers > 0,
+                        worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                        prefetch_factor=4 if workers > 0 else None, collate_fn=collate_files if files else None,
+                        generator=torch.Generator().manual_seed(cfg.seed))  # iter() must not draw global RNG
+    return (DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader), sampler
+
+
+def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+                     device: torch.device | None = None):
+    """Each rank takes indices rank, rank+W, ... with no padding: every sample counted exactly once."""
+    indices = list(range(rank, len(dataset), world_size))
+    if isinstance(dataset, ShapesDataset):
+        dataset.to(device or torch.device("cpu"))
+        idx = torch.tensor(indices, dtype=torch.long, device=dataset.images.device)
+        return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
+    workers = default_num_workers(cfg)
+    files = isinstance(dataset, FileBytes)
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
+                        num_workers=workers, pin_memory=pin_memory and not files,
+                        worker_init_fn=ignore_stop_signals if workers > 0 else None,
+                        collate_fn=collate_files if files else None)
+    return DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader

@@ -1,0 +1,75 @@
+"""The per-image transforms of a file dataset, as torchvision's reference classification presets build them, on
+uint8 tensors (normalisation happens on the training device: prepare_inputs), and what a caller of the
+trained model does to an image before it (preprocessing, for make export).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from train import vision
+from train.config import Config, recipe
+from train.weights import MEAN, STD
+
+
+def eval_resize(size: int) -> int:
+    """The evaluation's resize before its centre crop: size / 0.875 (256 for 224, as torchvision's references)."""
+    return int(size / 0.875)
+
+
+def image_transforms(cfg: Config, train: bool):
+    """uint8 tensors (or PIL images) in, uint8 tensors out: normalisation happens on the training device.
+    imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
+    --auto-augment; eval: resize to --val-resize-size, centre crop to --val-crop-size, --interpolation);
+    cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
+    training device (train/augment.py), as the reference's preset has it after Normalize."""
+    v2 = vision.v2
+    size, mode = cfg.image_size, v2.InterpolationMode(cfg.interpolation)
+    if recipe(cfg) == "imagenet" and train:
+        steps = [v2.RandomResizedCrop(cfg.train_crop_size or size, interpolation=mode, antialias=True),
+                 v2.RandomHorizontalFlip(), *auto_augment(cfg)]
+    elif recipe(cfg) == "imagenet":
+        resize, crop, _ = eval_steps(cfg)
+        steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
+    else:
+        steps = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        if train:
+            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(), *auto_augment(cfg)]
+    return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
+
+
+def auto_augment(cfg: Config) -> list:
+    """--auto-augment as torchvision's reference preset builds it, on uint8 images. Their rotations and shears
+    on tensors take nearest or bilinear only: with --interpolation bicubic they resample bilinearly."""
+    v2 = vision.v2
+    mode = v2.InterpolationMode.BILINEAR
+    return {"none": [], "ta_wide": [v2.TrivialAugmentWide(interpolation=mode)],
+            "ra": [v2.RandAugment(interpolation=mode, magnitude=cfg.ra_magnitude)],
+            "augmix": [v2.AugMix(interpolation=mode, severity=cfg.augmix_severity)],
+            "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[cfg.auto_augment]
+
+
+def eval_steps(cfg: Config) -> tuple[int, int, str]:
+    """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
+    / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
+    (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
+    files = cfg.dataset not in ("shapes", "synthetic")
+    if not files or recipe(cfg) != "imagenet":
+        return cfg.image_size, cfg.image_size, "bilinear"
+    crop = cfg.val_crop_size or cfg.image_size
+    return cfg.val_resize_size or eval_resize(crop), crop, cfg.interpolation
+
+
+def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> dict:
+    """What a caller of the trained model does to an RGB image before it: the evaluation's own steps."""
+    resize, crop, interpolation = eval_steps(cfg)
+    return {"resize": resize, "resize_of": "the shorter side", "interpolation": interpolation, "antialias": True,
+            "center_crop": crop, "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
+            "layout": "N x 3 x H x W float32", "classes": classes}
+
+
+def prepare_inputs(x: torch.Tensor, device: torch.device, channels_last: bool, mean=MEAN, std=STD) -> torch.Tensor:
+    """A batch of uint8 images onto the device (non-blocking from pinned memory), normalised there (mean and std:
+    numbers, or per-channel tensors of shape 1 x 3 x 1 x 1 on the device)."""
+    x = x.to(device, non_blocking=True).float().div_(255).sub_(mean).div_(std)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
