@@ -12,7 +12,7 @@
 # TORCH_HOME (the cache of named --weights on the NAS: fetched once per node, or placed there for offline nodes).
 # Submit from the checkout on the NAS (or set TRAINBOX_DIR); the log lands beside it.
 #
-# Preemption: Slurm sends USR2 to this script GRACE seconds before the end (USR1 is taken by NCCL).
+# Preemption: Slurm sends USR2 to this script 120 s before the end (#SBATCH --signal below; USR1 is NCCL's).
 # The script passes it to the training processes, which agree on a step, save a checkpoint and exit;
 # the script then requeues the job, which resumes from that checkpoint in the same run directory.
 # A finished run is not requeued; a crash is not requeued; at most MAX_REQUEUES requeues; a cancel

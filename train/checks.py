@@ -7,7 +7,6 @@ Each raises ConfigError with one line: the cause and the fix.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from pathlib import Path
@@ -24,6 +23,7 @@ from train.metrics import nvml
 from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.optim import decay_groups
+from train.runfiles import read_config
 from train.weights import fitted, freeze, frozen_names, read_weights, resolve
 
 
@@ -168,13 +168,7 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
                           f"--run-dir inside an existing folder")
     if not _writable_or_creatable(run_dir):
         raise ConfigError(not_writable(run_dir))
-    saved = run_dir / "config.json"
-    if saved.is_file():
-        try:
-            previous = json.loads(saved.read_text())
-        except ValueError:
-            previous = {}
-        check_same_model(previous, cfg, run_dir)
+    check_same_model(read_config(run_dir), cfg, run_dir)
     problem = checkpoint.space_problem(run_dir)
     if problem:
         raise ConfigError(problem)

@@ -29,138 +29,177 @@ except ModuleNotFoundError:  # Python 3.10: tomli where installed
         tomllib = None
 
 
-def _f(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _field(section: str):
+    """The factory of one section's fields: each field declares its section (--help groups the flags by it), a
+    default and a help line."""
+    def make(default, help: str, choices: tuple | None = None):
+        return field(default=default, metadata={"help": help, "choices": choices, "section": section})
+    return make
 
 
-@dataclass
+SECTIONS = {
+    "run": "what the run is and how long: its folder, seed, length, a stop, a dry run",
+    "launch": "read by python -m train before any worker starts",
+    "data": "the dataset and how it is read",
+    "augmentation": "the recipe per image and per batch",
+    "model": "the network, its starting weights and how it runs",
+    "optimisation": "the batch, the optimizer and its weight-decay groups",
+    "schedule": "the learning rate over the run",
+    "regularisation": "label smoothing and the EMA of the weights",
+    "checkpoints": "checkpoints, evaluations and logging",
+    "tracking": "MLflow, off unless a server is named",
+}
+_run = _field("run")
+_launch = _field("launch")
+_data = _field("data")
+_augmentation = _field("augmentation")
+_model = _field("model")
+_optimisation = _field("optimisation")
+_schedule = _field("schedule")
+_regularisation = _field("regularisation")
+_checkpoints = _field("checkpoints")
+_tracking = _field("tracking")
+
+
+@dataclass(frozen=True)
 class Config:
-    # --- run ---
-    run_dir: str = _f("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; "
-                          "empty: runs/<timestamp>")
-    preset: str = _f("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
-    seed: int = _f(0, "seed for the model, the built-in data, sampling and augmentation")
-    max_steps: int = _f(600, "total optimizer steps of the run, counted across resumes")
-    epochs: int = _f(0, "train for N passes over the training set instead of --max-steps: the steps follow from "
-                        "its size, the workers, --batch-size and --grad-accum (printed at start, in config.json); "
-                        "0: --max-steps")
-    stop_at: int = _f(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
-    deterministic: bool = _f(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
-    threads: int = _f(0, "CPU threads per process; 0: the cores available divided by the local workers")
-    # --- launch (read by python -m train before any worker starts) ---
-    dry_run: bool = _f(False, "print the run's plan (steps, world size, weight-decay groups, normalisation, "
-                              "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
-                              "exit: no run folder, no download, no training")
-    spawn: int = _f(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
-    device: str = _f("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
-    timeout_s: int = _f(600, "collective timeout in seconds; a stuck rank fails the job after this long")
-    # --- data ---
-    dataset: str = _f("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, DATA_DIR/val); "
-                                "shards (an ImageFolder packed by make pack); "
-                                "synthetic: random images for benchmarks (learns nothing)",
-                      choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
-    data_dir: str = _f("data", "dataset root for cifar10, imagefolder and shards")
-    download: bool = _f(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
-    image_size: int = _f(32, "image side in pixels (shapes generates at it; others resize to it); with named "
-                             "--weights on image files: their crop unless given")
-    train_samples: int = _f(12000, "shapes/synthetic: number of training images")
-    val_samples: int = _f(2000, "shapes/synthetic: number of validation images")
-    num_workers: int = _f(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), "
-                              "else every core of the process's share but one")
-    decode: str = _f("cpu", "image files: cpu (loader workers decode and augment) or gpu (workers only read the "
-                            "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
-                            "there, each sample with its own seed)", choices=("cpu", "gpu"))
-    augment: str = _f("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
-                              "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); "
-                              "auto: imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
-    train_crop_size: int = _f(0, "imagenet recipe: RandomResizedCrop's size; 0: --image-size")
-    val_resize_size: int = _f(0, "imagenet recipe: the evaluation's resize (shorter side); 0: --val-crop-size / 0.875")
-    val_crop_size: int = _f(0, "imagenet recipe: the evaluation's centre crop; 0: --image-size")
-    interpolation: str = _f("bilinear", "resizing of the imagenet recipe (train crop, eval resize); --auto-augment "
-                                        "resamples bilinearly (on tensors its ops take no bicubic)",
-                            choices=("bilinear", "bicubic"))
-    auto_augment: str = _f("none", "file datasets: after the crop and flip, v2.TrivialAugmentWide (ta_wide), "
-                                   "RandAugment (ra), AugMix (augmix) or AutoAugment's ImageNet policy (imagenet)",
-                           choices=("none", "ta_wide", "ra", "augmix", "imagenet"))
-    ra_magnitude: int = _f(9, "--auto-augment ra: RandAugment's magnitude")
-    augmix_severity: int = _f(3, "--auto-augment augmix: AugMix's severity")
-    ra_reps: int = _f(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each image "
-                         "N times per epoch, augmented apart, the epoch cut to a multiple of 256; 0: off")
-    random_erase: float = _f(0.0, "v2.RandomErasing's probability, per image after normalisation (as torchvision's "
-                                  "reference applies it); 0: off")
-    # --- model ---
-    model: str = _f("cnn", "cnn (small built-in), a torchvision classification model name, or package.module:factory")
-    weights: str = _f("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or DEFAULT "
-                          "for --model's default; fetched once per node into TORCH_HOME) or a file (model.pt, best.pt, "
-                          "a checkpoint, a state_dict); a head of another class count is replaced; a resume ignores it")
-    freeze: str = _f("", "freeze parameters: backbone (all but the classifier head) or name prefixes, comma-separated "
-                         "(no gradient, no optimizer state, BatchNorm statistics kept)")
-    normalize: str = _f("auto", "input normalisation: imagenet (ImageNet's mean and std), trainbox (0.5, 0.25); "
-                                "auto: the named --weights' own (their transforms()), else trainbox",
-                        choices=("auto", "imagenet", "trainbox"))
-    width: int = _f(32, "cnn: channels of the first stage (doubles per stage)")
-    sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
-    channels_last: bool = _f(False, "use the channels_last memory format for model and inputs")
-    compile: bool = _f(False, "wrap the model with torch.compile")
-    bucket_cap_mb: int = _f(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
-    static_graph: bool = _f(False, "DDP static_graph: faster when the graph never changes and every "
-                                   "parameter gets a gradient every step")
-    # --- optimisation ---
-    batch_size: int = _f(64, "images per worker per micro-batch")
-    grad_accum: int = _f(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
-    optimizer: str = _f("adamw", "optimizer", choices=("adamw", "sgd"))
-    lr: float = _f(3e-3, "peak learning rate")
-    weight_decay: float = _f(0.05, "weight decay")
-    momentum: float = _f(0.9, "sgd momentum")
-    nesterov: bool = _f(True, "sgd: Nesterov momentum (torchvision's reference --opt sgd is without it)")
-    warmup_steps: int = _f(50, "linear warm-up steps before the cosine decay")
-    warmup_epochs: float = _f(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: --warmup-steps")
-    min_lr_ratio: float = _f(0.02, "final learning rate as a fraction of --lr")
-    norm_weight_decay: float | None = _f(None, "weight decay of normalisation layers' parameters (BatchNorm, "
-                                               "LayerNorm, ...); unset: --weight-decay, in no group of their own "
-                                               "(torchvision's reference)")
-    bias_weight_decay: float | None = _f(None, "weight decay of parameters named bias, ahead of the norm rule; unset: "
-                                               "no group of their own (torchvision's reference)")
-    transformer_embedding_decay: float | None = _f(None, "weight decay of parameters named class_token, "
-                                                         "position_embedding or relative_position_bias_table "
-                                                         "(torchvision's reference and its key list); unset: no "
-                                                         "group of their own")
-    lr_scheduler: str = _f("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
-                                     "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
-                           choices=("cosine", "step", "multistep", "constant"))
-    lr_step_size: int = _f(30, "--lr-scheduler step: its period, in the schedule's unit")
-    lr_gamma: float = _f(0.1, "--lr-scheduler step/multistep: the factor at each decay")
-    lr_milestones: str = _f("", "--lr-scheduler multistep: comma-separated points, in the schedule's unit")
-    warmup_method: str = _f("linear", "warm-up: linear from --warmup-decay x --lr to --lr, or constant at "
-                                      "--warmup-decay x --lr", choices=("linear", "constant"))
-    warmup_decay: float = _f(0.01, "the warm-up's starting factor (torchvision's lr-warmup-decay)")
-    schedule_unit: str = _f("step", "the schedule advances every optimizer step (lengths in steps), or every epoch "
-                                    "as torchvision's reference does (needs --epochs; lengths in epochs)",
-                            choices=("step", "epoch"))
-    label_smoothing: float = _f(0.0, "cross-entropy label smoothing (torch's label_smoothing)")
-    mixup_alpha: float = _f(0.0, "v2.MixUp's alpha on each training batch (with --cutmix-alpha: one of the two at "
-                                 "random per batch); 0: off")
-    cutmix_alpha: float = _f(0.0, "v2.CutMix's alpha on each training batch; 0: off")
-    model_ema: bool = _f(False, "keep an exponential moving average of the weights (AveragedModel, buffers "
-                                "included), evaluated beside the model and saved as model_ema.pt")
-    model_ema_steps: int = _f(32, "--model-ema: update the average every N optimizer steps of an epoch")
-    model_ema_decay: float = _f(0.99998, "--model-ema: the decay before torchvision's adjustment for the batch, "
-                                         "world size, update period and epochs")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: off)")
-    precision: str = _f("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
-                        choices=("auto", "fp32", "bf16", "fp16"))
-    # --- checkpoints and logging ---
-    save_every: int = _f(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
-    keep_checkpoints: int = _f(3, "keep the newest K checkpoints")
-    eval_every: int = _f(200, "evaluate every N steps (and at the end); 0: only at the end")
-    log_every: int = _f(50, "log loss and throughput every N steps")
-    tensorboard: bool = _f(True, "write TensorBoard event files into the run directory")
-    # --- MLflow tracking (off unless a server is named) ---
-    mlflow_uri: str = _f("", "MLflow tracking server, http(s)://HOST:PORT; empty: $MLFLOW_TRACKING_URI, and no "
-                             "tracking when that is unset too")
-    mlflow_experiment: str = _f("", "MLflow experiment; empty: $MLFLOW_EXPERIMENT_NAME, else trainbox")
-    mlflow_checkpoints: bool = _f(False, "also send every checkpoint to MLflow as an artifact (model.pt and "
-                                         "manifest.json always are)")
+    # --- run: what the run is and how long: its folder, seed, length, a stop, a dry run ---
+    run_dir: str = _run("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; empty: "
+                            "runs/<timestamp>")
+    preset: str = _run("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
+    seed: int = _run(0, "seed for the model, the built-in data, sampling and augmentation")
+    max_steps: int = _run(600, "total optimizer steps of the run, counted across resumes")
+    epochs: int = _run(0, "train for N passes over the training set instead of --max-steps: the steps follow from its "
+                          "size, the workers, --batch-size and --grad-accum (printed at start, in plan.json); 0: "
+                          "--max-steps")
+    stop_at: int = _run(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
+    dry_run: bool = _run(False, "print the run's plan (steps, world size, weight-decay groups, normalisation, "
+                                "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
+                                "exit: no run folder, no download, no training")
+    deterministic: bool = _run(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
+    # --- launch: read by python -m train before any worker starts ---
+    spawn: int = _launch(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
+    device: str = _launch("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
+    timeout_s: int = _launch(600, "collective timeout in seconds; a stuck rank fails the job after this long")
+    threads: int = _launch(0, "CPU threads per process; 0: the cores available divided by the local workers")
+    # --- data: the dataset and how it is read ---
+    dataset: str = _data("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, "
+                                   "DATA_DIR/val); shards (an ImageFolder packed by make pack); synthetic: random "
+                                   "images for benchmarks (learns nothing)",
+                                   choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
+    data_dir: str = _data("data", "dataset root for cifar10, imagefolder and shards")
+    download: bool = _data(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
+    image_size: int = _data(32, "image side in pixels (shapes generates at it; others resize to it); with named "
+                                "--weights on image files: their crop unless given")
+    train_samples: int = _data(12000, "shapes/synthetic: number of training images")
+    val_samples: int = _data(2000, "shapes/synthetic: number of validation images")
+    num_workers: int = _data(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else every core of the "
+                                 "process's share but one")
+    decode: str = _data("cpu", "image files: cpu (loader workers decode and augment) or gpu (workers only read the "
+                               "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
+                               "there, each sample with its own seed)", choices=("cpu", "gpu"))
+    normalize: str = _data("auto", "input normalisation: imagenet (ImageNet's mean and std), trainbox (0.5, 0.25); "
+                                   "auto: the named --weights' own (their transforms()), else trainbox",
+                                   choices=("auto", "imagenet", "trainbox"))
+    # --- augmentation: the recipe per image and per batch ---
+    augment: str = _augmentation("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
+                                         "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); auto: "
+                                         "imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
+    train_crop_size: int = _augmentation(0, "imagenet recipe: RandomResizedCrop's size; 0: --image-size")
+    val_resize_size: int = _augmentation(0, "imagenet recipe: the evaluation's resize (shorter side); 0: "
+                                            "--val-crop-size / 0.875")
+    val_crop_size: int = _augmentation(0, "imagenet recipe: the evaluation's centre crop; 0: --image-size")
+    interpolation: str = _augmentation("bilinear", "resizing of the imagenet recipe (train crop, eval resize); "
+                                                   "--auto-augment resamples bilinearly (on tensors its ops take no "
+                                                   "bicubic)", choices=("bilinear", "bicubic"))
+    auto_augment: str = _augmentation("none", "file datasets: after the crop and flip, v2.TrivialAugmentWide "
+                                              "(ta_wide), RandAugment (ra), AugMix (augmix) or AutoAugment's ImageNet "
+                                              "policy (imagenet)",
+                                              choices=("none", "ta_wide", "ra", "augmix", "imagenet"))
+    ra_magnitude: int = _augmentation(9, "--auto-augment ra: RandAugment's magnitude")
+    augmix_severity: int = _augmentation(3, "--auto-augment augmix: AugMix's severity")
+    ra_reps: int = _augmentation(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each "
+                                    "image N times per epoch, augmented apart, the epoch cut to a multiple of 256; 0: "
+                                    "off")
+    random_erase: float = _augmentation(0.0, "v2.RandomErasing's probability, per image after normalisation (as "
+                                             "torchvision's reference applies it); 0: off")
+    mixup_alpha: float = _augmentation(0.0, "v2.MixUp's alpha on each training batch (with --cutmix-alpha: one of the "
+                                            "two at random per batch); 0: off")
+    cutmix_alpha: float = _augmentation(0.0, "v2.CutMix's alpha on each training batch; 0: off")
+    # --- model: the network, its starting weights and how it runs ---
+    model: str = _model("cnn", "cnn (small built-in), a torchvision classification model name, or "
+                               "package.module:factory")
+    weights: str = _model("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
+                              "DEFAULT for --model's default; fetched once per node into TORCH_HOME) or a file "
+                              "(model.pt, best.pt, a checkpoint, a state_dict); a head of another class count is "
+                              "replaced; a resume ignores it")
+    freeze: str = _model("", "freeze parameters: backbone (all but the classifier head) or name prefixes, "
+                             "comma-separated (no gradient, no optimizer state, BatchNorm statistics kept)")
+    width: int = _model(32, "cnn: channels of the first stage (doubles per stage)")
+    sync_bn: bool = _model(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
+    channels_last: bool = _model(False, "use the channels_last memory format for model and inputs")
+    compile: bool = _model(False, "wrap the model with torch.compile")
+    bucket_cap_mb: int = _model(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
+    static_graph: bool = _model(False, "DDP static_graph: faster when the graph never changes and every parameter gets "
+                                       "a gradient every step")
+    precision: str = _model("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
+                                    choices=("auto", "fp32", "bf16", "fp16"))
+    # --- optimisation: the batch, the optimizer and its weight-decay groups ---
+    batch_size: int = _optimisation(64, "images per worker per micro-batch")
+    grad_accum: int = _optimisation(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
+    optimizer: str = _optimisation("adamw", "optimizer", choices=("adamw", "sgd"))
+    lr: float = _optimisation(3e-3, "peak learning rate")
+    weight_decay: float = _optimisation(0.05, "weight decay")
+    momentum: float = _optimisation(0.9, "sgd momentum")
+    nesterov: bool = _optimisation(True, "sgd: Nesterov momentum (torchvision's reference --opt sgd is without it)")
+    norm_weight_decay: float | None = _optimisation(None, "weight decay of normalisation layers' parameters "
+                                                          "(BatchNorm, LayerNorm, ...); unset: --weight-decay, in no "
+                                                          "group of their own (torchvision's reference)")
+    bias_weight_decay: float | None = _optimisation(None, "weight decay of parameters named bias, ahead of the norm "
+                                                          "rule; unset: no group of their own (torchvision's "
+                                                          "reference)")
+    transformer_embedding_decay: float | None = _optimisation(None, "weight decay of parameters named class_token, "
+                                                                    "position_embedding or "
+                                                                    "relative_position_bias_table (torchvision's "
+                                                                    "reference and its key list); unset: no group of "
+                                                                    "their own")
+    grad_clip: float = _optimisation(1.0, "clip the global gradient norm to this (0: off)")
+    # --- schedule: the learning rate over the run ---
+    warmup_steps: int = _schedule(50, "linear warm-up steps before the cosine decay")
+    warmup_epochs: float = _schedule(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: "
+                                          "--warmup-steps")
+    lr_scheduler: str = _schedule("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
+                                            "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
+                                            choices=("cosine", "step", "multistep", "constant"))
+    min_lr_ratio: float = _schedule(0.02, "final learning rate as a fraction of --lr")
+    lr_step_size: int = _schedule(30, "--lr-scheduler step: its period, in the schedule's unit")
+    lr_gamma: float = _schedule(0.1, "--lr-scheduler step/multistep: the factor at each decay")
+    lr_milestones: str = _schedule("", "--lr-scheduler multistep: comma-separated points, in the schedule's unit")
+    warmup_method: str = _schedule("linear", "warm-up: linear from --warmup-decay x --lr to --lr, or constant at "
+                                             "--warmup-decay x --lr", choices=("linear", "constant"))
+    warmup_decay: float = _schedule(0.01, "the warm-up's starting factor (torchvision's lr-warmup-decay)")
+    schedule_unit: str = _schedule("step", "the schedule advances every optimizer step (lengths in steps), or every "
+                                           "epoch as torchvision's reference does (needs --epochs; lengths in epochs)",
+                                           choices=("step", "epoch"))
+    # --- regularisation: label smoothing and the EMA of the weights ---
+    label_smoothing: float = _regularisation(0.0, "cross-entropy label smoothing (torch's label_smoothing)")
+    model_ema: bool = _regularisation(False, "keep an exponential moving average of the weights (AveragedModel, "
+                                             "buffers included), evaluated beside the model and saved as model_ema.pt")
+    model_ema_steps: int = _regularisation(32, "--model-ema: update the average every N optimizer steps of an epoch")
+    model_ema_decay: float = _regularisation(0.99998, "--model-ema: the decay before torchvision's adjustment for the "
+                                                      "batch, world size, update period and epochs")
+    # --- checkpoints: checkpoints, evaluations and logging ---
+    save_every: int = _checkpoints(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
+    keep_checkpoints: int = _checkpoints(3, "keep the newest K checkpoints")
+    eval_every: int = _checkpoints(200, "evaluate every N steps (and at the end); 0: only at the end")
+    log_every: int = _checkpoints(50, "log loss and throughput every N steps")
+    tensorboard: bool = _checkpoints(True, "write TensorBoard event files into the run directory")
+    # --- tracking: MLflow, off unless a server is named ---
+    mlflow_uri: str = _tracking("", "MLflow tracking server, http(s)://HOST:PORT; empty: $MLFLOW_TRACKING_URI, and no "
+                                    "tracking when that is unset too")
+    mlflow_experiment: str = _tracking("", "MLflow experiment; empty: $MLFLOW_EXPERIMENT_NAME, else trainbox")
+    mlflow_checkpoints: bool = _tracking(False, "also send every checkpoint to MLflow as an artifact (model.pt and "
+                                                "manifest.json always are)")
 
     def validate(self) -> None:
         positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
@@ -406,19 +445,21 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def get_args_parser() -> argparse.ArgumentParser:
+    """The command line, derived from Config: one flag per field, grouped in --help by the field's section."""
     parser = _OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
                             argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    parser.add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
+    groups = {name: parser.add_argument_group(name, about) for name, about in SECTIONS.items()}
+    groups["run"].add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
     for f in fields(Config):
-        kind = _field_type(f.name)
+        group, kind = groups[f.metadata["section"]], _field_type(f.name)
         help_text = f.metadata['help'] + ("" if f.default is None else f" (default: {f.default!r})")
         flag = f"--{_flag(f.name)}"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(flag, type=kind, help=help_text, metavar=None if choices else f.name.upper(),
-                                choices=[c for c in choices if c] if choices else None)
+            group.add_argument(flag, type=kind, help=help_text, metavar=None if choices else f.name.upper(),
+                               choices=[c for c in choices if c] if choices else None)
     return parser
 
 

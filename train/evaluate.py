@@ -37,6 +37,7 @@ from train.data import build_datasets, build_val_loader, class_names, prepare_in
 from train.distributed import identity, init, is_main, teardown
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
+from train.runfiles import read_classes, read_config
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
@@ -88,14 +89,14 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, l
     """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
     model). A run folder is data, never code: a run of a `package.module:factory` model is loaded only when the
     command line names the same factory (`model`, --model), since building it imports and runs that module."""
-    config, classes = run_dir / "config.json", run_dir / "classes.json"
-    if not config.is_file() or not classes.is_file():
-        raise ConfigError(f"{run_dir} is not a trainbox run directory (no config.json / classes.json): pass the "
-                          f"folder a run trained in (runs/<name>)")
+    saved, classes = read_config(run_dir), read_classes(run_dir)
+    if not saved or classes is None:
+        raise ConfigError(f"{run_dir} is not a trainbox run directory (no readable config.json / classes.json): pass "
+                          f"the folder a run trained in (runs/<name>)")
     try:
-        cfg = Config(**json.loads(config.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{config} cannot be read as a trainbox config ({str(e).splitlines()[0][:120]}): pass the "
+        cfg = Config(**saved)
+    except TypeError as e:
+        raise ConfigError(f"{run_dir / 'config.json'} cannot be read as a trainbox config ({str(e)[:120]}): pass the "
                           f"folder a run trained in (runs/<name>)") from None
     if ":" in cfg.model and model != cfg.model:
         given = f"--model {model} does not name it" if model else "its factory would be imported and run"

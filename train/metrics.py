@@ -5,9 +5,7 @@ Only global rank 0 writes; other ranks get a MetricsWriter that does nothing.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import platform
 import subprocess
@@ -22,16 +20,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from train.config import process_start_time  # noqa: F401 - the trainer imports it from here
 from train.distributed import identity, is_main
-from train.runfiles import atomic_write
+from train.runfiles import MetricsFile
 
 log = logging.getLogger("train")
-
-
-def _step_of(line: str) -> float:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf  # a line cut short by a crash
 
 
 class MetricsWriter:
@@ -44,11 +35,7 @@ class MetricsWriter:
         self._tb = None
         if not self.active:
             return
-        path = run_dir / "metrics.jsonl"
-        if path.exists():  # drop what a crashed or stopped attempt logged after the checkpoint resumed from
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
-            atomic_write(path, "".join(line + "\n" for line in kept).encode())
-        self._jsonl = open(path, "a", buffering=1)
+        self._jsonl = MetricsFile(run_dir, resume_step)  # drops what an attempt logged after the resume's step
         if tensorboard:
             # purge_step drops events logged after the checkpoint we resumed from (a stop after it).
             # Its own thread writes the events to disk every 5 s: nothing waits on the file in the loop.
@@ -58,7 +45,7 @@ class MetricsWriter:
         if not self.active:
             return
         now = round(time.time(), 3)
-        self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": now, **values}) + "\n")
+        self._jsonl.append({"step": step, "kind": kind, "time": now, **values})
         if self.tracker is not None:
             self.tracker.log(step, kind, values, now)
         if self._tb is not None:

@@ -1,9 +1,12 @@
-"""The run directory's small files, written and read in one place (standard library only: the Slurm plan
+"""The run directory's small files, each written and read here alone (standard library only: the cluster plan
 and the host tools read them with the host's python3 too).
 
   status.json      the run's state for scripts that decide whether to resume (write_status, read_status)
   manifest.json    what the latest start ran on, earlier starts under "previous" (write_manifest, read_json)
-  metrics.jsonl    one JSON record per line, flushed at once (read_metrics: a line cut short is skipped)
+  metrics.jsonl    one JSON record per line, flushed at once (MetricsFile; read_metrics: a line cut short is
+                   skipped)
+  config.json      the config as given; classes.json the class names in label order; plan.json what the run
+                   derived from them (write_run_files, read_config, read_classes)
 
 Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder."""
 
@@ -88,6 +91,52 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
     old = read_json(path)
     previous = old.pop("previous", []) + [old] if old else []
     atomic_write(path, (json.dumps({**manifest, "previous": previous}, indent=2) + "\n").encode())
+
+
+def write_run_files(run_dir: Path, config: dict, classes: list[str], plan: dict) -> None:
+    """config.json (the config as given), classes.json (label i is name i) and plan.json (what the run derived)."""
+    atomic_write(run_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    atomic_write(run_dir / "classes.json", (json.dumps(classes) + "\n").encode())
+    atomic_write(run_dir / "plan.json", (json.dumps(plan, indent=1) + "\n").encode())
+
+
+def read_config(run_dir: Path) -> dict:
+    """config.json, or {} when it is missing or unreadable."""
+    return read_json(run_dir / "config.json")
+
+
+def read_classes(run_dir: Path) -> list[str] | None:
+    """classes.json's class names, or None when it is missing or unreadable."""
+    try:
+        classes = json.loads((run_dir / "classes.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return classes if isinstance(classes, list) else None
+
+
+class MetricsFile:
+    """metrics.jsonl, appended a line at a time (line-buffered: each record reaches the file at once). Opened for
+    a resume at resume_step, it first drops what a crashed or stopped attempt logged after that step."""
+
+    def __init__(self, run_dir: Path, resume_step: int = 0):
+        path = run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            atomic_write(path, "".join(line + "\n" for line in kept).encode())
+        self._file = open(path, "a", buffering=1)
+
+    def append(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")  # a line cut short by a crash
 
 
 def read_metrics(run_dir: Path, kind: str | None = None, strict: bool = False) -> list[dict]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from train.checkpoint import list_checkpoints, sidecar_of
-from train.runfiles import atomic_write, read_json, read_metrics, read_status
+from train.runfiles import atomic_write, read_config, read_json, read_metrics, read_status
 from train.distributed import is_main
 from train.metrics import setup_logging
 from train.config import Config
@@ -344,7 +344,7 @@ class Tracker:
     def _log_params(self, run_id: str, logged: dict) -> None:
         """The config as params. MLflow keeps a param's first value: a resume with another value (a larger
         --max-steps, say) is named once, and config.json keeps the new one."""
-        config = {k: str(v) for k, v in read_json(self.run_dir / "config.json").items()}
+        config = {k: str(v) for k, v in read_config(self.run_dir).items()}
         changed = sorted(k for k, v in config.items() if k in logged and logged[k] != v)
         if changed:
             log.warning("mlflow: params keep the run's first values; changed since: %s",

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -533,9 +532,7 @@ class Trainer:
         hostnames = gather(socket.gethostname())
 
         def write() -> None:
-            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            (run_dir / "plan.json").write_text(json.dumps(self.plan.to_dict(), indent=1) + "\n")
-            (run_dir / "classes.json").write_text(json.dumps(self.class_names) + "\n")  # label i is name i
+            runfiles.write_run_files(run_dir, cfg.to_dict(), self.class_names, self.plan.to_dict())
             manifest = build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from)
             runfiles.write_manifest(run_dir, {**manifest, **self.weights})
             self.write_status("running")

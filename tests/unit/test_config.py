@@ -153,3 +153,26 @@ def _typed(text: str):
 ])
 def test_the_same_settings_where_they_act_are_accepted(argv):
     parse_config(argv)
+
+
+def test_the_config_cannot_change_under_a_run():
+    cfg = parse_config(["--preset", "debug"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_steps = 3  # what a run derives goes into its plan (train/plan.py), never back into the config
+
+
+def test_help_groups_the_flags_by_the_section_each_field_declares():
+    from train.config import SECTIONS
+
+    assert list(SECTIONS) == ["run", "launch", "data", "augmentation", "model", "optimisation", "schedule",
+                              "regularisation", "checkpoints", "tracking"]
+    text = get_args_parser().format_help()
+    headings = [line[:-1] for line in text.splitlines() if line[:-1] in SECTIONS and line.endswith(":")]
+    assert headings == list(SECTIONS)
+    starts = {name: text.index(f"\n{name}:\n") for name in SECTIONS}
+    ends = dict(zip(SECTIONS, [*list(starts.values())[1:], len(text)], strict=True))
+    for f in dataclasses.fields(Config):
+        section = f.metadata["section"]
+        assert section in SECTIONS, f.name
+        flag = "--" + f.name.replace("_", "-")
+        assert starts[section] < text.index(f"  {flag}") < ends[section], (f.name, section)
