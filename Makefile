@@ -83,6 +83,8 @@ ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
 MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
+# Before a build: its base image in the engine (pulled now), or one line naming it and the choices.
+FETCH_BASE = $(PYTHON) docker/hostenv.py --docker "$(DOCKER)" --fetch-base
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -155,6 +157,7 @@ chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under t
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
+	@$(FETCH_BASE) $(BASE_IMAGE) --for $(IMAGE)
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \
 	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
 	  --build-arg IMAGE_TAG=$(IMAGE) --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
@@ -162,7 +165,8 @@ build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
 image: ## build the image only if it is missing (warns when it was built from another commit)
-	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) --no-print-directory build
+	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { $(FETCH_BASE) $(BASE_IMAGE) --for $(IMAGE) && \
+	  $(MAKE) --no-print-directory build; }
 	@$(PYTHON) docker/hostenv.py --warn-stale $(IMAGE) --docker "$(DOCKER)"
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
@@ -196,10 +200,11 @@ $(MLFLOW_VENV)/.installed: docker/mlflow.lock
 	@touch $@
 
 mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it is missing
-	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || \
+	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || { \
+	  $(FETCH_BASE) $(MLFLOW_BASE_IMAGE) --for $(MLFLOW_IMAGE) --knob MLFLOW_BASE_IMAGE && \
 	  DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/mlflow.Dockerfile \
 	  -t $(MLFLOW_IMAGE) $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(MLFLOW_BASE_IMAGE) \
-	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
+	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .; }
 
 sky-setup: $(SKY_VENV)/.installed ## SkyPilot in .venv-sky (tests/skypilot.lock), for sky launch slurm/skypilot.yaml
 

@@ -1,7 +1,8 @@
 """`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files, the MLflow
 server the trainer tracks to). The containers run as the host user, root included (`container_ids`), so a
 local run and a container run share runs/ and the NAS in any order; `make train` and `make shell` check
-before a container starts that its user can write there (--check-writable).
+before a container starts that its user can write there (--check-writable). `make build` fetches the
+image's base first, and says what to do where it cannot be fetched (--fetch-base).
 `make doctor` also asks it, on the host, whether the driver can run the image's CUDA (--check-driver):
 inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
 start an image whose CUDA the driver is too old for.
@@ -74,6 +75,33 @@ def image_ids() -> tuple[int, int]:
     root (1000 for root), so that the image's default user is not root."""
     uid, gid = os.getuid(), os.getgid()
     return (1000, 1000) if uid == 0 else (uid, gid)
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def fetch_base(base: str, image: str, knob: str, docker: str) -> int:
+    """Before a build: the base image is in the engine, or pulled now (its progress shown). Where it cannot
+    be (an air-gapped cluster, no such image, no login), one line with the choices instead of the build's
+    own error, which comes only after the whole BuildKit log."""
+    try:
+        if subprocess.run([docker, "image", "inspect", base], capture_output=True).returncode == 0:
+            return 0
+        pulled = subprocess.run([docker, "pull", base], stderr=subprocess.PIPE, text=True)
+        if pulled.returncode == 0:
+            return 0
+        reason = " ".join(pulled.stderr.split()).removeprefix("Error response from daemon: ")
+    except OSError as e:
+        reason = f"{docker}: {e.strerror}"
+    return _error(base_unreachable(base, image, knob, reason or f"docker pull exited {pulled.returncode}"))
+
+
+def base_unreachable(base: str, image: str, knob: str, reason: str) -> str:
+    return (f"the base image {base} of {image} cannot be fetched ({reason}): run without the image (RUNTIME=local), "
+            f"build on a base your site mirrors ({knob}=...), or `docker load` an image {image} built elsewhere "
+            f"(`docker save {image}` there)")
 
 
 def writable_by(path: Path, uid: int, gid: int) -> bool:
@@ -180,11 +208,17 @@ def main(argv: list[str]) -> int:
                         "write RUNS_DIR of --file (and the run that trainer arguments after -- name)")
     parser.add_argument("--warn-stale", metavar="IMAGE", help="only warn when IMAGE was built from other code "
                         "than this checkout (make image)")
-    parser.add_argument("--docker", default="docker", help="the docker client (--warn-stale)")
+    parser.add_argument("--docker", default="docker", help="the docker client (--warn-stale, --fetch-base)")
+    parser.add_argument("--fetch-base", metavar="BASE", help="only make sure the base image BASE is in the engine "
+                        "(pull it), or say what to do")
+    parser.add_argument("--for", dest="for_image", default="the image", help="the image built on BASE (--fetch-base)")
+    parser.add_argument("--knob", default="BASE_IMAGE", help="the make knob that names BASE (--fetch-base)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.warn_stale:
         return warn_if_stale(args.warn_stale, args.docker)
+    if args.fetch_base:
+        return fetch_base(args.fetch_base, args.for_image, args.knob, args.docker)
     if args.check_driver:
         return check_driver(args.check_driver)
     if args.ids:

@@ -8,6 +8,7 @@ real docker/Dockerfile.
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -470,3 +471,30 @@ def _answers(url: str) -> bool:
         return urllib.request.urlopen(url, timeout=5).read() == b"OK"
     except OSError:
         return False
+
+
+def _image_exists(docker: str, tag: str) -> bool:
+    return subprocess.run([docker, "image", "inspect", tag], capture_output=True).returncode == 0
+
+
+def test_a_base_image_that_cannot_be_fetched_is_one_line_with_the_choices(docker, tmp_path):
+    """An air-gapped cluster: the engine answers, the base image's registry does not. `make train`, `make
+    build` and `make mlflow` say so in one line with the choices, before any build starts."""
+    base, tag = "registry.invalid/nothing:1", f"trainbox:no-base-{uuid.uuid4().hex[:8]}"
+    env_file = tmp_path / "compose.env"
+    for target, knobs, image, knob in (
+            ("train", ["RUNTIME=docker", f"BASE_IMAGE={base}", f"IMAGE={tag}"], tag, "BASE_IMAGE"),
+            ("build", [f"BASE_IMAGE={base}", f"IMAGE={tag}"], tag, "BASE_IMAGE"),
+            ("mlflow", ["RUNTIME=docker", f"MLFLOW_BASE_IMAGE={base}", f"MLFLOW_IMAGE={tag}"], tag,
+             "MLFLOW_BASE_IMAGE")):
+        proc = run(["make", "--no-print-directory", target, f"DOCKER={docker}", f"ENV_FILE={env_file}", *knobs],
+                   cwd=REPO, expect=None, timeout=300)
+        assert proc.returncode != 0 and proc.stdout == "", (target, proc.stdout, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\* ", line)]
+        assert len(lines) == 1, (target, proc.stderr)
+        assert lines[0].startswith(f"error: the base image {base} of {image} cannot be fetched (") and \
+            lines[0].endswith(f"): run without the image (RUNTIME=local), build on a base your site mirrors "
+                              f"({knob}=...), or `docker load` an image {image} built elsewhere (`docker save "
+                              f"{image}` there)"), (target, lines[0])
+        assert "registry.invalid" in lines[0].split("cannot be fetched (")[1]  # the engine's own reason
+        assert not _image_exists(docker, tag) and not env_file.exists()

@@ -125,3 +125,13 @@ def test_a_folder_the_container_user_cannot_write_is_named_before_the_container_
 ])
 def test_make_image_warns_when_the_image_holds_other_code(built, head, dirty, expected):
     assert hostenv.stale_image("trainbox:local", built, head, dirty) == expected
+
+
+def test_a_base_image_that_cannot_be_fetched_is_one_line_with_the_choices(capsys):
+    assert hostenv.main(["--fetch-base", "registry.invalid/nothing:1", "--for", "trainbox:local",
+                         "--docker", "/nonexistent/docker"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: the base image registry.invalid/nothing:1 of trainbox:local cannot be fetched "
+                   "(/nonexistent/docker: No such file or directory): run without the image (RUNTIME=local), build on "
+                   "a base your site mirrors (BASE_IMAGE=...), or `docker load` an image trainbox:local built "
+                   "elsewhere (`docker save trainbox:local` there)\n")
