@@ -30,7 +30,7 @@ BASE_IMAGE ?= $(BASE_$(TORCH_FLAVOUR))
 EXTRA_CA ?=
 # Extra `docker build` flags, e.g. --no-cache or --progress=plain
 BUILD_FLAGS ?=
-# The container user: yours (root's too); the image's own default user is never root (1000 for root)
+# The container user: yours (root's too); the image's own default user and the services' are never root (1000 for root)
 HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
 HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
 # NAS folders for `make env` (datasets read-only); `make evaluate`: another dataset to score on
@@ -175,7 +175,8 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 
 tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
 ifeq ($(RUNTIME),docker)
-	$(MAKE) --no-print-directory image $(ENV_FILE) && TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
+	@$(MAKE) --no-print-directory image $(ENV_FILE) && $(PYTHON) docker/hostenv.py --service tensorboard --file $(ENV_FILE)
+	TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
 else
 	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TENSORBOARD_PORT)
 endif
@@ -183,8 +184,9 @@ endif
 mlflow: ## MLflow server on 127.0.0.1:5000, store in runs/mlflow (MLFLOW_EXPOSE=1: a team server with a login)
 ifeq ($(RUNTIME),docker)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
-	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && \
-	  $(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@$(MAKE) --no-print-directory mlflow-image $(ENV_FILE)
+	@$(MLFLOW_KNOBS) $(PYTHON) docker/hostenv.py --service mlflow --file $(ENV_FILE)
+	$(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
 	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after:" \
 	  "make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
