@@ -61,7 +61,9 @@ MLFLOW_PORT ?= 5000
 # MLFLOW_EXPOSE=1: a team server, on MLFLOW_BIND (then 0.0.0.0), with a login for every request
 MLFLOW_EXPOSE ?=
 MLFLOW_BIND ?= $(if $(filter 1,$(MLFLOW_EXPOSE)),0.0.0.0,127.0.0.1)
-# The admin's password for MLFLOW_EXPOSE=1: a file only you can read
+# MLFLOW_AUTH=1: the same login on 127.0.0.1, which every local user of this machine reaches
+MLFLOW_AUTH ?=
+# The admin's password for MLFLOW_EXPOSE=1 or MLFLOW_AUTH=1: a file only you can read
 MLFLOW_ADMIN_PASSWORD_FILE ?=
 # The MLflow server's image and its base
 MLFLOW_IMAGE ?= trainbox-mlflow:local
@@ -81,7 +83,7 @@ NEEDS_310 += ; sys.exit(0 if ok else "error: trainbox needs Python >= 3.10, foun
 ON_PATH := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
 ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
-MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" \
+MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_AUTH="$(MLFLOW_AUTH)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
 # Before a build: its base image in the engine (pulled now), or one line naming it and the choices.
 FETCH_BASE = $(PYTHON) docker/hostenv.py --docker "$(DOCKER)" --fetch-base
@@ -186,7 +188,8 @@ ifeq ($(RUNTIME),docker)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
 	@$(MAKE) --no-print-directory mlflow-image $(ENV_FILE)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/hostenv.py --service mlflow --file $(ENV_FILE)
-	$(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@# --force-recreate: started again, the server takes the settings and the password file as they are now
+	$(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d --force-recreate mlflow
 	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after:" \
 	  "make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
