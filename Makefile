@@ -65,6 +65,9 @@ MLFLOW_BIND ?= $(if $(filter 1,$(MLFLOW_EXPOSE)),0.0.0.0,127.0.0.1)
 MLFLOW_AUTH ?=
 # The admin's password for MLFLOW_EXPOSE=1 or MLFLOW_AUTH=1: a file only you can read
 MLFLOW_ADMIN_PASSWORD_FILE ?=
+# `make mlflow-user`: the training jobs' MLflow user (not an admin), and its password's file (empty: ~/.mlflow-USER)
+MLFLOW_USER ?= trainer
+MLFLOW_USER_PASSWORD_FILE ?=
 # The MLflow server's image and its base
 MLFLOW_IMAGE ?= trainbox-mlflow:local
 MLFLOW_BASE_IMAGE ?= python:3.12-slim
@@ -107,7 +110,7 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test bench pack evaluate export chaos build image shell \
-  tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+  tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -196,6 +199,10 @@ else
 	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && \
 	  $(MLFLOW_KNOBS) PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
 endif
+
+mlflow-user: ## a user for training jobs, not an admin (MLFLOW_USER=trainer; its password in ~/.mlflow-trainer)
+	@$(MLFLOW_KNOBS) MLFLOW_USER_PASSWORD_FILE="$(MLFLOW_USER_PASSWORD_FILE)" \
+	  $(PYTHON) docker/mlflow_server.py --add-user "$(MLFLOW_USER)"
 
 mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment from docker/mlflow.lock (hash-checked)
 

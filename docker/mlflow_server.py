@@ -25,18 +25,25 @@ machine's). Artifacts go to RUNS_DIR/mlflow/artifacts, uploaded through the serv
 users and their permissions are in RUNS_DIR/mlflow/basic_auth.db. What the server writes there is its
 user's alone (umask 077, the folder 700).
 
-The checks are standard library only (the host's python3); MLflow's own user store is imported only to
-set the admin's password, just before the server starts.
+  python3 docker/mlflow_server.py --add-user NAME    (`make mlflow-user`: a user for training jobs, not an admin)
+
+The checks and --add-user are standard library only (the host's python3); MLflow's own user store is
+imported only to set the admin's password, just before the server starts.
 """
 
 from __future__ import annotations
 
+import base64
 import ipaddress
+import json
 import os
 import secrets
 import socket
 import stat
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -200,12 +207,107 @@ def set_admin_password(database_uri: str, username: str, password: str) -> bool:
                           f"with the admin alone") from None
 
 
+def _api(uri: str, method: str, path: str, login: tuple[str, str], body: dict | None = None) -> tuple[int, dict]:
+    """One request to MLflow's REST API as `login`: the HTTP status and the JSON answer ({} if none)."""
+    token = base64.b64encode(":".join(login).encode()).decode()
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(uri + path, method=method, data=data,
+                                     headers={"Authorization": f"Basic {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            status, text = answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read()
+    except OSError as e:
+        raise ServerError(f"no MLflow server answers at {uri} ({getattr(e, 'reason', e)}): start it with a login on "
+                          f"this machine (make mlflow MLFLOW_AUTH=1 or MLFLOW_EXPOSE=1, with "
+                          f"MLFLOW_ADMIN_PASSWORD_FILE), or set MLFLOW_PORT to its port") from None
+    try:
+        return status, json.loads(text or b"{}")
+    except ValueError:
+        return status, {}
+
+
+def user_password(path: Path, username: str) -> str:
+    """The jobs' user's password: the one in `path`, or a new random one written there (the owner's alone)."""
+    if path.exists():
+        password = read_secret(str(path), "MLFLOW_USER_PASSWORD_FILE", "delete it: a new password is written there")
+        check_password(password, username, f"the password in MLFLOW_USER_PASSWORD_FILE={path}")
+        return password
+    password = secrets.token_urlsafe(18)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise ServerError(f"MLFLOW_USER_PASSWORD_FILE={path} cannot be written ({e.strerror}): name a file in a "
+                          f"folder of yours") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def add_user(env, username: str) -> str:
+    """`make mlflow-user`: the user NAME for training jobs, not an admin, on the server of this machine (through
+    MLflow's REST API, as the admin): created, or its password set to the one in its file; allowed to log runs
+    in the experiment the trainer uses (MLFLOW_EXPERIMENT_NAME, trainbox) when it exists already (one it
+    creates itself is its own). What to pass to the jobs, on success."""
+    admin = env.get("MLFLOW_ADMIN_USERNAME") or "admin"
+    if not username or username == admin:
+        raise ServerError(f"MLFLOW_USER={username!r}: name the jobs' user, not the admin (e.g. MLFLOW_USER=trainer)")
+    login = (admin, read_password(env, "make mlflow-user logs in as the admin"))
+    bind = env.get("MLFLOW_BIND") or "127.0.0.1"
+    uri = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '::') else bind}:{env.get('MLFLOW_PORT') or '5000'}"
+    file = Path(env.get("MLFLOW_USER_PASSWORD_FILE") or f"~/.mlflow-{username}").expanduser()
+
+    status, found = _api(uri, "GET", "/api/2.0/mlflow/users/get?" + urllib.parse.urlencode({"username": username}),
+                         login)
+    if status == 401:
+        raise ServerError(f"the MLflow server at {uri} refused the admin's login: MLFLOW_ADMIN_PASSWORD_FILE must be "
+                          f"the server's (after changing the file, `make mlflow` again starts it with the new one)")
+    if status == 404 and found.get("error_code") != "RESOURCE_DOES_NOT_EXIST":
+        raise ServerError(f"the MLflow server at {uri} asks for no login, so it has no users: start it with "
+                          f"MLFLOW_AUTH=1 (this machine) or MLFLOW_EXPOSE=1 (the network)")
+    if status == 200 and found["user"].get("is_admin"):
+        raise ServerError(f"{username} is an admin of the MLflow server at {uri}: name another user for the jobs")
+    password = user_password(file, username)
+    if status == 200:
+        status, answer = _api(uri, "PATCH", "/api/2.0/mlflow/users/update-password", login,
+                              {"username": username, "password": password})
+    else:
+        status, answer = _api(uri, "POST", "/api/2.0/mlflow/users/create", login,
+                              {"username": username, "password": password})
+    if status != 200:
+        raise ServerError(f"the MLflow server at {uri} did not take the user {username} (HTTP {status}: "
+                          f"{answer.get('message', '')}): see its log")
+    experiment = env.get("MLFLOW_EXPERIMENT_NAME") or "trainbox"
+    status, found = _api(uri, "GET", "/api/2.0/mlflow/experiments/get-by-name?"
+                         + urllib.parse.urlencode({"experiment_name": experiment}), login)
+    allowed = f"it creates experiment {experiment!r} as its own"
+    if status == 200:
+        status, answer = _api(uri, "POST", "/api/3.0/mlflow/users/permissions/grant", login,
+                              {"username": username, "resource_type": "experiment",
+                               "resource_id": found["experiment"]["experiment_id"], "permission": "EDIT"})
+        if status != 200 and answer.get("error_code") != "RESOURCE_ALREADY_EXISTS":
+            raise ServerError(f"the MLflow server at {uri} did not let {username} log to experiment {experiment!r} "
+                              f"(HTTP {status}: {answer.get('message', '')}): see its log")
+        allowed = f"it may log runs in experiment {experiment!r}"
+    return (f"MLflow user {username} (not an admin) at {uri}: its password is in {file}; {allowed}.\n"
+            f"Jobs log in with: MLFLOW_TRACKING_USERNAME={username} MLFLOW_TRACKING_PASSWORD=\"$(cat {file})\"")
+
+
 def main(argv: list[str]) -> int:
     """RUNS_DIR: start the server there. --check: only check the settings (make mlflow, on the host, before
-    the container starts), the compose way (MLFLOW_BIND is then the address the port is published on)."""
+    the container starts), the compose way (MLFLOW_BIND is then the address the port is published on).
+    --add-user NAME: make mlflow-user."""
+    if argv[:1] == ["--add-user"] and len(argv) == 2:
+        try:
+            print(add_user(os.environ, argv[1]))
+        except ServerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     check = argv[:1] == ["--check"]
     if len(argv) != 1 + check:
-        print("usage: python docker/mlflow_server.py [--check] RUNS_DIR", file=sys.stderr)
+        print("usage: python docker/mlflow_server.py [--check] RUNS_DIR | --add-user NAME", file=sys.stderr)
         return 2
     runs = Path(argv[-1]).resolve()
     in_container = check or os.environ.get("TRAINBOX_MLFLOW_IN_CONTAINER") == "1"

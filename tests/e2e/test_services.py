@@ -189,6 +189,73 @@ def test_no_secret_on_a_command_line_and_the_store_is_the_servers_user_alone(tmp
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
 
 
+def test_make_mlflow_user_makes_the_jobs_a_user_that_is_no_admin(cluster, team_mlflow_server, tmp_path):
+    """The jobs on the nodes log in as a user of their own, made by `make mlflow-user` with the admin's
+    password, which stays on the server's machine; it logs runs in the experiment the admin made."""
+    from mlflow import MlflowClient
+
+    server, url = team_mlflow_server, f"http://{CLUSTER_HOST}:{team_mlflow_server.port}"
+    experiment, user = f"jobs-{tmp_path.name}", f"trainer-{uuid.uuid4().hex[:8]}"
+    os.environ.update(server.credentials)
+    try:
+        experiment_id = MlflowClient(server.uri).create_experiment(experiment)  # the admin's: others may only read it
+    finally:
+        for key in server.credentials:
+            os.environ.pop(key)
+    password_file = tmp_path / "trainer-password"
+    knobs = [f"MLFLOW_USER={user}", f"MLFLOW_USER_PASSWORD_FILE={password_file}", f"MLFLOW_PORT={server.port}",
+             f"MLFLOW_ADMIN_PASSWORD_FILE={server.root / 'admin-password'}"]
+    make_user = ["make", "--no-print-directory", "mlflow-user", *knobs]
+    made = run(make_user, env=env_for_tests(MLFLOW_EXPERIMENT_NAME=experiment))
+    assert f"MLflow user {user} (not an admin)" in made.stdout, made.stdout
+    assert f"may log runs in experiment '{experiment}'" in made.stdout
+    assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+    password = password_file.read_text().strip()
+    assert len(password) >= 12 and password not in made.stdout + made.stderr
+    again = run(make_user, env=env_for_tests(MLFLOW_EXPERIMENT_NAME=experiment))
+    assert password_file.read_text().strip() == password and f"MLflow user {user}" in again.stdout  # the same user
+
+    run_dir = tmp_path / "run"
+    job = env_for_tests(MLFLOW_TRACKING_URI=url, MLFLOW_EXPERIMENT_NAME=experiment, MLFLOW_TRACKING_USERNAME=user,
+                        MLFLOW_TRACKING_PASSWORD=password)
+    run(["nsenter", "--net=/var/run/netns/slnode1", *python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir)],
+        env=job, timeout=300)
+    run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
+    os.environ.update(server.credentials)
+    try:
+        tracked = MlflowClient(server.uri).get_run(run_id)
+    finally:
+        for key in server.credentials:
+            os.environ.pop(key)
+    assert tracked.info.status == "FINISHED" and tracked.info.experiment_id == experiment_id
+    # no admin: it can neither read other users nor make one
+    assert from_n1(f"{url}/api/2.0/mlflow/users/get?username=admin", user, password) == "403"
+    assert from_n1(f"{url}/api/2.0/mlflow/users/create", user, password,
+                   {"username": f"{user}-2", "password": "Wd3-kP9s_Hx4Mq7V"}) == "403"
+    # an experiment it makes itself is its own: it logs runs there
+    os.environ.update(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password)
+    try:
+        jobs = MlflowClient(server.uri)
+        jobs.set_terminated(jobs.create_run(jobs.create_experiment(f"{experiment}-own")).info.run_id)
+    finally:
+        for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(key)
+    # the file changed: make mlflow-user sets the new password
+    password_file.write_text("Jr6-tB2m_Lz8Wq4C\n")
+    run(make_user, env=env_for_tests(MLFLOW_EXPERIMENT_NAME=experiment))
+    assert from_n1(f"{url}{SEARCH}", user, "Jr6-tB2m_Lz8Wq4C") == "200"
+    assert from_n1(f"{url}{SEARCH}", user, password) == "401"
+
+    wrong = tmp_path / "not-the-admin-password"
+    wrong.write_text("Qm4-wX8z_Tn2Lp7R\n")
+    wrong.chmod(0o600)
+    refused = run(["make", "--no-print-directory", "mlflow-user", *knobs[:-1], f"MLFLOW_ADMIN_PASSWORD_FILE={wrong}"],
+                  expect=2)
+    assert refused.stderr.startswith(f"error: the MLflow server at http://127.0.0.1:{server.port} refused the "
+                                     f"admin's login"), refused.stderr
+    assert len([line for line in refused.stderr.splitlines() if not line.startswith("make: ***")]) == 1
+
+
 def test_a_store_the_servers_user_cannot_write_is_one_line_with_the_fix():
     """RUNS_DIR/mlflow of another user (root's, from an older root container): the server says whose and how
     to hand it over, before MLflow starts."""

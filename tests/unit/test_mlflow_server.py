@@ -147,3 +147,17 @@ def test_the_store_is_the_servers_user_alone(tmp_path, umask):
         assert stat.S_IMODE((store / name).stat().st_mode) == 0o600
     (store / "artifacts" / "new").write_text("")  # what the server writes next: its user's alone (umask 077)
     assert stat.S_IMODE((store / "artifacts" / "new").stat().st_mode) == 0o600
+
+
+def test_make_mlflow_user_refuses_the_admin_and_a_missing_server_in_one_line(tmp_path):
+    admin = {"MLFLOW_ADMIN_PASSWORD_FILE": str(_password_file(tmp_path)), "MLFLOW_PORT": "1"}
+    with pytest.raises(server.ServerError) as e:
+        server.add_user(admin, "admin")
+    assert str(e.value) == "MLFLOW_USER='admin': name the jobs' user, not the admin (e.g. MLFLOW_USER=trainer)"
+    with pytest.raises(server.ServerError) as e:
+        server.add_user({}, "trainer")
+    assert str(e.value).startswith("make mlflow-user logs in as the admin, and no admin password was given: ")
+    with pytest.raises(server.ServerError) as e:
+        server.add_user(admin, "trainer")
+    assert str(e.value).startswith("no MLflow server answers at http://127.0.0.1:1 (")
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("*trainer*"))  # no password file before a server
