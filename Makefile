@@ -30,7 +30,7 @@ BASE_IMAGE ?= $(BASE_$(TORCH_FLAVOUR))
 EXTRA_CA ?=
 # Extra `docker build` flags, e.g. --no-cache or --progress=plain
 BUILD_FLAGS ?=
-# The container user: yours (root's too); the image's own default user is never root (1000 for root)
+# The container user: yours (root's too); the image's own default user and the services' are never root (1000 for root)
 HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
 HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
 # The datasets' folder: --data-dir of `make train` (in the container: mounted read-only by `make env`);
@@ -64,8 +64,13 @@ MLFLOW_PORT ?= 5000
 # MLFLOW_EXPOSE=1: a team server, on MLFLOW_BIND (then 0.0.0.0), with a login for every request
 MLFLOW_EXPOSE ?=
 MLFLOW_BIND ?= $(if $(filter 1,$(MLFLOW_EXPOSE)),0.0.0.0,127.0.0.1)
-# The admin's password for MLFLOW_EXPOSE=1: a file only you can read
+# MLFLOW_AUTH=1: the same login on 127.0.0.1, which every local user of this machine reaches
+MLFLOW_AUTH ?=
+# The admin's password for MLFLOW_EXPOSE=1 or MLFLOW_AUTH=1: a file only you can read
 MLFLOW_ADMIN_PASSWORD_FILE ?=
+# `make mlflow-user`: the training jobs' MLflow user (not an admin), and its password's file (empty: ~/.mlflow-USER)
+MLFLOW_USER ?= trainer
+MLFLOW_USER_PASSWORD_FILE ?=
 # The MLflow server's image and its base
 MLFLOW_IMAGE ?= trainbox-mlflow:local
 MLFLOW_BASE_IMAGE ?= python:3.12-slim
@@ -87,8 +92,10 @@ ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
 renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo "error: WEIGHTS=$(WEIGHTS) is now \
   CHECKPOINT=$(WEIGHTS): make $(1) RUN=$(RUN) CHECKPOINT=$(WEIGHTS)" >&2; exit 2,true)
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
-MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" \
+MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_AUTH="$(MLFLOW_AUTH)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
+# Before a build: its base image in the engine (pulled now), or one line naming it and the choices.
+FETCH_BASE = $(PYTHON) docker/hostenv.py --docker "$(DOCKER)" --fetch-base
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -109,7 +116,7 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test bench pack evaluate export chaos build image shell \
-  tensorboard mlflow mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+  tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -164,6 +171,7 @@ chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under t
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
 
 build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH_FLAVOUR=... another CUDA
+	@$(FETCH_BASE) $(BASE_IMAGE) --for $(IMAGE)
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \
 	  --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
 	  --build-arg IMAGE_TAG=$(IMAGE) --build-arg GIT_COMMIT=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
@@ -171,7 +179,8 @@ build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH
 	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
 
 image: ## build the image only if it is missing (warns when it was built from another commit)
-	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) --no-print-directory build
+	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { $(FETCH_BASE) $(BASE_IMAGE) --for $(IMAGE) && \
+	  $(MAKE) --no-print-directory build; }
 	@$(PYTHON) docker/hostenv.py --warn-stale $(IMAGE) --docker "$(DOCKER)"
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
@@ -180,7 +189,8 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 
 tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
 ifeq ($(RUNTIME),docker)
-	$(MAKE) --no-print-directory image $(ENV_FILE) && TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
+	@$(MAKE) --no-print-directory image $(ENV_FILE) && $(PYTHON) docker/hostenv.py --service tensorboard --file $(ENV_FILE)
+	TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
 else
 	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TENSORBOARD_PORT)
 endif
@@ -188,14 +198,20 @@ endif
 mlflow: ## MLflow server on 127.0.0.1:5000, store in runs/mlflow (MLFLOW_EXPOSE=1: a team server with a login)
 ifeq ($(RUNTIME),docker)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
-	$(MAKE) --no-print-directory mlflow-image $(ENV_FILE) && \
-	  $(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d mlflow
+	@$(MAKE) --no-print-directory mlflow-image $(ENV_FILE)
+	@$(MLFLOW_KNOBS) $(PYTHON) docker/hostenv.py --service mlflow --file $(ENV_FILE)
+	@# --force-recreate: started again, the server takes the settings and the password file as they are now
+	$(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d --force-recreate mlflow
 	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after:" \
 	  "make env MLFLOW_TRACKING_URI=http://mlflow:5000"
 else
 	$(MAKE) --no-print-directory mlflow-setup && mkdir -p runs && \
 	  $(MLFLOW_KNOBS) PATH=$(abspath $(MLFLOW_VENV))/bin:$$PATH $(MLFLOW_VENV)/bin/python docker/mlflow_server.py runs
 endif
+
+mlflow-user: ## a user for training jobs, not an admin (MLFLOW_USER=trainer; its password in ~/.mlflow-trainer)
+	@$(MLFLOW_KNOBS) MLFLOW_USER_PASSWORD_FILE="$(MLFLOW_USER_PASSWORD_FILE)" \
+	  $(PYTHON) docker/mlflow_server.py --add-user "$(MLFLOW_USER)"
 
 mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment from docker/mlflow.lock (hash-checked)
 
@@ -205,10 +221,11 @@ $(MLFLOW_VENV)/.installed: docker/mlflow.lock
 	@touch $@
 
 mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it is missing
-	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || \
+	@$(DOCKER) image inspect $(MLFLOW_IMAGE) >/dev/null 2>&1 || { \
+	  $(FETCH_BASE) $(MLFLOW_BASE_IMAGE) --for $(MLFLOW_IMAGE) --knob MLFLOW_BASE_IMAGE && \
 	  DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/mlflow.Dockerfile \
 	  -t $(MLFLOW_IMAGE) $(BUILD_FLAGS) --build-arg BASE_IMAGE=$(MLFLOW_BASE_IMAGE) \
-	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .
+	  $(if $(EXTRA_CA),--secret id=extra_ca$(,)src=$(abspath $(EXTRA_CA))) .; }
 
 sky-setup: $(SKY_VENV)/.installed ## SkyPilot in .venv-sky (tests/skypilot.lock), for sky launch slurm/skypilot.yaml
 

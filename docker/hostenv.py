@@ -1,7 +1,10 @@
 """`make env`: write .env for docker compose (host UID/GID, NAS paths, GPU or CPU compose files, the MLflow
-server the trainer tracks to). The containers run as the host user, root included (`container_ids`), so a
-local run and a container run share runs/ and the NAS in any order; `make train` and `make shell` check
-before a container starts that its user can write there (--check-writable).
+server the trainer tracks to). The trainer's containers run as the host user, root included
+(`container_ids`), so a local run and a container run share runs/ and the NAS in any order; `make train`
+and `make shell` check before a container starts that its user can write there (--check-writable). The
+services (TensorBoard, MLflow) answer the network, so they never run as root (`service_ids`); `make
+tensorboard` and `make mlflow` prepare for them (--service). `make build` fetches the image's base first,
+and says what to do where it cannot be fetched (--fetch-base).
 `make doctor` also asks it, on the host, whether the driver can run the image's CUDA (--check-driver):
 inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
 start an image whose CUDA the driver is too old for.
@@ -72,8 +75,81 @@ def container_ids() -> tuple[int, int]:
 def image_ids() -> tuple[int, int]:
     """The image's own user (`make build`), for a `docker run` without compose: the host user, but never
     root (1000 for root), so that the image's default user is not root."""
-    uid, gid = os.getuid(), os.getgid()
+    return service_ids(os.getuid(), os.getgid())
+
+
+def service_ids(uid: int, gid: int) -> tuple[int, int]:
+    """The user of the services (TensorBoard, MLflow; compose `user:`, SERVICE_UID/SERVICE_GID) for a
+    container user uid:gid: the same, but never root (1000 for root). A server that answers the network
+    needs no power over the host's files; what the MLflow server writes (RUNS_DIR/mlflow) becomes its own."""
     return (1000, 1000) if uid == 0 else (uid, gid)
+
+
+def prepare_service(env_file: Path, service: str, password_file: str) -> int:
+    """Before `compose up SERVICE`: .env names the services' user (an older one does not: `make env`); for
+    mlflow, its store folder RUNS_DIR/mlflow is that user's (handed over when root made it) and the admin's
+    password file (mounted into the container) readable by it. One error line with the fix otherwise."""
+    values = read_env(env_file)
+    if not (values.get("SERVICE_UID") and values.get("SERVICE_GID")):
+        return _error(f"{env_file} names no SERVICE_UID/SERVICE_GID, the user {service} runs as (never root): run "
+                      f"`make env`")
+    uid, gid = int(values["SERVICE_UID"]), int(values["SERVICE_GID"])
+    if uid == 0:
+        return _error(f"SERVICE_UID=0 in {env_file} runs {service} as root: run `make env` (your UID, or 1000 for "
+                      f"root) or set another SERVICE_UID")
+    if service != "mlflow":
+        return 0
+    runs = Path(values.get("RUNS_DIR") or "runs")
+    if not runs.is_dir():
+        return _error(f"RUNS_DIR={runs} does not exist: mount the NAS there or run `make env`")
+    store = runs / "mlflow"
+    try:
+        if not store.exists():
+            store.mkdir(mode=0o700)
+        if os.getuid() == 0 and store.stat().st_uid != uid:  # made by root, or by an older root container
+            for path in (store, *store.rglob("*")):
+                os.lchown(path, uid, gid)
+    except OSError as e:
+        return _error(f"{store} cannot be made ({e.strerror}): run `make mlflow` as the owner of RUNS_DIR={runs}")
+    if not writable_by(store, uid, gid):
+        owner = store.stat().st_uid
+        return _error(f"{store} belongs to uid {owner} and the MLflow container runs as uid {uid} (SERVICE_UID in "
+                      f"{env_file}), which cannot write it: run `sudo chown -R {uid}:{gid} {store}`")
+    if password_file:
+        path = Path(password_file).expanduser()
+        if path.is_file() and path.stat().st_uid != uid:
+            return _error(f"MLFLOW_ADMIN_PASSWORD_FILE={password_file} belongs to uid {path.stat().st_uid} and the "
+                          f"MLflow container runs as uid {uid} (SERVICE_UID in {env_file}), which cannot read it: run "
+                          f"`chown {uid}:{gid} {password_file}`, or name the container's user: SERVICE_UID=... "
+                          f"SERVICE_GID=... make env")
+    return 0
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def fetch_base(base: str, image: str, knob: str, docker: str) -> int:
+    """Before a build: the base image is in the engine, or pulled now (its progress shown). Where it cannot
+    be (an air-gapped cluster, no such image, no login), one line with the choices instead of the build's
+    own error, which comes only after the whole BuildKit log."""
+    try:
+        if subprocess.run([docker, "image", "inspect", base], capture_output=True).returncode == 0:
+            return 0
+        pulled = subprocess.run([docker, "pull", base], stderr=subprocess.PIPE, text=True)
+        if pulled.returncode == 0:
+            return 0
+        reason = " ".join(pulled.stderr.split()).removeprefix("Error response from daemon: ")
+    except OSError as e:
+        reason = f"{docker}: {e.strerror}"
+    return _error(base_unreachable(base, image, knob, reason or f"docker pull exited {pulled.returncode}"))
+
+
+def base_unreachable(base: str, image: str, knob: str, reason: str) -> str:
+    return (f"the base image {base} of {image} cannot be fetched ({reason}): run without the image (RUNTIME=local), "
+            f"build on a base your site mirrors ({knob}=...), or `docker load` an image {image} built elsewhere "
+            f"(`docker save {image}` there)")
 
 
 def writable_by(path: Path, uid: int, gid: int) -> bool:
@@ -180,11 +256,21 @@ def main(argv: list[str]) -> int:
                         "write RUNS_DIR of --file (and the run that trainer arguments after -- name)")
     parser.add_argument("--warn-stale", metavar="IMAGE", help="only warn when IMAGE was built from other code "
                         "than this checkout (make image)")
-    parser.add_argument("--docker", default="docker", help="the docker client (--warn-stale)")
+    parser.add_argument("--docker", default="docker", help="the docker client (--warn-stale, --fetch-base)")
+    parser.add_argument("--service", choices=("tensorboard", "mlflow"), help="only check .env for the service's "
+                        "user (and make RUNS_DIR/mlflow that user's), before compose starts it")
+    parser.add_argument("--fetch-base", metavar="BASE", help="only make sure the base image BASE is in the engine "
+                        "(pull it), or say what to do")
+    parser.add_argument("--for", dest="for_image", default="the image", help="the image built on BASE (--fetch-base)")
+    parser.add_argument("--knob", default="BASE_IMAGE", help="the make knob that names BASE (--fetch-base)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.warn_stale:
         return warn_if_stale(args.warn_stale, args.docker)
+    if args.fetch_base:
+        return fetch_base(args.fetch_base, args.for_image, args.knob, args.docker)
+    if args.service:
+        return prepare_service(Path(args.file), args.service, os.environ.get("MLFLOW_ADMIN_PASSWORD_FILE", ""))
     if args.check_driver:
         return check_driver(args.check_driver)
     if args.ids:
@@ -199,6 +285,9 @@ def main(argv: list[str]) -> int:
     uid, gid = container_ids()
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)
     values["HOST_GID"] = os.environ.get("HOST_GID") or str(gid)
+    service_uid, service_gid = service_ids(int(values["HOST_UID"]), int(values["HOST_GID"]))
+    values["SERVICE_UID"] = os.environ.get("SERVICE_UID") or str(service_uid)
+    values["SERVICE_GID"] = os.environ.get("SERVICE_GID") or str(service_gid)
     for key, given, default in (("DATA_DIR", args.data_dir, "./data"), ("RUNS_DIR", args.runs_dir, "./runs")):
         # Named on the command line or in .env (not the default an earlier `make env` wrote there): it must
         # exist, the NAS mounted.

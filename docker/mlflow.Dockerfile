@@ -1,6 +1,7 @@
 # The MLflow tracking server image (compose service `mlflow`; `make mlflow` builds it when missing):
 # mlflow from docker/mlflow.lock (hash-checked), the same version as the trainer's client. It runs as
-# the host user (compose `user:`), its store on the runs volume of the NAS (docker/mlflow_server.py).
+# the services' user (compose `user:`: the host user, never root), its store on the runs volume of the
+# NAS (docker/mlflow_server.py); the image's own default user is not root either.
 ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE}
 
@@ -35,4 +36,5 @@ COPY docker/mlflow_server.py /usr/local/lib/trainbox/mlflow_server.py
 LABEL org.opencontainers.image.title="trainbox-mlflow"
 ENV TRAINBOX_MLFLOW_IN_CONTAINER=1
 EXPOSE 5000
+USER 1000:1000
 ENTRYPOINT ["python", "/usr/local/lib/trainbox/mlflow_server.py", "/opt/trainbox/runs"]

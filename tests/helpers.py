@@ -198,28 +198,36 @@ def assert_mlflow_run_complete(client, tracked, run_dir: Path, tmp_path: Path, m
 class MlflowServer:
     """A real MLflow tracking server (docker/mlflow_server.py, as `make mlflow` runs it, from the environment
     `make mlflow-setup` makes), its store in `root`; stop() kills it, start() brings it back on the same
-    store and port. exposed: a team server (MLFLOW_EXPOSE=1) on every interface with a login, the admin's
-    password in `root`/admin-password; `credentials` are then what a client passes."""
+    store and port. exposed: a team server (MLFLOW_EXPOSE=1) on every interface with a login; login: the same
+    login on 127.0.0.1 (MLFLOW_AUTH=1); either way the admin's password is in `root`/admin-password
+    (set_password() writes another) and `credentials` are what a client passes. env: more of the server's
+    settings (MLFLOW_BACKEND_STORE_URI, ...)."""
 
-    def __init__(self, root: Path, port: int, exposed: bool = False):
-        self.root, self.port, self.proc, self.exposed = root, port, None, exposed
+    def __init__(self, root: Path, port: int, exposed: bool = False, login: bool = False, env: dict | None = None):
+        self.root, self.port, self.proc, self.exposed, self.login = root, port, None, exposed, login or exposed
         self.uri = f"http://127.0.0.1:{port}"
+        self.env = env or {}
         self.credentials: dict[str, str] = {}
-        if exposed:
-            password = self.root / "admin-password"
-            password.write_text(base64.urlsafe_b64encode(os.urandom(18)).decode() + "\n")
-            password.chmod(0o600)
-            self.credentials = {"MLFLOW_TRACKING_USERNAME": "admin",
-                                "MLFLOW_TRACKING_PASSWORD": password.read_text().strip()}
+        if self.login:
+            self.set_password(base64.urlsafe_b64encode(os.urandom(18)).decode())
+
+    def set_password(self, password: str) -> None:
+        """Write the admin's password file (the server takes it at its next start)."""
+        path = self.root / "admin-password"
+        path.write_text(password + "\n")
+        path.chmod(0o600)
+        self.credentials = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": password}
 
     def start(self) -> None:
         venv = REPO / ".venv-mlflow" / "bin"
         env = {**env_for_tests(MLFLOW_PORT=str(self.port)), "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
-        for key in ("MLFLOW_EXPOSE", "MLFLOW_BIND", "MLFLOW_ADMIN_PASSWORD_FILE", "MLFLOW_TRACKING_USERNAME",
-                    "MLFLOW_TRACKING_PASSWORD"):
+        for key in ("MLFLOW_EXPOSE", "MLFLOW_BIND", "MLFLOW_AUTH", "MLFLOW_ADMIN_PASSWORD_FILE",
+                    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_BACKEND_STORE_URI"):
             env.pop(key, None)
-        if self.exposed:
-            env.update(MLFLOW_EXPOSE="1", MLFLOW_ADMIN_PASSWORD_FILE=str(self.root / "admin-password"))
+        if self.login:
+            env.update({"MLFLOW_EXPOSE" if self.exposed else "MLFLOW_AUTH": "1",
+                        "MLFLOW_ADMIN_PASSWORD_FILE": str(self.root / "admin-password")})
+        env.update(self.env)
         log = open(self.root / "server.log", "a")
         self.proc = subprocess.Popen([str(venv / "python"), str(REPO / "docker" / "mlflow_server.py"), str(self.root)],
                                      env=env, stdout=log, stderr=log, start_new_session=True)

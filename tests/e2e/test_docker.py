@@ -8,13 +8,16 @@ real docker/Dockerfile.
 
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import REPO, metrics, reached_step, run, status, wait_for
 
@@ -169,6 +172,13 @@ def nas(tmp_path):
     return root, env_file
 
 
+def _about_other_services(stderr: str) -> list[str]:
+    """The lines of a trainer run's stderr about the services it does not use (compose v1 warned about the
+    MLflow service's password file on every run)."""
+    return [line for line in stderr.splitlines()
+            if any(word in line.lower() for word in ('service "mlflow"', 'service "tensorboard"', "secret"))]
+
+
 def compose(env_file, *args, expect=0, gpus="", timeout=600):
     # The env file's settings are the test's: the shell's own (which compose would prefer) are dropped.
     env = {k: v for k, v in os.environ.items() if k not in ("TENSORBOARD_PORT", "MLFLOW_PORT", "MLFLOW_BIND",
@@ -236,6 +246,7 @@ def test_compose_run_trainer_on_cpu_trains_resumes_and_files_belong_to_the_user(
     first = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1",
                     "--stop-at", "25", gpus="2", expect=75)
     assert "2 workers on CPU (gloo) via torchrun" in first.stderr
+    assert not _about_other_services(first.stderr), first.stderr[:3000]
     run_dir = root / "runs" / "c1"
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
     second = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1", gpus="2")
@@ -280,8 +291,9 @@ def test_compose_run_with_no_arguments_starts_the_default_run(docker, image, nas
 def test_make_train_and_doctor_in_the_container(docker, image, nas, tmp_path):
     root, env_file = nas
     common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}"]
-    run(["make", "--no-print-directory", "train", *common, "GPUS=0",
-         "ARGS=--preset debug --max-steps 10 --run-dir runs/m1"], cwd=REPO, timeout=600)
+    trained = run(["make", "--no-print-directory", "train", *common, "GPUS=0",
+                   "ARGS=--preset debug --max-steps 10 --run-dir runs/m1"], cwd=REPO, timeout=600)
+    assert not _about_other_services(trained.stderr), trained.stderr[:3000]
     manifest = json.loads((root / "runs" / "m1" / "manifest.json").read_text())
     # it ran in the container: the image's digest as the engine has it, on the container's own host name
     digest = run([docker, "image", "inspect", "--format", "{{.Id}}", IMAGE]).stdout.strip()
@@ -387,8 +399,18 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas, clus
         compose(env_file, *project, "down", expect=None)
 
 
+@pytest.fixture(scope="module")
+def mlflow_tag(docker):
+    """The MLflow server image's tag for the module's tests: `make mlflow` builds it when missing; it and its
+    build cache go when the module ends."""
+    tag, cache_before = "trainbox-mlflow:test", set(_build_cache(docker))
+    yield tag
+    subprocess.run([docker, "image", "rm", "-f", tag], capture_output=True)
+    _prune_build_cache(docker, keep=cache_before)
+
+
 def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, standin_base, image, nas, cluster,
-                                                                        tmp_path):
+                                                                        tmp_path, mlflow_tag):
     """`make mlflow` builds the server image (docker/mlflow.Dockerfile) and starts the compose service; a
     compose run pointed at it (`make env MLFLOW_TRACKING_URI=http://mlflow:5000`) is tracked there, and
     the server keeps its store and the uploaded model on the NAS, as the host user. Published on the
@@ -402,11 +424,10 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
     from train.distributed import free_port
 
     root, env_file = nas
-    port, tag = free_port(), "trainbox-mlflow:test"
+    port, tag = free_port(), mlflow_tag
     run(["make", "--no-print-directory", "env", f"ENV_FILE={env_file}", f"HOST_UID={USER}", f"HOST_GID={USER}",
          "MLFLOW_TRACKING_URI=http://mlflow:5000"], cwd=REPO)
     assert "MLFLOW_TRACKING_URI=http://mlflow:5000\n" in env_file.read_text()
-    cache_before = set(_build_cache(docker))
     common = [f"DOCKER={docker}", f"IMAGE={IMAGE}", f"ENV_FILE={env_file}", f"MLFLOW_IMAGE={tag}",
               f"MLFLOW_PORT={port}"]
     try:
@@ -459,8 +480,6 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
         assert "Zq8-vT3r_Lm2Wx9K" not in config.stdout  # not in the container's command line or environment
     finally:
         compose(env_file, "down", expect=None)
-        subprocess.run([docker, "image", "rm", "-f", tag], capture_output=True)
-        _prune_build_cache(docker, keep=cache_before)
 
 
 def _answers(url: str) -> bool:
@@ -470,3 +489,103 @@ def _answers(url: str) -> bool:
         return urllib.request.urlopen(url, timeout=5).read() == b"OK"
     except OSError:
         return False
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the root host user's case")
+def test_the_services_of_a_root_user_run_as_another_user_with_the_password_of_its_file(docker, standin_base,
+                                                                                       mlflow_tag, tmp_path):
+    """As root, with `make env`'s defaults: the trainer runs as root, the services never (1000); the MLflow
+    store on the NAS is their user's alone, the store URI is in no command line, MLFLOW_AUTH=1 asks for the
+    login on loopback, and `make mlflow` after the password file changed starts it with the new password."""
+    from tests.e2e.test_services import SEARCH
+    from train.distributed import free_port
+
+    runs, env_file, port = tmp_path / "nas" / "runs", tmp_path / "compose.env", free_port()
+    runs.mkdir(parents=True)
+    run(["make", "--no-print-directory", "env", f"ENV_FILE={env_file}", f"RUNS_DIR={runs}"], cwd=REPO)
+    assert "HOST_UID=0\n" in env_file.read_text() and "SERVICE_UID=1000\nSERVICE_GID=1000\n" in env_file.read_text()
+    services = yaml.safe_load(compose(env_file, "config").stdout)["services"]
+    assert {name: str(service["user"]) for name, service in services.items()} == {
+        "trainer": "0:0", "tensorboard": "1000:1000", "mlflow": "1000:1000"}
+
+    password = tmp_path / "mlflow-admin"
+    password.write_text("Hk5-rN2w_Bq8Zt3M\n")
+    password.chmod(0o600)
+    marker = f"store-{uuid.uuid4().hex[:12]}"
+    common = [f"DOCKER={docker}", f"ENV_FILE={env_file}", f"MLFLOW_IMAGE={mlflow_tag}", f"MLFLOW_PORT={port}",
+              f"MLFLOW_BASE_IMAGE={standin_base}", "EXTRA_CA=/etc/ssl/certs/ca-certificates.crt", "RUNTIME=docker",
+              "MLFLOW_AUTH=1", f"MLFLOW_ADMIN_PASSWORD_FILE={password}"]
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": f"sqlite:////opt/trainbox/runs/mlflow/{marker}.db"}
+    try:
+        refused = run(["make", "--no-print-directory", "mlflow", *common], cwd=REPO, env=env, expect=2, timeout=1200)
+        assert (f"error: MLFLOW_ADMIN_PASSWORD_FILE={password} belongs to uid 0 and the MLflow container runs as uid "
+                f"1000 (SERVICE_UID in {env_file}), which cannot read it: run `chown 1000:1000 {password}`") \
+            in refused.stderr, refused.stderr[-3000:]
+        os.chown(password, 1000, 1000)
+        run(["make", "--no-print-directory", "mlflow", *common], cwd=REPO, env=env, timeout=1200)
+        assert "uid=1000 gid=1000" in run([docker, "run", "--rm", "--entrypoint", "id", mlflow_tag]).stdout
+        search = f"http://127.0.0.1:{port}{SEARCH}"
+        wait_for(lambda: _status(search) == 401, 120, "the MLflow service with a login")
+        assert _status(search, ("admin", "Hk5-rN2w_Bq8Zt3M")) == 200
+        container = run([*COMPOSE, "--env-file", str(env_file), "ps", "-q", "mlflow"], cwd=REPO).stdout.strip()
+        assert run([docker, "inspect", "--format", "{{.Config.User}}", container]).stdout.strip() == "1000:1000"
+        processes = run([docker, "top", container, "-eo", "pid,uid,args"]).stdout.splitlines()[1:]
+        assert len(processes) >= 2 and all(line.split()[1] == "1000" for line in processes), processes
+        assert not [line for line in processes if marker in line], processes  # the store URI: no command line's
+        store = runs / "mlflow"
+        for path in (store, store / f"{marker}.db", store / "basic_auth.db", store / "artifacts"):
+            assert (path.stat().st_uid, path.stat().st_gid) == (1000, 1000), path
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, f"{path} is readable by others"
+
+        password.write_text("Vc7-jL4p_Xs9Dk2N\n")  # a new admin password: `make mlflow` again starts with it
+        up = run(["make", "--no-print-directory", "mlflow", *common], cwd=REPO, env=env, timeout=600)
+        assert f"MLflow on http://127.0.0.1:{port}" in up.stdout
+        wait_for(lambda: _status(search, ("admin", "Vc7-jL4p_Xs9Dk2N")) == 200, 120, "the new admin password")
+        assert _status(search, ("admin", "Hk5-rN2w_Bq8Zt3M")) == 401
+        logs = compose(env_file, "logs", "mlflow").stdout
+        assert "admin's password is now the one in MLFLOW_ADMIN_PASSWORD_FILE" in logs
+    finally:
+        compose(env_file, "down", expect=None)
+
+
+def _image_exists(docker: str, tag: str) -> bool:
+    return subprocess.run([docker, "image", "inspect", tag], capture_output=True).returncode == 0
+
+
+def _status(url: str, login: tuple[str, str] | None = None) -> int | None:
+    import base64
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url)
+    if login:
+        request.add_header("Authorization", "Basic " + base64.b64encode(":".join(login).encode()).decode())
+    try:  # the first request with a login takes seconds on a busy machine (the password hash is slow on purpose)
+        return urllib.request.urlopen(request, timeout=60).status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def test_a_base_image_that_cannot_be_fetched_is_one_line_with_the_choices(docker, tmp_path):
+    """An air-gapped cluster: the engine answers, the base image's registry does not. `make train`, `make
+    build` and `make mlflow` say so in one line with the choices, before any build starts."""
+    base, tag = "registry.invalid/nothing:1", f"trainbox:no-base-{uuid.uuid4().hex[:8]}"
+    env_file = tmp_path / "compose.env"
+    for target, knobs, image, knob in (
+            ("train", ["RUNTIME=docker", f"BASE_IMAGE={base}", f"IMAGE={tag}"], tag, "BASE_IMAGE"),
+            ("build", [f"BASE_IMAGE={base}", f"IMAGE={tag}"], tag, "BASE_IMAGE"),
+            ("mlflow", ["RUNTIME=docker", f"MLFLOW_BASE_IMAGE={base}", f"MLFLOW_IMAGE={tag}"], tag,
+             "MLFLOW_BASE_IMAGE")):
+        proc = run(["make", "--no-print-directory", target, f"DOCKER={docker}", f"ENV_FILE={env_file}", *knobs],
+                   cwd=REPO, expect=None, timeout=300)
+        assert proc.returncode != 0 and proc.stdout == "", (target, proc.stdout, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\* ", line)]
+        assert len(lines) == 1, (target, proc.stderr)
+        assert lines[0].startswith(f"error: the base image {base} of {image} cannot be fetched (") and \
+            lines[0].endswith(f"): run without the image (RUNTIME=local), build on a base your site mirrors "
+                              f"({knob}=...), or `docker load` an image {image} built elsewhere (`docker save "
+                              f"{image}` there)"), (target, lines[0])
+        assert "registry.invalid" in lines[0].split("cannot be fetched (")[1]  # the engine's own reason
+        assert not _image_exists(docker, tag) and not env_file.exists()

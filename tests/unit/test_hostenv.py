@@ -1,6 +1,7 @@
 """docker/hostenv.py (`make env`): the .env that compose reads, and the driver table."""
 
 import os
+import stat
 
 import pytest
 
@@ -125,3 +126,75 @@ def test_a_folder_the_container_user_cannot_write_is_named_before_the_container_
 ])
 def test_make_image_warns_when_the_image_holds_other_code(built, head, dirty, expected):
     assert hostenv.stale_image("trainbox:local", built, head, dirty) == expected
+
+
+def test_the_services_user_is_the_host_users_but_never_root(tmp_path, monkeypatch):
+    for key in ("HOST_UID", "HOST_GID", "SERVICE_UID", "SERVICE_GID"):
+        monkeypatch.delenv(key, raising=False)
+    env_file = tmp_path / ".env"
+    monkeypatch.chdir(tmp_path)
+    assert hostenv.main(["--file", str(env_file)]) == 0
+    values = hostenv.read_env(env_file)
+    expected = ("1000", "1000") if os.getuid() == 0 else (str(os.getuid()), str(os.getgid()))
+    assert (values["SERVICE_UID"], values["SERVICE_GID"]) == expected
+    assert hostenv.service_ids(0, 0) == (1000, 1000) and hostenv.service_ids(1234, 1235) == (1234, 1235)
+    monkeypatch.setenv("HOST_UID", "1234")  # a container user named for make env: the services' too
+    monkeypatch.setenv("HOST_GID", "1235")
+    if os.getuid() != 0:
+        return  # handing the folders to uid 1234 needs root
+    assert hostenv.main(["--file", str(env_file)]) == 0
+    assert (hostenv.read_env(env_file)["SERVICE_UID"], hostenv.read_env(env_file)["SERVICE_GID"]) == ("1234", "1235")
+
+
+def test_a_service_needs_its_user_in_env_and_never_root(tmp_path, capsys):
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"HOST_UID=0\nHOST_GID=0\nRUNS_DIR={tmp_path}\n")  # an older .env
+    assert hostenv.main(["--service", "tensorboard", "--file", str(env_file)]) == 2
+    assert capsys.readouterr().err == (f"error: {env_file} names no SERVICE_UID/SERVICE_GID, the user tensorboard "
+                                       f"runs as (never root): run `make env`\n")
+    env_file.write_text(f"SERVICE_UID=0\nSERVICE_GID=0\nRUNS_DIR={tmp_path}\n")
+    assert hostenv.main(["--service", "mlflow", "--file", str(env_file)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: SERVICE_UID=0 in {env_file} runs mlflow as root: run `make env`")
+    env_file.write_text(f"SERVICE_UID={os.getuid() or 1000}\nSERVICE_GID={os.getgid() or 1000}\nRUNS_DIR={tmp_path}\n")
+    assert hostenv.main(["--service", "tensorboard", "--file", str(env_file)]) == 0
+    assert not (tmp_path / "mlflow").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
+def test_root_hands_the_mlflow_store_to_the_services_user(tmp_path, capsys, monkeypatch):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    env_file = tmp_path / ".env"
+    env_file.write_text(f"HOST_UID=0\nHOST_GID=0\nSERVICE_UID=1000\nSERVICE_GID=1000\nRUNS_DIR={runs}\n")
+    assert hostenv.main(["--service", "mlflow", "--file", str(env_file)]) == 0
+    store = runs / "mlflow"
+    assert (store.stat().st_uid, store.stat().st_gid, stat.S_IMODE(store.stat().st_mode)) == (1000, 1000, 0o700)
+    # a store an older root container wrote: handed over whole
+    os.chown(store, 0, 0)
+    (store / "artifacts" / "1").mkdir(parents=True)
+    (store / "mlflow.db").write_text("")
+    assert hostenv.main(["--service", "mlflow", "--file", str(env_file)]) == 0
+    for path in (store, store / "artifacts", store / "artifacts" / "1", store / "mlflow.db"):
+        assert (path.stat().st_uid, path.stat().st_gid) == (1000, 1000), path
+    # the admin's password file is mounted into the container: its user must be able to read it
+    password = tmp_path / "mlflow-admin"
+    password.write_text("q7Jx-2mLp_9Vz4Rk\n")
+    password.chmod(0o600)
+    monkeypatch.setenv("MLFLOW_ADMIN_PASSWORD_FILE", str(password))
+    assert hostenv.main(["--service", "mlflow", "--file", str(env_file)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: MLFLOW_ADMIN_PASSWORD_FILE={password} belongs to uid 0 and the MLflow container runs as uid 1000 "
+        f"(SERVICE_UID in {env_file}), which cannot read it: run `chown 1000:1000 {password}`, or name the container's "
+        f"user: SERVICE_UID=... SERVICE_GID=... make env\n")
+    os.chown(password, 1000, 1000)
+    assert hostenv.main(["--service", "mlflow", "--file", str(env_file)]) == 0
+
+
+def test_a_base_image_that_cannot_be_fetched_is_one_line_with_the_choices(capsys):
+    assert hostenv.main(["--fetch-base", "registry.invalid/nothing:1", "--for", "trainbox:local",
+                         "--docker", "/nonexistent/docker"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: the base image registry.invalid/nothing:1 of trainbox:local cannot be fetched "
+                   "(/nonexistent/docker: No such file or directory): run without the image (RUNTIME=local), build on "
+                   "a base your site mirrors (BASE_IMAGE=...), or `docker load` an image trainbox:local built "
+                   "elsewhere (`docker save trainbox:local` there)\n")

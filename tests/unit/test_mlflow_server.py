@@ -1,6 +1,7 @@
 """docker/mlflow_server.py: closed by default; open to the network only with a login and a real password."""
 
 import os
+import stat
 
 import pytest
 
@@ -92,3 +93,71 @@ def test_the_check_make_mlflow_runs_before_the_container_starts(tmp_path, capsys
     assert server.main(["--check", str(tmp_path)]) == 0
     assert not (tmp_path / "mlflow").exists()  # a check writes nothing
     assert os.environ.get("MLFLOW_AUTH_ADMIN_PASSWORD") is None
+
+
+def test_the_store_uri_reaches_mlflow_in_its_environment_not_its_command_line(tmp_path):
+    # `mlflow server` reads both from its environment (click's envvar); a command line is readable by everyone (ps)
+    uri = "postgresql://mlflow:db-secret-1234@db.example.org/mlflow"
+    for given, expected in (({}, f"sqlite:///{tmp_path}/mlflow/mlflow.db"), ({"MLFLOW_BACKEND_STORE_URI": uri}, uri)):
+        args, env, _ = server.command(tmp_path, given, in_container=False)
+        assert env["MLFLOW_BACKEND_STORE_URI"] == expected and expected not in " ".join(args)
+        assert env["MLFLOW_ARTIFACTS_DESTINATION"] == f"{tmp_path}/mlflow/artifacts"
+        assert not [a for a in args if a.startswith(("--backend-store-uri", "--artifacts-destination"))]
+
+
+def test_mlflow_auth_asks_for_the_login_on_loopback_too(tmp_path):
+    """Every local user reaches 127.0.0.1: MLFLOW_AUTH=1 puts the team server's login there as well."""
+    password = _password_file(tmp_path)
+    given = {"MLFLOW_AUTH": "1", "MLFLOW_ADMIN_PASSWORD_FILE": str(password)}
+    args, env, where = server.command(tmp_path, given, in_container=False)
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[-2:] == ["--app-name", "basic-auth"]
+    assert where == "127.0.0.1:5000, this machine only, login required (basic auth)"
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"] == STRONG and STRONG not in " ".join(args)
+    args, _, where = server.command(tmp_path, given, in_container=True)  # compose: published on the host's loopback
+    assert args[-2:] == ["--app-name", "basic-auth"]
+    assert where == "127.0.0.1:5000, this machine only, login required (basic auth)"
+    refused = [({"MLFLOW_AUTH": "1"}, "MLFLOW_AUTH=1 asks for a login, and no admin password was given: "),
+               ({"MLFLOW_AUTH": "yes"}, "MLFLOW_AUTH='yes': use 1"),
+               ({"MLFLOW_AUTH": "0", "MLFLOW_EXPOSE": "1"},
+                "MLFLOW_AUTH=0 with MLFLOW_EXPOSE=1: a server on the network always asks for a login")]
+    for given, message in refused:
+        with pytest.raises(server.ServerError) as e:
+            server.command(tmp_path, given, in_container=False)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.fixture
+def umask():
+    """The test's process umask as it was, after a test that sets it (as the server does)."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
+
+
+def test_the_store_is_the_servers_user_alone(tmp_path, umask):
+    store = tmp_path / "mlflow"
+    store.mkdir(mode=0o755)
+    for name in ("mlflow.db", "basic_auth.db"):  # a store from an earlier start, readable by everyone
+        (store / name).write_text("")
+        (store / name).chmod(0o644)
+    server.keep_private(store)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700 and (store / "artifacts").is_dir()
+    for name in ("mlflow.db", "basic_auth.db"):
+        assert stat.S_IMODE((store / name).stat().st_mode) == 0o600
+    (store / "artifacts" / "new").write_text("")  # what the server writes next: its user's alone (umask 077)
+    assert stat.S_IMODE((store / "artifacts" / "new").stat().st_mode) == 0o600
+
+
+def test_make_mlflow_user_refuses_the_admin_and_a_missing_server_in_one_line(tmp_path):
+    admin = {"MLFLOW_ADMIN_PASSWORD_FILE": str(_password_file(tmp_path)), "MLFLOW_PORT": "1"}
+    with pytest.raises(server.ServerError) as e:
+        server.add_user(admin, "admin")
+    assert str(e.value) == "MLFLOW_USER='admin': name the jobs' user, not the admin (e.g. MLFLOW_USER=trainer)"
+    with pytest.raises(server.ServerError) as e:
+        server.add_user({}, "trainer")
+    assert str(e.value).startswith("make mlflow-user logs in as the admin, and no admin password was given: ")
+    with pytest.raises(server.ServerError) as e:
+        server.add_user(admin, "trainer")
+    assert str(e.value).startswith("no MLflow server answers at http://127.0.0.1:1 (")
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("*trainer*"))  # no password file before a server
