@@ -31,8 +31,8 @@ EXTRA_CA ?=
 # Extra `docker build` flags, e.g. --no-cache or --progress=plain
 BUILD_FLAGS ?=
 # The container user: yours (root's too); the image's own default user and the services' are never root (1000 for root)
-HOST_UID ?= $(word 1,$(shell python3 docker/hostenv.py --ids))
-HOST_GID ?= $(word 2,$(shell python3 docker/hostenv.py --ids))
+HOST_UID ?= $(word 1,$(shell python3 -m train.hostenv --ids))
+HOST_GID ?= $(word 2,$(shell python3 -m train.hostenv --ids))
 # The datasets' folder: --data-dir of `make train` (in the container: mounted read-only by `make env`);
 # `make evaluate`: another dataset to score on
 DATA_DIR ?=
@@ -83,11 +83,13 @@ SKY_VENV ?= .venv-sky
 PY := $(VENV)/bin/python
 # pip installs from a lock file: every hash checked, nothing else pulled in
 PIP_LOCKED := --quiet --disable-pip-version-check --require-hashes --no-deps
-# `make setup`: Python >= 3.10, and this checkout on the environment's path (`python -m train` from any folder)
+# `make setup`: Python >= 3.10; then the project installed in .venv as an editable package (`python -m train` from
+# any folder), with the locked setuptools and nothing fetched; the path file of older setups removed
 NEEDS_310 := import sys; v = sys.version.split()[0]; ok = sys.version_info >= (3, 10)
 NEEDS_310 += ; sys.exit(0 if ok else "error: trainbox needs Python >= 3.10, found " + v + ": set PYTHON=python3.X")
-ON_PATH := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
-ON_PATH += ; open(p, "w").write(os.getcwd() + "\n")
+OLD_PATH_FILE := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
+OLD_PATH_FILE += ; os.path.exists(p) and os.remove(p)
+PIP_EDITABLE := --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e .
 # WEIGHTS= (the old name of CHECKPOINT=) given to evaluate or export: one line naming the new, exit 2.
 renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo "error: WEIGHTS=$(WEIGHTS) is now \
   CHECKPOINT=$(WEIGHTS): make $(1) RUN=$(RUN) CHECKPOINT=$(WEIGHTS)" >&2; exit 2,true)
@@ -95,7 +97,7 @@ renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo
 MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_AUTH="$(MLFLOW_AUTH)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
 # Before a build: its base image in the engine (pulled now), or one line naming it and the choices.
-FETCH_BASE = $(PYTHON) docker/hostenv.py --docker "$(DOCKER)" --fetch-base
+FETCH_BASE = $(PYTHON) -m train.hostenv --docker "$(DOCKER)" --fetch-base
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
 BASE_cu130 := nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 BASE_cu128 := nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
@@ -124,11 +126,12 @@ help: ## list the targets
 
 setup: $(STAMP) ## create or update the local environment from requirements.lock (hash-checked)
 
-$(STAMP): $(LOCK)
+$(STAMP): $(LOCK) pyproject.toml
 	@$(PYTHON) -c '$(NEEDS_310)'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_LOCKED) -r $(LOCK)
-	@$(PY) -c '$(ON_PATH)'
+	@$(PY) -c '$(OLD_PATH_FILE)'
+	$(PY) -m pip install $(PIP_EDITABLE)
 	@touch $@
 
 train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, else locally; GPUS=N, ARGS="..."
@@ -140,7 +143,7 @@ train-local: $(STAMP) ## train in the local environment (what RUNTIME=local sele
 
 train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNTIME=docker selects)
 	@echo "trainbox: container $(IMAGE) via $(COMPOSE); RUNTIME=local for the local environment" >&2
-	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE) -- $(ARGS)
+	@$(PYTHON) -m train.hostenv --check-writable --file $(ENV_FILE) -- $(ARGS)
 	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
@@ -181,15 +184,15 @@ build: $(LOCK) ## build the image (BuildKit); BASE_IMAGE=... another base, TORCH
 image: ## build the image only if it is missing (warns when it was built from another commit)
 	@$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || { $(FETCH_BASE) $(BASE_IMAGE) --for $(IMAGE) && \
 	  $(MAKE) --no-print-directory build; }
-	@$(PYTHON) docker/hostenv.py --warn-stale $(IMAGE) --docker "$(DOCKER)"
+	@$(PYTHON) -m train.hostenv --warn-stale $(IMAGE) --docker "$(DOCKER)"
 
 shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same user)
-	@$(PYTHON) docker/hostenv.py --check-writable --file $(ENV_FILE)
+	@$(PYTHON) -m train.hostenv --check-writable --file $(ENV_FILE)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
 
 tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
 ifeq ($(RUNTIME),docker)
-	@$(MAKE) --no-print-directory image $(ENV_FILE) && $(PYTHON) docker/hostenv.py --service tensorboard --file $(ENV_FILE)
+	@$(MAKE) --no-print-directory image $(ENV_FILE) && $(PYTHON) -m train.hostenv --service tensorboard --file $(ENV_FILE)
 	TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
 else
 	$(MAKE) --no-print-directory setup && $(VENV)/bin/tensorboard --logdir runs --host 127.0.0.1 --port $(TENSORBOARD_PORT)
@@ -199,7 +202,7 @@ mlflow: ## MLflow server on 127.0.0.1:5000, store in runs/mlflow (MLFLOW_EXPOSE=
 ifeq ($(RUNTIME),docker)
 	@$(MLFLOW_KNOBS) $(PYTHON) docker/mlflow_server.py --check runs
 	@$(MAKE) --no-print-directory mlflow-image $(ENV_FILE)
-	@$(MLFLOW_KNOBS) $(PYTHON) docker/hostenv.py --service mlflow --file $(ENV_FILE)
+	@$(MLFLOW_KNOBS) $(PYTHON) -m train.hostenv --service mlflow --file $(ENV_FILE)
 	@# --force-recreate: started again, the server takes the settings and the password file as they are now
 	$(MLFLOW_KNOBS) TRAINBOX_MLFLOW_IMAGE=$(MLFLOW_IMAGE) $(COMPOSE_RUN) up -d --force-recreate mlflow
 	@echo "MLflow on http://$(MLFLOW_BIND):$(MLFLOW_PORT); compose runs track to it after:" \
@@ -235,7 +238,7 @@ $(SKY_VENV)/.installed: tests/skypilot.lock
 	@touch $@
 
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
-	$(PYTHON) docker/hostenv.py --file $(ENV_FILE) --image $(IMAGE) \
+	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
 	  $(if $(filter command line,$(origin MLFLOW_TRACKING_URI)),--mlflow-uri "$(MLFLOW_TRACKING_URI)")
 
@@ -245,7 +248,7 @@ $(ENV_FILE):
 doctor: ## a report for bug reports: driver vs CUDA, GPUs, shm, port, NAS folders, all-reduce bandwidth
 ifeq ($(RUNTIME),docker)
 	@# On the host first: with a driver too old for the image's CUDA the container would not even start.
-	$(PYTHON) docker/hostenv.py --check-driver $(CUDA_$(TORCH_FLAVOUR))
+	$(PYTHON) -m train.hostenv --check-driver $(CUDA_$(TORCH_FLAVOUR))
 	$(MAKE) --no-print-directory image $(ENV_FILE) && $(COMPOSE_RUN) run --rm --entrypoint python trainer -m train.doctor
 else
 	$(MAKE) --no-print-directory setup && \

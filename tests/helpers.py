@@ -136,7 +136,7 @@ def reached_step(run_dir: Path, step: int):
 
 
 def host_tool(relative: str):
-    """A standard-library host script (docker/hostenv.py, slurm/plan.py) loaded by its path, as a module."""
+    """A standard-library host script (docker/mlflow_server.py) loaded by its path, as a module."""
     path = REPO / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""Which NVIDIA driver runs which CUDA: the table `make doctor` (in the container) and docker/hostenv.py (on
+"""Which NVIDIA driver runs which CUDA: the table `make doctor` (in the container) and train/hostenv.py (on
 the host, before a container starts) both read. Standard library only."""
 
 from __future__ import annotations

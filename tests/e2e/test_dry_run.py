@@ -4,7 +4,7 @@ rates)."""
 
 import json
 
-from tests.helpers import DEBUG, PY, env_for_tests, make, metrics, python_cmd, run
+from tests.helpers import DEBUG, PY, REPO, env_for_tests, make, metrics, python_cmd, run
 
 KEYS = {"max_steps", "steps_per_epoch", "world_size", "global_batch", "param_groups", "normalize", "train_transform",
         "eval_transform", "lr", "ema", "sampler", "precision", "weights"}
@@ -73,3 +73,13 @@ def test_repeated_augmentation_on_one_worker_says_it_samples_plainly(tmp_path):
     out = run(python_cmd(*DEBUG, "--ra-reps", 3, "--max-steps", 2, "--eval-every", 0, "--run-dir", tmp_path / "run"))
     lines = [line for line in out.stderr.splitlines() if "--ra-reps 3 on one worker samples plainly" in line]
     assert len(lines) == 1 and "sampler: one shuffled pass" in lines[0]
+
+
+def test_the_installed_package_runs_from_any_folder(tmp_path):
+    """make setup installs the project into .venv (editable, from pyproject.toml): no PYTHONPATH, no checkout
+    as the working directory."""
+    env = {k: v for k, v in env_for_tests().items() if k != "PYTHONPATH"}
+    out = run([PY, "-m", "train", "--preset", "debug", "--dry-run"], cwd=tmp_path, env=env)
+    assert json.loads(out.stdout)["max_steps"] == 40 and list(tmp_path.iterdir()) == []
+    where = run([PY, "-c", "import train; print(train.__file__)"], cwd=tmp_path, env=env).stdout.strip()
+    assert where == str(REPO / "train" / "__init__.py")

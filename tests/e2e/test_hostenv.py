@@ -1,17 +1,15 @@
-"""docker/hostenv.py run as `make env` and `make doctor` run it: the host's python3, one line on bad input."""
+"""train/hostenv.py run as `make env` and `make doctor` run it: the host's python3, one line on bad input."""
 
 import os
 import subprocess
 import sys
 
-
-from tests.helpers import REPO, host_tool
-
-hostenv = host_tool("docker/hostenv.py")
+import train.hostenv as hostenv
+from tests.helpers import REPO
 
 
 def test_a_missing_nas_data_folder_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-I", "-S", "docker/hostenv.py", "--file", str(tmp_path / ".env"),
+    proc = subprocess.run([sys.executable, "-E", "-S", "-m", "train.hostenv", "--file", str(tmp_path / ".env"),
                            "--data-dir", str(tmp_path / "not-mounted")], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: DATA_DIR={tmp_path / 'not-mounted'} does not exist: "
@@ -20,7 +18,7 @@ def test_a_missing_nas_data_folder_is_one_line(tmp_path):
 
 
 def test_host_driver_check_as_make_doctor_runs_it():
-    host = subprocess.run([sys.executable, "-I", "-S", "docker/hostenv.py", "--check-driver", "13.0"], cwd=REPO,
+    host = subprocess.run([sys.executable, "-E", "-S", "-m", "train.hostenv", "--check-driver", "13.0"], cwd=REPO,
                           capture_output=True, text=True)
     driver = hostenv.host_driver()
     if driver is None:
@@ -30,7 +28,7 @@ def test_host_driver_check_as_make_doctor_runs_it():
 
 
 def test_the_container_user_as_make_build_asks_for_it():
-    proc = subprocess.run([sys.executable, "-I", "-S", "docker/hostenv.py", "--ids"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-E", "-S", "-m", "train.hostenv", "--ids"], cwd=REPO, capture_output=True,
                           text=True)
     expected = ["1000", "1000"] if os.getuid() == 0 else [str(os.getuid()), str(os.getgid())]
     assert proc.returncode == 0 and proc.stdout.split() == expected  # the image's own user is never root

@@ -1,13 +1,11 @@
-"""docker/hostenv.py (`make env`): the .env that compose reads, and the driver table."""
+"""train/hostenv.py (`make env`): the .env that compose reads, and the driver table."""
 
 import os
 import stat
 
 import pytest
 
-from tests.helpers import host_tool
-
-hostenv = host_tool("docker/hostenv.py")
+import train.hostenv as hostenv
 
 
 def test_writes_ids_paths_and_compose_files_and_keeps_other_keys(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import sys
 
 from tests.helpers import REPO
 
-HOST_HELPERS = ("train/cluster.py", "docker/hostenv.py")  # run before any environment exists
+HOST_HELPERS = ("train/cluster.py", "train/hostenv.py")  # run before any environment exists
 STDLIB_ONLY = ("train/runfiles.py", "train/cuda_driver.py", "train/cluster.py")  # what the host helpers may import
 
 
@@ -67,3 +67,11 @@ def test_evaluation_sits_below_the_trainer_and_its_launcher():
 def test_the_data_package_holds_one_job_per_module_none_long():
     for path in (REPO / "train" / "data").glob("*.py"):
         assert len(path.read_text().splitlines()) <= 300, path
+
+
+def test_no_code_outside_the_tests_edits_sys_path():
+    """train/ is a package that imports as installed; the host helpers run as python3 -m train.<name> from the
+    checkout."""
+    for path in [*REPO.glob("train/**/*.py"), *REPO.glob("docker/*.py"), *REPO.glob("slurm/*")]:
+        text = path.read_text(errors="replace")
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, path

@@ -9,8 +9,8 @@ and says what to do where it cannot be fetched (--fetch-base).
 inside the container that question cannot be asked, because the NVIDIA Container Toolkit refuses to
 start an image whose CUDA the driver is too old for.
 
-Standard library only: it runs with the system python3, before any environment exists. Keys it does
-not own are kept, so a hand-edited .env loses nothing.
+Standard library only: it runs with the system python3 (`python3 -m train.hostenv`, from the checkout), before
+any environment exists. Keys it does not own are kept, so a hand-edited .env loses nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: the driver table, stdlib only
 from train.cuda_driver import driver_problem
 
 GPU_COMPOSE = "docker-compose.yml:docker/compose.gpu.yml"
