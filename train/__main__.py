@@ -14,9 +14,8 @@ cannot mend, its restarts refuse at once and it exits non-zero; a stop leaves it
 "stopped"; make, compose and the templates exit 75).
 """
 
-import sys
-
 import os
+import sys
 from pathlib import Path
 
 from train.config import launch_run_dir, parse_config

@@ -20,7 +20,7 @@ import torch
 
 from train.augment import BatchAugment
 from train.checks import check_steps
-from train.config import Config, default_run_dir, steps_for_epochs
+from train.config import Config, launch_run_dir, steps_for_epochs
 from train.data import build_datasets, check_cifar, describe_sampler
 from train.ema import adjusted_decay
 from train.errors import ConfigError
@@ -175,4 +175,4 @@ def dry_run(cfg: Config, world: int) -> Plan:
     freeze(model, frozen_names(cfg, model, num_classes))
     device = planned_device(cfg)
     return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
-                     cfg.run_dir or default_run_dir())
+                     launch_run_dir(cfg))
