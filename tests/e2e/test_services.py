@@ -57,6 +57,18 @@ def as_another_user(url: str, user: str | None = None, password: str | None = No
                 _get(url, user, password, body)], timeout=60).stdout.strip()
 
 
+def _as_admin(server, run_id: str):
+    """The MLflow run, read with the server's admin credentials (MLflow's client takes them from the environment)."""
+    from mlflow import MlflowClient
+
+    os.environ.update(server.credentials)
+    try:
+        return MlflowClient(server.uri).get_run(run_id)
+    finally:
+        for key in server.credentials:
+            os.environ.pop(key)
+
+
 def answers_here(url: str, headers: dict | None = None) -> int | None:
     try:
         return urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5).status
@@ -83,8 +95,6 @@ def test_the_default_mlflow_server_and_tensorboard_cannot_be_reached_from_anothe
 
 
 def test_a_team_server_needs_a_login_and_tracks_a_run_from_another_host(cluster, team_mlflow_server, tmp_path):
-    from mlflow import MlflowClient
-
     server, url = team_mlflow_server, f"http://{CLUSTER_HOST}:{team_mlflow_server.port}"
     password = server.credentials["MLFLOW_TRACKING_PASSWORD"]
     assert from_n1(f"{url}{SEARCH}") == "401"
@@ -99,12 +109,7 @@ def test_a_team_server_needs_a_login_and_tracks_a_run_from_another_host(cluster,
     token = base64.b64encode(f"admin:{password}".encode()).decode()
     assert answers_here(f"{server.uri}/api/2.0/mlflow/runs/get?run_id={run_id}",
                         {"Authorization": f"Basic {token}"}) == 200
-    os.environ.update(server.credentials)
-    try:
-        tracked = MlflowClient(server.uri).get_run(run_id)
-    finally:
-        for key in server.credentials:
-            os.environ.pop(key)
+    tracked = _as_admin(server, run_id)
     assert tracked.info.status == "FINISHED" and tracked.data.metrics["train/loss"] > 0
     # the trainer's own refusal of bad credentials, before anything starts
     wrong = {**env, "MLFLOW_TRACKING_PASSWORD": password + "x"}
@@ -221,12 +226,7 @@ def test_make_mlflow_user_makes_the_jobs_a_user_that_is_no_admin(cluster, team_m
     run(["nsenter", "--net=/var/run/netns/slnode1", *python_cmd(*DEBUG, "--max-steps", 10, "--run-dir", run_dir)],
         env=job, timeout=300)
     run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
-    os.environ.update(server.credentials)
-    try:
-        tracked = MlflowClient(server.uri).get_run(run_id)
-    finally:
-        for key in server.credentials:
-            os.environ.pop(key)
+    tracked = _as_admin(server, run_id)
     assert tracked.info.status == "FINISHED" and tracked.info.experiment_id == experiment_id
     # no admin: it can neither read other users nor make one
     assert from_n1(f"{url}/api/2.0/mlflow/users/get?username=admin", user, password) == "403"
