@@ -41,12 +41,13 @@ def _is_terminal(stream: TextIO) -> bool:
 class Progress:
     """A context: the line is shown every `every` seconds from a thread of its own (so a stall shows too),
     and a last time on exit, with the elapsed time instead of the time left. `done`: the items
-    finished before this command (a continued pack), counted in the total but not in the rate. quiet: counts
-    and shows nothing (for a caller that reports on its own)."""
+    finished before this command (a continued pack), counted in the total but not in the rate. last: the last
+    line on exit (a step that the next one sums up, such as a listing, may leave it out; then a short step
+    shows nothing). quiet: counts and shows nothing (for a caller that reports on its own)."""
 
     def __init__(self, label: str, total: int | None = None, unit: str = "items", done: int = 0,
-                 stream: TextIO | None = None, every: float | None = None, quiet: bool = False):
-        self.label, self.total, self.unit, self.quiet = label, total, unit, quiet
+                 stream: TextIO | None = None, every: float | None = None, last: bool = True, quiet: bool = False):
+        self.label, self.total, self.unit, self.last, self.quiet = label, total, unit, last, quiet
         self.stream = stream or sys.stderr
         self.redraw = _is_terminal(self.stream)
         self.every = every if every is not None else REDRAW_S if self.redraw else PLAIN_S
@@ -93,4 +94,5 @@ class Progress:
         if not self.quiet:
             self._stop.set()
             self._thread.join()
-            self.show(final=True)
+            if self.last:
+                self.show(final=True)

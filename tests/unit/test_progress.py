@@ -60,4 +60,8 @@ def test_without_a_total_it_counts_and_durations_read_as_a_person_would():
     with Progress("listing /data", unit="files", stream=out) as progress:
         progress.advance(12_345)
     assert re.fullmatch(r"listing /data: 12,345 files, [\d,]+ files/s, 0 s\n", out.getvalue())
+    quick = io.StringIO()  # a step that the next sums up: only its periodic lines, none for a short one
+    with Progress("listing /data", unit="files", stream=quick, last=False) as progress:
+        progress.advance(12_345)
+    assert quick.getvalue() == ""
     assert [duration(s) for s in (4.4, 65, 3600 * 4 + 125)] == ["4 s", "1 min 05 s", "4 h 02 min"]

@@ -52,7 +52,7 @@ def read_index(root: Path) -> dict:
         return json.loads((root / "index.json").read_text())
     except FileNotFoundError:
         raise ConfigError(f"{root}/index.json is missing: pack an ImageFolder with `make pack SRC=... DST={root}` "
-                          f"(a folder without it is an unfinished pack)") from None
+                          f"(a folder without it is an unfinished pack: the same command continues it)") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{root}/index.json cannot be read ({e}): pack the dataset again") from None
 
