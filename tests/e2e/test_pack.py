@@ -1,5 +1,5 @@
-"""`make pack` as users run it: its knobs (WORKERS, MAX_SIDE, QUALITY) through make, and a pack killed with
-kill -9 while it writes and run again."""
+"""`make pack` as users run it: its knobs (WORKERS, MAX_SIDE, QUALITY) through make, a pack killed with kill -9
+while it writes and run again, and a training run on the shards that says how they were packed."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from tests.helpers import PY, env_for_tests, make, run
+from tests.helpers import DEBUG, PY, env_for_tests, make, python_cmd, run
 from tests.processes import alive, in_session
 from train import vision
 from train.bench.photos import make_photos
@@ -60,7 +60,7 @@ def test_a_pack_killed_while_it_writes_continues_and_equals_an_uninterrupted_one
         assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
 
 
-def test_make_pack_takes_its_knobs(tmp_path):
+def test_make_pack_takes_its_knobs_and_a_run_on_the_shards_says_how_they_were_packed(tmp_path):
     src, dst = photos(tmp_path / "photos", 12, 6), tmp_path / "shards"
     proc = make("pack", f"SRC={src}", f"DST={dst}", "WORKERS=2", "MAX_SIDE=128", "QUALITY=80")
     assert "18 image(s) resized to a longer side of 128 px (JPEG quality 80)" in proc.stdout
@@ -72,3 +72,11 @@ def test_make_pack_takes_its_knobs(tmp_path):
     expected = vision.io.encode_jpeg(shrink(load_image(str(first)), 128), quality=80)
     assert bytes(data.numpy()) == bytes(expected.numpy())
 
+    run_dir = tmp_path / "run"
+    trained = run(python_cmd(*DEBUG, "--dataset", "shards", "--data-dir", dst, "--image-size", 32, "--batch-size", 4,
+                             "--num-workers", 0, "--max-steps", 2, "--eval-every", 0, "--spawn", 2,
+                             "--run-dir", run_dir))
+    said = f"data: shards in {dst}: packed with MAX_SIDE=128 QUALITY=80 (every image whose longer side was over " \
+           f"128 px resized to it and re-encoded as JPEG)"
+    assert (run_dir / "train.log").read_text().count(said) == 1  # rank 0's log, once
+    assert (trained.stdout + trained.stderr).count(said) == 1
