@@ -399,14 +399,14 @@ def check_knobs(ns: argparse.Namespace) -> None:
                           f"drop QUALITY")
 
 
-def summary(index: dict, dst: Path) -> str:
+def summary(index: dict, dst: Path, workers: int) -> str:
     lines = [f"{split}: {info['samples']} images of {len(info['classes'])} classes in {len(info['shards'])} shard(s)"
              for split, info in index["splits"].items()]
     if index["max_side"]:
         resized = sum(info["resized"] for info in index["splits"].values())
         lines.append(f"{resized} image(s) resized to a longer side of {index['max_side']} px (JPEG quality "
                      f"{index['quality']}), the others kept as they were")
-    lines.append(f"packed into {dst}: train with --dataset shards --data-dir {dst}")
+    lines.append(f"packed into {dst} by {workers} worker(s): train with --dataset shards --data-dir {dst}")
     return "\n".join(lines)
 
 
@@ -435,14 +435,15 @@ def main(argv: list[str]) -> int:
                 print(f"{ns.dst}: every shard complete and verified")
             return 1 if problems else 0
         check_knobs(ns)
-        index = pack(Path(ns.src), Path(ns.dst), int(ns.shard_mb * 2**20), ns.workers or usable_cores(),
-                     ns.max_side, ns.quality, progress_to=sys.stderr)
+        workers = ns.workers or usable_cores()
+        index = pack(Path(ns.src), Path(ns.dst), int(ns.shard_mb * 2**20), workers, ns.max_side, ns.quality,
+                     progress_to=sys.stderr)
     except ConfigError as e:
         return fail(str(e))
     except KeyboardInterrupt:
         print(f"pack stopped: run the same command to continue it in {ns.dst}", file=sys.stderr)
         return 130
-    print(summary(index, Path(ns.dst)))
+    print(summary(index, Path(ns.dst), workers))
     return 0
 
 

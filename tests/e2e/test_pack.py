@@ -64,6 +64,7 @@ def test_make_pack_takes_its_knobs_and_a_run_on_the_shards_says_how_they_were_pa
     src, dst = photos(tmp_path / "photos", 12, 6), tmp_path / "shards"
     proc = make("pack", f"SRC={src}", f"DST={dst}", "WORKERS=2", "MAX_SIDE=128", "QUALITY=80")
     assert "18 image(s) resized to a longer side of 128 px (JPEG quality 80)" in proc.stdout
+    assert f"packed into {dst} by 2 worker(s)" in proc.stdout
     assert "pack: 18/18 images (100.0%)" in proc.stderr
     index = json.loads((dst / "index.json").read_text())
     assert (index["max_side"], index["quality"]) == (128, 80)

@@ -19,6 +19,7 @@ from train.bench.photos import make_photos
 from train.config import parse_config
 from train.data import ShardSplit, build_datasets, build_train_loader, build_val_loader
 from train.data.decode import load_image
+from train.distributed import usable_cores
 from train.errors import ConfigError, DataError
 from train.pack import JOURNAL, pack, shrink, verify
 from train.pack import main as pack_main
@@ -234,9 +235,10 @@ def test_a_pack_stopped_by_a_bad_image_continues_where_it_stopped(folder, tmp_pa
     (src / "train" / "class0" / "new.jpg").unlink()
     assert files_of(dst) == before  # a refusal writes nothing
 
-    shutil.copy(next((src / "train" / "class1").iterdir()), bad)  # the image replaced: the same command
-    assert pack_main(args) == 0
-    assert f"continuing the pack in {dst}: " in capsys.readouterr().err
+    shutil.copy(next((src / "train" / "class1").iterdir()), bad)  # the image replaced: the same command,
+    assert pack_main(args[:2] + args[4:]) == 0  # here without --workers: every usable core, the same shards
+    out, err = capsys.readouterr()
+    assert f"continuing the pack in {dst}: " in err and f"by {usable_cores()} worker(s)" in out
     assert {name: ((dst / name).stat().st_ino, (dst / name).stat().st_mtime_ns) for name in finished} == stamps
     assert verify(dst) == [] and not list(dst.glob(".*"))
     whole = tmp_path / "whole"

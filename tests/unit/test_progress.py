@@ -65,3 +65,8 @@ def test_without_a_total_it_counts_and_durations_read_as_a_person_would():
         progress.advance(12_345)
     assert quick.getvalue() == ""
     assert [duration(s) for s in (4.4, 65, 3600 * 4 + 125)] == ["4 s", "1 min 05 s", "4 h 02 min"]
+
+
+def test_a_log_gets_a_line_every_5_seconds_and_a_terminal_a_redraw_4_times_a_second():
+    assert Progress("pack", 10, stream=io.StringIO()).every == 5
+    assert Progress("pack", 10, stream=Terminal()).every == 0.25
