@@ -43,6 +43,7 @@ import tarfile
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TextIO
 
@@ -53,7 +54,7 @@ from train import vision
 from train.data import check_imagefolder, read_idx, read_index
 from train.data.decode import decode
 from train.distributed import usable_cores
-from train.errors import ConfigError, DataError, fail
+from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
 from train.runfiles import atomic_write, fsync_dir
 
@@ -440,6 +441,10 @@ def main(argv: list[str]) -> int:
                      progress_to=sys.stderr)
     except ConfigError as e:
         return fail(str(e))
+    except BrokenProcessPool:  # a worker killed: by the OOM killer on a huge image, or by hand
+        print(f"error: a pack worker died (killed, or out of memory): run the same command to continue the pack "
+              f"in {ns.dst}, with fewer WORKERS if memory is short", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"pack stopped: run the same command to continue it in {ns.dst}", file=sys.stderr)
         return 130

@@ -5,9 +5,14 @@ Packing with workers, resizing (--max-side) and continuing a stopped pack, in th
 
 import io
 import json
+import multiprocessing
+import os
 import re
 import shutil
+import signal
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -263,3 +268,28 @@ def test_bad_pack_knobs_are_one_line(folder, tmp_path, capsys):
     assert pack_main([str(folder), str(dst)]) == 2
     assert "holds shards but no record of the pack that wrote them" in capsys.readouterr().err
     assert (dst / "train-000000.tar").read_bytes() == b"someone's"
+
+
+def test_a_worker_killed_mid_pack_is_one_line_and_the_same_command_continues(folder, tmp_path, capsys):
+    dst = tmp_path / "shards"
+    args = [str(folder), str(dst), "--workers", "2", "--max-side", "64", "--shard-mb", str(4_000 / 2**20)]
+
+    def kill_a_worker():  # as the OOM killer would, once the pack has finished a shard
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (dst / JOURNAL).is_file() and len((dst / JOURNAL).read_text().splitlines()) >= 2:
+                os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    code = pack_main(args)
+    killer.join()
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and err[-1] == f"error: a pack worker died (killed, or out of memory): run the same command to " \
+        f"continue the pack in {dst}, with fewer WORKERS if memory is short"
+    assert pack_main(args) == 0 and "continuing the pack in" in capsys.readouterr().err
+    whole = tmp_path / "whole"
+    pack(folder, whole, 4_000, workers=1, max_side=64)
+    assert files_of(dst) == files_of(whole)
