@@ -49,6 +49,12 @@ CHAOS_ARGS ?=
 # `make pack`: the ImageFolder to pack, and the folder for its shards
 SRC ?=
 DST ?=
+# ... the processes that read and resize the images (empty: every usable core)
+WORKERS ?=
+# ... the longer side in pixels above which an image is resized to it and re-encoded (empty: keep every image)
+MAX_SIDE ?=
+# ... and the JPEG quality of those it re-encodes (empty: 90)
+QUALITY ?=
 # `make evaluate`, `make export`: the run's folder
 RUN ?=
 # ... and which of its checkpoints: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a file
@@ -96,6 +102,9 @@ renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo
 # The MLflow server's knobs, for its recipes only (exported, they would reach every recipe, `make test` too).
 MLFLOW_KNOBS = MLFLOW_EXPOSE="$(MLFLOW_EXPOSE)" MLFLOW_BIND="$(MLFLOW_BIND)" MLFLOW_AUTH="$(MLFLOW_AUTH)" \
   MLFLOW_ADMIN_PASSWORD_FILE="$(MLFLOW_ADMIN_PASSWORD_FILE)"
+# `make pack`'s knobs as its flags, each where it is set.
+PACK_FLAGS = $(if $(WORKERS),--workers "$(WORKERS)") $(if $(MAX_SIDE),--max-side "$(MAX_SIDE)")
+PACK_FLAGS += $(if $(QUALITY),--quality "$(QUALITY)")
 # Before a build: its base image in the engine (pulled now), or one line naming it and the choices.
 FETCH_BASE = $(PYTHON) -m train.hostenv --docker "$(DOCKER)" --fetch-base
 # Each torch flavour: its lock file and a CUDA base image of the same CUDA version.
@@ -152,10 +161,10 @@ test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
 
-pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout + index): SRC=folder DST=folder
+pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout): SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata" \
 	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
-	$(PY) -m train.pack "$(SRC)" "$(DST)"
+	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS)
 
 evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DATA_DIR=another set] [GPUS=N workers]
 	@$(call renamed_weights,evaluate)

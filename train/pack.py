@@ -3,15 +3,24 @@
 An ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*) becomes tar shards in the WebDataset layout, which
 other tools read as they are (webdataset, wids, tar):
 
-  DST/train-000000.tar ...     members <key>.<ext> (the file's bytes, unchanged) and <key>.cls (class index)
+  DST/train-000000.tar ...     members <key>.<ext> (the image's bytes) and <key>.cls (class index)
   DST/train-000000.tar.idx     per sample: data offset, size, class (int64 x 3): random access, no scan
   DST/train.json               wids' shard index ({"__kind__": "wids-shard-index-v1", "shardlist": ...})
-  DST/index.json               classes, and per shard its samples, bytes and SHA-256: written last
+  DST/index.json               classes, per shard its samples, bytes and SHA-256, and the settings (max_side,
+                               quality): written last
 
 One file per shard instead of one per image: a NAS answers a few hundred opens instead of millions of
-metadata round trips, and the dataset's length comes from index.json without listing a folder. Every file
-is written under a temporary name and renamed when complete; index.json last, so a folder without it is
-an unfinished pack. `python -m train.pack --verify DST` re-reads every shard: counts and checksums.
+metadata round trips, and the dataset's length comes from index.json without listing a folder.
+
+--workers N processes read the images (and resize them) while this process writes the shards in the
+folder's order, so the shards are the same bytes whatever N. --max-side N re-encodes (JPEG, --quality) every
+image whose longer side is over N, resized to N by torchvision's Resize (bilinear, antialiased); the others
+keep their own bytes. A progress line shows the images done, their rate and the time left.
+
+Every file is written under a temporary name and renamed when complete; DST/.pack-journal.jsonl records
+the settings and each finished shard. A pack stopped at any moment (kill -9, a lost node) continues from
+its finished shards when the same command runs again; index.json comes last, so a folder without it is an
+unfinished pack. `python -m train.pack --verify DST` re-reads every shard: counts and checksums.
 
 The `shards` dataset (train/data/folders.py, ShardSplit: --dataset shards --data-dir DST) reads a sample by its
 offset, so the sampler, the per-sample seeds, exact mid-epoch resume and the validation split work as with
@@ -21,28 +30,55 @@ the loose files.
 from __future__ import annotations
 
 import argparse
+import array
 import hashlib
 import io
 import json
+import multiprocessing
 import os
+import re
+import signal
 import sys
 import tarfile
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import TextIO
 
 import torch
+from PIL import Image
 
-from train.runfiles import atomic_write
+from train import vision
 from train.data import check_imagefolder, read_idx, read_index
-from train.errors import ConfigError, fail
+from train.data.decode import decode
+from train.distributed import usable_cores
+from train.errors import EXIT_FAILED, ConfigError, DataError, fail
+from train.progress import Progress
+from train.runfiles import atomic_write, fsync_dir
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
+SPLITS = ("train", "val")
+QUALITY = 90  # the JPEG quality of a resized image unless --quality says otherwise
+CHUNK = 8  # images per task handed to a worker: few round trips for small files, little memory for big ones
+JOURNAL = ".pack-journal.jsonl"
+# What a pack writes in DST (and, with a leading dot and a .tmp ending, its temporary files)
+OURS = re.compile(rf"({'|'.join(SPLITS)})(-\d{{6}}\.tar(\.idx)?|\.json)|index\.json|{re.escape(JOURNAL)}")
+TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(\.\d+)?")
 
 
-def _files(split_dir: Path) -> tuple[list[str], list[tuple[Path, int]]]:
+def _files(split_dir: Path, progress: Progress) -> tuple[list[str], list[tuple[Path, int]]]:
+    """(classes, [(image, label)]) in ImageFolder's order."""
     classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
-    samples = [(path, label) for label, name in enumerate(classes)
-               for path in sorted((split_dir / name).rglob("*")) if path.suffix.lower() in IMAGE_SUFFIXES]
+    samples = []
+    for label, name in enumerate(classes):
+        paths = []
+        for path in (split_dir / name).rglob("*"):  # on a NAS, a few thousand a second: counted as they come
+            paths.append(path)
+            progress.advance()
+        samples += [(path, label) for path in sorted(paths) if path.suffix.lower() in IMAGE_SUFFIXES]
     return classes, samples
 
 
@@ -54,37 +90,6 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
     return tar.offset - tarfile.BLOCKSIZE * ((len(data) + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE)
 
 
-def pack_split(src: Path, dst: Path, split: str, shard_bytes: int = SHARD_BYTES) -> dict:
-    classes, samples = _files(src / split)
-    if not samples:
-        raise ConfigError(f"{src / split} has no images: put images in {src / split}/<class>/")
-    shards, start = [], 0
-    while start < len(samples):
-        name = f"{split}-{len(shards):06d}.tar"
-        tmp = dst / f".{name}.tmp"
-        rows, size = [], 0
-        with open(tmp, "wb") as f:
-            with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-                while start < len(samples) and (not rows or size < shard_bytes):
-                    path, label = samples[start]
-                    key = f"{start:09d}"
-                    data = path.read_bytes()
-                    offset = _member(tar, f"{key}{path.suffix.lower()}", data)
-                    _member(tar, f"{key}.cls", str(label).encode())
-                    rows.append((offset, len(data), label))
-                    size, start = size + len(data), start + 1
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst / name)
-        atomic_write(dst / f"{name}.idx", torch.tensor(rows, dtype=torch.int64).numpy().tobytes())
-        shards.append({"name": name, "samples": len(rows), "bytes": (dst / name).stat().st_size,
-                       "sha256": _sha256(dst / name)})
-    wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
-            "shardlist": [{"url": s["name"], "nsamples": s["samples"]} for s in shards]}
-    atomic_write(dst / f"{split}.json", json.dumps(wids, indent=1).encode())
-    return {"classes": classes, "samples": len(samples), "shards": shards}
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -93,14 +98,265 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES) -> dict:
-    check_imagefolder(src)
+# ---------------------------------------------------------------- one image, in a worker
+
+def shrink(image: torch.Tensor, max_side: int) -> torch.Tensor:
+    """A uint8 image (C x H x W) with its longer side brought down to max_side: torchvision's
+    Resize(size=None, max_size=max_side), bilinear and antialiased."""
+    return vision.v2.functional.resize(image, size=None, max_size=max_side, antialias=True)
+
+
+def _longer_side(data: bytes, path: Path) -> int:
+    """From the image's header (PIL reads no pixels for it); decoded where PIL cannot read the header."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return max(image.size)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return max(decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(path)).shape[1:])
+
+
+def prepared(path: Path, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
+    """The image as its shard holds it: (bytes, member suffix, whether it was resized). Without max_side, or
+    with its longer side at most max_side, the file's own bytes; else decoded as training decodes it,
+    shrunk and encoded as a JPEG."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
+                        f"same command to continue the pack") from None
+    if max_side is None or _longer_side(data, path) <= max_side:
+        return data, path.suffix.lower(), False
+    image = shrink(decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(path)), max_side)
+    return bytes(vision.io.encode_jpeg(image, quality=quality).numpy()), ".jpg", True
+
+
+def prepare_chunk(paths: list[Path], max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
+    return [prepared(path, max_side, quality) for path in paths]
+
+
+def _worker_start() -> None:
+    torch.set_num_threads(1)  # one core per worker: WORKERS=N uses N cores
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the pack in its main process alone
+
+
+class Workers:
+    """`count` processes that prepare the images (read, and resize with max_side), handed back in order;
+    with count 1, this process at one thread. A few chunks per worker are in flight, not the whole split."""
+
+    def __init__(self, count: int, max_side: int | None, quality: int | None):
+        self.count, self.max_side, self.quality = count, max_side, quality
+        self.pool: ProcessPoolExecutor | None = None
+        self.threads = torch.get_num_threads()
+
+    def __enter__(self) -> Workers:
+        if self.count > 1:
+            if self.max_side:
+                vision.preload("io", "v2")
+            # Forked (a fast start): every worker is started by the first submit, before any thread runs here.
+            self.pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=_worker_start)
+            self.pool.submit(int).result()
+        else:
+            torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+        torch.set_num_threads(self.threads)
+
+    def prepared(self, paths: list[Path]) -> Iterator[tuple[bytes, str, bool]]:
+        step = max(1, min(CHUNK, len(paths) // (4 * self.count)))  # a few chunks per worker, even for a few images
+        chunks = (paths[i:i + step] for i in range(0, len(paths), step))
+        if self.pool is None:
+            for chunk in chunks:
+                yield from prepare_chunk(chunk, self.max_side, self.quality)
+            return
+        pending: deque = deque()
+        try:
+            for chunk in chunks:
+                pending.append(self.pool.submit(prepare_chunk, chunk, self.max_side, self.quality))
+                if len(pending) >= 2 * self.count:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+# ---------------------------------------------------------------- the journal: continuing a stopped pack
+
+def _settings_differ(was: dict, now: dict) -> list[str]:
+    """What differs between a stopped pack's settings and this command's, as the knobs name it."""
+    differ = []
+    for key, knob in (("max_side", "MAX_SIDE"), ("quality", "QUALITY")):
+        if was.get(key) != now[key]:
+            before = f"{knob}={was[key]}" if was.get(key) is not None else f"no {knob}"
+            differ.append(f"{before} (now {now[key] if now[key] is not None else 'none'})")
+    if was.get("shard_bytes") != now["shard_bytes"]:
+        differ.append(f"--shard-mb {was.get('shard_bytes', 0) / 2**20:g} (now {now['shard_bytes'] / 2**20:g})")
+    if was.get("listing") != now["listing"]:
+        differ.append("another listing of SRC (images added, removed or renamed since)")
+    return differ
+
+
+def read_journal(dst: Path) -> tuple[dict, list[dict]]:
+    """(settings, finished shards in order) from DST's journal; a line cut short by a kill is not a shard."""
+    settings, *lines = (dst / JOURNAL).read_text().split("\n")
+    shards = []
+    for line in lines:
+        try:
+            shards.append(json.loads(line))
+        except ValueError:
+            break
+    return json.loads(settings), shards
+
+
+def _intact(dst: Path, shard: dict) -> bool:
+    """A finished shard still as the journal recorded it (by size: the SHA-256 is for --verify)."""
+    tar, idx = dst / shard["name"], dst / f"{shard['name']}.idx"
+    return tar.is_file() and tar.stat().st_size == shard["bytes"] and idx.is_file() and \
+        idx.stat().st_size == 24 * shard["samples"]
+
+
+def continued(dst: Path, settings: dict) -> list[dict]:
+    """The shards a stopped pack in DST finished, to keep; nothing for a new DST. A stopped pack of other
+    settings, or shards that no journal explains, stop the pack with one line before anything is written."""
+    if not (dst / JOURNAL).is_file():
+        if dst.is_dir() and any(OURS.fullmatch(p.name) for p in dst.iterdir()):
+            raise ConfigError(f"{dst} holds shards but no record of the pack that wrote them (.pack-journal.jsonl): "
+                              f"pick a new DST, or delete the shards first")
+        return []
+    try:
+        was, shards = read_journal(dst)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{dst / JOURNAL} cannot be read ({e}): pick a new DST, or delete DST's shards and "
+                          f"the journal first") from None
+    if differ := _settings_differ(was, settings):
+        raise ConfigError(f"{dst} holds an unfinished pack made with {'; '.join(differ)}: run the command that "
+                          f"started it to finish it, or pick a new DST")
+    kept = []
+    for shard in shards:  # up to the first that is gone or cut short: the pack redoes it and what follows
+        if not _intact(dst, shard):
+            break
+        kept.append(shard)
+    return kept
+
+
+class Journal:
+    """DST/.pack-journal.jsonl: the settings on its first line, then one line per finished shard, appended
+    and fsynced once the shard and its .idx are in place. Removed after index.json is written."""
+
+    def __init__(self, dst: Path, settings: dict, kept: list[dict]):
+        self.path = dst / JOURNAL
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in [settings, *kept]).encode())
+
+    def add(self, shard: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(shard) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- the pack
+
+def write_shard(dst: Path, name: str, items: Iterator[tuple[bytes, str, bool, int, int]]) -> dict:
+    """One shard from items (bytes, suffix, resized, sample index, label): under a temporary name, fsynced,
+    renamed; then its .idx. Returns its record."""
+    tmp = dst / f".{name}.tmp"
+    rows, resized = [], 0
+    with open(tmp, "wb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for data, suffix, was_resized, index, label in items:
+                key = f"{index:09d}"
+                offset = _member(tar, f"{key}{suffix}", data)
+                _member(tar, f"{key}.cls", str(label).encode())
+                rows.append((offset, len(data), label))
+                resized += was_resized
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, dst / name)
+    atomic_write(dst / f"{name}.idx", array.array("q", [v for r in rows for v in r]).tobytes())
+    return {"name": name, "samples": len(rows), "bytes": (dst / name).stat().st_size,
+            "sha256": _sha256(dst / name), "resized": resized}
+
+
+def pack_split(dst: Path, split: str, samples: list[tuple[Path, int]], kept: list[dict], shard_bytes: int,
+               workers: Workers, journal: Journal, progress: Progress) -> list[dict]:
+    """The split's shards after those kept from a stopped pack, cut at about shard_bytes each."""
+    shards = [s for s in kept if s["name"].startswith(f"{split}-")]
+    start = sum(s["samples"] for s in shards)
+    images = workers.prepared([path for path, _ in samples[start:]])
+
+    def items():  # one shard's: at least one image, then until shard_bytes
+        nonlocal start
+        count = size = 0
+        while start < len(samples) and (count == 0 or size < shard_bytes):
+            data, suffix, resized = next(images)
+            yield data, suffix, resized, start, samples[start][1]
+            count, size, start = count + 1, size + len(data), start + 1
+            progress.advance()
+
+    while start < len(samples):
+        shard = write_shard(dst, f"{split}-{len(shards):06d}.tar", items())
+        journal.add(shard)
+        shards.append(shard)
+    wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
+            "shardlist": [{"url": s["name"], "nsamples": s["samples"]} for s in shards]}
+    atomic_write(dst / f"{split}.json", json.dumps(wids, indent=1).encode())
+    return shards
+
+
+def _listing_digest(src: Path, splits: dict) -> str:
+    digest = hashlib.sha256()
+    for split, (_, samples) in splits.items():
+        for path, label in samples:
+            digest.update(f"{split}\t{label}\t{path.relative_to(src).as_posix()}\n".encode())
+    return digest.hexdigest()
+
+
+def _remove_temporary(dst: Path) -> None:
+    """What a stopped pack was writing when it stopped: never a finished file."""
+    for path in dst.iterdir():
+        if (match := TEMPORARY.fullmatch(path.name)) and OURS.fullmatch(match["name"]):
+            path.unlink()
+
+
+def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1, max_side: int | None = None,
+         quality: int | None = None, progress_to: TextIO | None = None, progress_every: float | None = None) -> dict:
+    """Pack src into dst (or continue a stopped pack there); returns the index. progress_to: a stream for the
+    progress line (None: none)."""
     if (dst / "index.json").exists():
         raise ConfigError(f"{dst} already holds a pack: pick a new DST or delete it first")
+    check_imagefolder(src)
+    with Progress(f"listing {src}", unit="files", stream=progress_to, every=progress_every, last=False,
+                  quiet=progress_to is None) as listing:
+        splits = {split: _files(src / split, listing) for split in SPLITS}
+    for split, (_, samples) in splits.items():
+        if not samples:
+            raise ConfigError(f"{src / split} has no images: put images in {src / split}/<class>/")
+    quality = (quality or QUALITY) if max_side else None
+    settings = {"listing": _listing_digest(src, splits), "shard_bytes": shard_bytes, "max_side": max_side,
+                "quality": quality}
+    kept = continued(dst, settings)
     dst.mkdir(parents=True, exist_ok=True)
-    index = {"format": "webdataset", "source": str(src),
-             "splits": {split: pack_split(src, dst, split, shard_bytes) for split in ("train", "val")}}
+    _remove_temporary(dst)
+    journal = Journal(dst, settings, kept)
+    total, done = sum(len(s) for _, s in splits.values()), sum(s["samples"] for s in kept)
+    if kept and progress_to:
+        print(f"continuing the pack in {dst}: {done:,} of {total:,} images already in {len(kept)} shard(s)",
+              file=progress_to)
+    index = {"format": "webdataset", "source": str(src), "max_side": max_side, "quality": quality, "splits": {}}
+    with Workers(workers, max_side, quality) as prepare, \
+            Progress("pack", total, "images", done, progress_to, progress_every, quiet=progress_to is None) as progress:
+        for split, (classes, samples) in splits.items():
+            shards = pack_split(dst, split, samples, kept, shard_bytes, prepare, journal, progress)
+            index["splits"][split] = {"classes": classes, "samples": len(samples), "shards": shards,
+                                      "resized": sum(s["resized"] for s in shards)}
     atomic_write(dst / "index.json", json.dumps(index, indent=1).encode())
+    journal.path.unlink()
+    fsync_dir(dst)
     return index
 
 
@@ -121,13 +377,56 @@ def verify(root: Path) -> list[str]:
     return problems
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(f"{message}: see python -m train.pack --help")
+
+
+def check_knobs(ns: argparse.Namespace) -> None:
+    if not ns.src:
+        raise ConfigError("give the ImageFolder to pack: python -m train.pack SRC DST")
+    if ns.shard_mb <= 0:
+        raise ConfigError(f"--shard-mb must be > 0, got {ns.shard_mb:g}")
+    if ns.workers is not None and ns.workers < 1:
+        raise ConfigError(f"WORKERS={ns.workers}: give 1 or more processes, or leave it unset for every usable "
+                          f"core ({usable_cores()})")
+    if ns.max_side is not None and ns.max_side < 1:
+        raise ConfigError(f"MAX_SIDE={ns.max_side}: give the longest side to keep in pixels (e.g. 512), or leave "
+                          f"it unset to keep the images as they are")
+    if ns.quality is not None and not 1 <= ns.quality <= 100:
+        raise ConfigError(f"QUALITY={ns.quality}: give a JPEG quality from 1 to 100 (default {QUALITY})")
+    if ns.quality is not None and ns.max_side is None:
+        raise ConfigError(f"QUALITY={ns.quality} applies to the images MAX_SIDE resizes: set MAX_SIDE too, or "
+                          f"drop QUALITY")
+
+
+def summary(index: dict, dst: Path, workers: int) -> str:
+    lines = [f"{split}: {info['samples']} images of {len(info['classes'])} classes in {len(info['shards'])} shard(s)"
+             for split, info in index["splits"].items()]
+    if index["max_side"]:
+        resized = sum(info["resized"] for info in index["splits"].values())
+        lines.append(f"{resized} image(s) resized to a longer side of {index['max_side']} px (JPEG quality "
+                     f"{index['quality']}), the others kept as they were")
+    lines.append(f"packed into {dst} by {workers} worker(s): train with --dataset shards --data-dir {dst}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", nargs="?", help="the ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*)")
-    parser.add_argument("dst", help="the folder for the shards (new, or without index.json)")
-    parser.add_argument("--shard-mb", type=int, default=SHARD_BYTES // 2**20, help="about this many MiB per shard")
+    parser.add_argument("dst", help="the folder for the shards (new, or a stopped pack's to continue it)")
+    parser.add_argument("--workers", type=int, help="processes that read and resize the images (default: every "
+                                                    "usable core)")
+    parser.add_argument("--max-side", type=int, help="re-encode every image whose longer side is over this many "
+                                                     "pixels, resized down to it (default: keep every image)")
+    parser.add_argument("--quality", type=int, help=f"the JPEG quality of the resized images (default {QUALITY})")
+    parser.add_argument("--shard-mb", type=float, default=SHARD_BYTES // 2**20,
+                        help="about this many MiB per shard")
     parser.add_argument("--verify", action="store_true", help="check DST's shards (counts, SHA-256) and exit")
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(str(e))
     try:
         if ns.verify:
             problems = verify(Path(ns.dst))
@@ -136,16 +435,20 @@ def main(argv: list[str]) -> int:
             if not problems:
                 print(f"{ns.dst}: every shard complete and verified")
             return 1 if problems else 0
-        if not ns.src:
-            return fail("give the ImageFolder to pack: python -m train.pack SRC DST")
-        if ns.shard_mb <= 0:
-            return fail(f"--shard-mb must be > 0, got {ns.shard_mb}")
-        index = pack(Path(ns.src), Path(ns.dst), ns.shard_mb * 2**20)
+        check_knobs(ns)
+        workers = ns.workers or usable_cores()
+        index = pack(Path(ns.src), Path(ns.dst), int(ns.shard_mb * 2**20), workers, ns.max_side, ns.quality,
+                     progress_to=sys.stderr)
     except ConfigError as e:
         return fail(str(e))
-    for split, info in index["splits"].items():
-        print(f"{split}: {info['samples']} images of {len(info['classes'])} classes in {len(info['shards'])} shard(s)")
-    print(f"packed into {ns.dst}: train with --dataset shards --data-dir {ns.dst}")
+    except BrokenProcessPool:  # a worker killed: by the OOM killer on a huge image, or by hand
+        print(f"error: a pack worker died (killed, or out of memory): run the same command to continue the pack "
+              f"in {ns.dst}, with fewer WORKERS if memory is short", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"pack stopped: run the same command to continue it in {ns.dst}", file=sys.stderr)
+        return 130
+    print(summary(index, Path(ns.dst), workers))
     return 0
 
 

@@ -26,7 +26,8 @@ from train import checkpoint as ckpt
 from train import runfiles
 from train.checks import check_same_model, not_writable
 from train.config import Config, launch_run_dir
-from train.data import build_datasets, build_train_loader, build_val_loader, class_names, prepare_inputs, relayout
+from train.data import (build_datasets, build_train_loader, build_val_loader, class_names, packed_with,
+                        prepare_inputs, relayout)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
 from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
@@ -544,6 +545,8 @@ class Trainer:
                      run_dir, self.world, self.launcher, self.device.type, self.max_steps, self.steps_per_epoch,
                      self.world * cfg.batch_size * cfg.grad_accum,
                      str(self.autocast_dtype or "fp32").replace("torch.", ""))
+            if cfg.dataset == "shards":
+                log.info("data: %s", packed_with(Path(cfg.data_dir)))
             if self.device.type == "cuda" and not cfg.deterministic:  # said once, where it applies
                 log.info("note: on CUDA, a resumed or restarted run equals an uninterrupted one bit for bit only with "
                          "--deterministic (cuDNN and cuBLAS pick non-deterministic kernels otherwise, so even two "

@@ -28,6 +28,12 @@ def __getattr__(name: str):
     return module
 
 
+def preload(*names: str) -> None:
+    """Import these modules now: a process about to fork workers that use them, so that each need not."""
+    for name in names:
+        __getattr__(name)
+
+
 def named_weights(model: str, weights: str):
     """The torchvision weights enum entry that --weights names for --model (DEFAULT: the model's default), or
     None for a file (an existing path, or one that looks like a path)."""

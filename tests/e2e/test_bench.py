@@ -20,7 +20,9 @@ CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction p
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
             "persistent workers", "checkpoint save", "checkpoint load",
             "train pipeline, one loader worker", "eval pipeline, one loader worker",
-            "packed shards: time to the first batch", "packed shards: samples/s over an epoch")
+            "packed shards: time to the first batch", "packed shards: samples/s over an epoch",
+            "camera-sized photos, train pipeline on one core: shards packed with MAX_SIDE=512 / loose originals",
+            "make pack MAX_SIDE=512 of camera-sized photos: images/s with")
 
 
 def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
@@ -47,6 +49,11 @@ def test_make_bench_measures_and_reports_every_cpu_row(tmp_path):
     assert len(photos) == 24
     with Image.open(photos[0]) as photo:  # ImageNet-sized JPEGs, cut from real photographs
         assert photo.format == "JPEG" and sorted(photo.size) == [375, 500]
+    camera = sorted((out / "camera").rglob("*.jpg"))
+    assert len(camera) == 6  # 4 to train on, 2 to validate
+    with Image.open(camera[0]) as photo:  # a camera's size, and packed to 512 px for the row that compares them
+        assert photo.format == "JPEG" and 3000 <= max(photo.size) <= 4000
+    assert json.loads((out / "camera-512-1" / "index.json").read_text())["max_side"] == 512
     with Image.open(out / "scaling.png") as chart:
         assert chart.format == "PNG" and chart.size[0] > 300
     assert set(report["scaling_samples_per_s"]) >= {"1 rank x 1 thread", "2 ranks x 1 thread"}

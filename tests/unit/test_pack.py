@@ -1,21 +1,33 @@
 """make pack's shards: the WebDataset layout other tools read, an index for random access, atomic and
-verifiable; and the shards dataset, which must give exactly the batches of the loose files it came from."""
+verifiable; and the shards dataset, which must give exactly the batches of the loose files it came from.
+Packing with workers, resizing (--max-side) and continuing a stopped pack, in this process
+(tests/e2e/test_pack.py kills a running one)."""
 
+import io
 import json
+import multiprocessing
+import os
+import re
 import shutil
+import signal
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
+from train import vision
 from train.bench.photos import make_photos
 from train.config import parse_config
 from train.data import ShardSplit, build_datasets, build_train_loader, build_val_loader
+from train.data.decode import load_image
+from train.distributed import usable_cores
 from train.errors import ConfigError, DataError
+from train.pack import JOURNAL, pack, shrink, verify
 from train.pack import main as pack_main
-from train.pack import pack, verify
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +130,166 @@ def test_pack_refuses_to_overwrite_and_an_unfinished_pack_is_named(folder, packe
     assert "already holds a pack: pick a new DST or delete it first" in capsys.readouterr().err
     unfinished = tmp_path / "half"
     unfinished.mkdir()
-    with pytest.raises(ConfigError, match="index.json is missing: pack an ImageFolder with `make pack"):
+    with pytest.raises(ConfigError, match="index.json is missing: pack an ImageFolder with `make pack.*an unfinished "
+                                          "pack: the same command continues it"):
         ShardSplit(unfinished, "train")
     assert pack_main(["--verify", str(packed)]) == 0
+
+
+# ---------------------------------------------------------------- workers, --max-side, continuing
+
+SMALL_SHARDS = 40_000  # a few resized photos per shard
+
+
+@pytest.fixture(scope="module")
+def resized(folder, tmp_path_factory) -> tuple[Path, str]:
+    """The folder packed with --max-side 256 by 3 worker processes, and its progress lines."""
+    dst = tmp_path_factory.mktemp("resized") / "shards"
+    lines = io.StringIO()
+    pack(folder, dst, SMALL_SHARDS, workers=3, max_side=256, progress_to=lines, progress_every=0.02)
+    return dst, lines.getvalue()
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+
+
+def members(root: Path, split: str) -> list[tuple[str, bytes]]:
+    """Every image member of a split's shards, in order: (name, bytes)."""
+    out = []
+    for shard in json.loads((root / "index.json").read_text())["splits"][split]["shards"]:
+        with tarfile.open(root / shard["name"]) as tar:
+            out += [(m.name, tar.extractfile(m).read()) for m in tar.getmembers() if not m.name.endswith(".cls")]
+    return out
+
+
+def test_packing_is_exact_whatever_the_workers(folder, resized, tmp_path):
+    one = tmp_path / "one"
+    pack(folder, one, SMALL_SHARDS, workers=1, max_side=256)
+    by_one, by_three = files_of(one), files_of(resized[0])
+    assert sum(name.endswith(".tar") for name in by_one) >= 6
+    assert by_one.keys() == by_three.keys()
+    for name in by_one:  # every shard, .idx, wids index and index.json, byte for byte
+        assert by_one[name] == by_three[name], name
+    for split in ("train", "val"):  # and the samples are the folder's, in its order, with its labels
+        names = [name for name, _ in members(one, split)]
+        labels = [label for _, label in ShardSplit(one, split)]
+        loose = sorted((p for p in (folder / split).rglob("*") if p.is_file() and not p.name.startswith(".")),
+                       key=lambda p: (p.parent.name, p.name))
+        assert [n.split(".")[0] for n in names] == [f"{i:09d}" for i in range(len(loose))]
+        assert labels == [int(p.parent.name[-1]) for p in loose]
+
+
+def test_max_side_resizes_as_torchvision_resize_and_keeps_smaller_images_as_they_are(folder, resized):
+    dst = resized[0]
+    index = json.loads((dst / "index.json").read_text())
+    assert (index["max_side"], index["quality"]) == (256, 90)  # the settings, recorded
+    resize = vision.v2.Resize(size=None, max_size=256, antialias=True)  # torchvision's own transform
+    kept = 0
+    for split in ("train", "val"):
+        loose = sorted((p for p in (folder / split).rglob("*") if p.is_file() and not p.name.startswith(".")),
+                       key=lambda p: (p.parent.name, p.name))
+        packed = members(dst, split)
+        assert len(packed) == len(loose)
+        for path, (name, data) in zip(loose, packed, strict=True):
+            original = load_image(str(path))  # decoded as training decodes the loose file
+            if max(original.shape[1:]) <= 256:  # the 60 x 45 PNG: its own bytes, its own format
+                assert name.endswith(path.suffix) and data == path.read_bytes()
+                kept += 1
+                continue
+            expected = resize(original)
+            assert max(expected.shape[1:]) == 256
+            assert torch.equal(shrink(original, 256), expected)  # the pixels before encoding: Resize's, exactly
+            assert name.endswith(".jpg") and data == bytes(vision.io.encode_jpeg(expected, quality=90).numpy())
+        assert index["splits"][split]["resized"] == len(loose) - 1
+    assert kept == 2
+
+
+def test_the_progress_line_comes_every_period_while_a_pack_runs(resized):
+    lines = resized[1].splitlines()
+    periodic = [line for line in lines if re.fullmatch(r"pack: \d+/34 images \(.*%\), [\d.,]+ images/s, ETA .*", line)]
+    assert len(periodic) >= 2, lines
+    assert re.fullmatch(r"pack: 34/34 images \(100\.0%\), [\d.,]+ images/s, \d+ s", lines[-1]), lines
+    assert len(lines) < 200  # a line per period, not per image
+
+
+def test_a_pack_stopped_by_a_bad_image_continues_where_it_stopped(folder, tmp_path, capsys):
+    src, dst = tmp_path / "src", tmp_path / "shards"
+    shutil.copytree(folder, src)
+    bad = src / "train" / "class1" / "zz.jpg"  # in the middle of the train split
+    bad.write_bytes(b"not an image")
+    args = [str(src), str(dst), "--workers", "2", "--max-side", "256", "--shard-mb", str(SMALL_SHARDS / 2**20)]
+    assert pack_main(args) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"error: cannot read image {bad} (") and "run the same command" in err[-1]
+    assert not (dst / "index.json").exists()
+    finished = [json.loads(line)["name"] for line in (dst / JOURNAL).read_text().splitlines()[1:]]
+    assert len(finished) >= 3
+    stamps = {name: ((dst / name).stat().st_ino, (dst / name).stat().st_mtime_ns) for name in finished}
+
+    before = files_of(dst)
+    other = {"--max-side 128": "MAX_SIDE=256 (now 128)", "--quality 80": "QUALITY=90 (now 80)",
+             "--shard-mb 1": "--shard-mb 0.038147 (now 1)"}
+    for flags, named in other.items():
+        assert pack_main([*args, *flags.split()]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {dst} holds an unfinished pack made with ")
+        assert named in err[0] and err[0].endswith("run the command that started it to finish it, or pick a new DST")
+    shutil.copy(next((src / "train" / "class0").iterdir()), src / "train" / "class0" / "new.jpg")
+    assert pack_main(args) == 2
+    assert "another listing of SRC (images added, removed or renamed since)" in capsys.readouterr().err
+    (src / "train" / "class0" / "new.jpg").unlink()
+    assert files_of(dst) == before  # a refusal writes nothing
+
+    shutil.copy(next((src / "train" / "class1").iterdir()), bad)  # the image replaced: the same command,
+    assert pack_main(args[:2] + args[4:]) == 0  # here without --workers: every usable core, the same shards
+    out, err = capsys.readouterr()
+    assert f"continuing the pack in {dst}: " in err and f"by {usable_cores()} worker(s)" in out
+    assert {name: ((dst / name).stat().st_ino, (dst / name).stat().st_mtime_ns) for name in finished} == stamps
+    assert verify(dst) == [] and not list(dst.glob(".*"))
+    whole = tmp_path / "whole"
+    pack(src, whole, SMALL_SHARDS, workers=1, max_side=256)
+    assert files_of(dst) == files_of(whole)
+
+
+def test_bad_pack_knobs_are_one_line(folder, tmp_path, capsys):
+    dst = tmp_path / "shards"
+    for flags, says in ((["--workers", "0"], "WORKERS=0: give 1 or more processes"),
+                        (["--max-side", "0"], "MAX_SIDE=0: give the longest side to keep in pixels"),
+                        (["--max-side", "512", "--quality", "101"], "QUALITY=101: give a JPEG quality from 1 to 100"),
+                        (["--quality", "80"], "QUALITY=80 applies to the images MAX_SIDE resizes: set MAX_SIDE"),
+                        (["--max-side", "big"], "argument --max-side: invalid int value: 'big'")):
+        assert pack_main([str(folder), str(dst), *flags]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert not dst.exists()
+    (dst).mkdir()
+    (dst / "train-000000.tar").write_bytes(b"someone's")  # shards that no journal explains: never overwritten
+    assert pack_main([str(folder), str(dst)]) == 2
+    assert "holds shards but no record of the pack that wrote them" in capsys.readouterr().err
+    assert (dst / "train-000000.tar").read_bytes() == b"someone's"
+
+
+def test_a_worker_killed_mid_pack_is_one_line_and_the_same_command_continues(folder, tmp_path, capsys):
+    dst = tmp_path / "shards"
+    args = [str(folder), str(dst), "--workers", "2", "--max-side", "64", "--shard-mb", str(4_000 / 2**20)]
+
+    def kill_a_worker():  # as the OOM killer would, once the pack has finished a shard
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (dst / JOURNAL).is_file() and len((dst / JOURNAL).read_text().splitlines()) >= 2:
+                os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.001)
+
+    killer = threading.Thread(target=kill_a_worker)
+    killer.start()
+    code = pack_main(args)
+    killer.join()
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and err[-1] == f"error: a pack worker died (killed, or out of memory): run the same command to " \
+        f"continue the pack in {dst}, with fewer WORKERS if memory is short"
+    assert pack_main(args) == 0 and "continuing the pack in" in capsys.readouterr().err
+    whole = tmp_path / "whole"
+    pack(folder, whole, 4_000, workers=1, max_side=64)
+    assert files_of(dst) == files_of(whole)

@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from train.bench.arms import bare_main
+from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
@@ -55,11 +56,11 @@ def table(rows: list[dict], header: str) -> str:
 SIZES = {
     "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
              "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80,
-             "photos": 600, "many_files": 50_000, "gpu_photos": 5120,
+             "photos": 600, "many_files": 50_000, "gpu_photos": 5120, "camera_photos": 40,
              "quick": False},
     "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
               "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
-              "photos": 24, "many_files": 600, "gpu_photos": 64,
+              "photos": 24, "many_files": 600, "gpu_photos": 64, "camera_photos": 4,
               "quick": True},
 }
 
@@ -109,6 +110,7 @@ def main(argv: list[str]) -> int:
         rows = [*loop, *comm_rows(out, size), *exactness, *recipe]
         rows += pipeline_rows(out, size, ns.rounds)
         rows += photo_rows(out, size, ns.rounds)
+        rows += camera_rows(out, size, ns.rounds)
         rows += shard_rows(out, size, ns.rounds)
         rows += checkpoint_rows(out, size, ns.rounds)
         chart(out / "scaling.png", bars)

@@ -11,7 +11,7 @@ This face hands on what the rest of trainbox uses.
 """
 
 from train.data.decode import DeviceDecoder, load_image
-from train.data.folders import ShardSplit, check_cifar, check_imagefolder, read_idx, read_index
+from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packed_with, read_idx, read_index
 from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names,
                                 default_num_workers)
 from train.data.samplers import SeededSample, ShardSampler, describe_sampler, relayout, samples_per_rank
@@ -21,5 +21,5 @@ from train.data.transforms import eval_resize, eval_steps, image_transforms, pre
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
            "class_names", "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms",
-           "load_image", "make_shapes", "prepare_inputs", "preprocessing", "read_idx", "read_index", "relayout",
-           "samples_per_rank"]
+           "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
+           "relayout", "samples_per_rank"]

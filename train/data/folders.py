@@ -52,9 +52,19 @@ def read_index(root: Path) -> dict:
         return json.loads((root / "index.json").read_text())
     except FileNotFoundError:
         raise ConfigError(f"{root}/index.json is missing: pack an ImageFolder with `make pack SRC=... DST={root}` "
-                          f"(a folder without it is an unfinished pack)") from None
+                          f"(a folder without it is an unfinished pack: the same command continues it)") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{root}/index.json cannot be read ({e}): pack the dataset again") from None
+
+
+def packed_with(root: Path) -> str:
+    """The settings a pack's images were stored with (index.json's max_side and quality), said once at a run's
+    start: what the model trains on may be smaller than the photos it came from."""
+    index = read_index(root)
+    if index.get("max_side"):
+        return (f"shards in {root}: packed with MAX_SIDE={index['max_side']} QUALITY={index['quality']} (every image "
+                f"whose longer side was over {index['max_side']} px resized to it and re-encoded as JPEG)")
+    return f"shards in {root}: packed with the images as they were (no MAX_SIDE)"
 
 
 def read_idx(shard: Path) -> torch.Tensor:

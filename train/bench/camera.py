@@ -1,0 +1,100 @@
+"""Photos at a camera's size (3000-4000 px), made here (no download), and what `make pack MAX_SIDE=512` gains.
+
+The photos are a random 4:3 or 3:4 box of the sample photographs photos.py uses, enlarged so that the
+longer side is 3000 to 4000 px, as a phone or a camera takes them, and saved as JPEG at quality 90-95.
+Enlarged, they hold less detail than a camera's own (about 1 MB where a camera writes 3-5 MB), but their
+decoding takes as long: it grows with the pixels.
+
+The rows: the train pipeline (decode, RandomResizedCrop 224 + flip) on one core, as a loader worker runs it,
+on the loose originals and on their shards packed with MAX_SIDE=512; and the pack's own images per second
+with one worker and with every usable core.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from train.bench.arms import median, row
+from train.bench.photos import images_per_s, sample_photos
+from train.config import parse_config
+from train.data import ShardSplit, image_transforms, load_image
+from train.data.decode import decode
+from train.distributed import usable_cores
+from train.pack import pack
+
+MAX_SIDE = 512
+
+
+def make_camera_photos(root: Path, count: int, classes: int = 2, seed: int = 0,
+                       longer: tuple[int, int] = (3000, 4000)) -> list[Path]:
+    """count JPEGs under root/<class>/ (an ImageFolder split) with their longer side in `longer`, a pure
+    function of the arguments."""
+    done = root / f".complete-{count}-{classes}-{seed}-{longer[0]}-{longer[1]}"
+    paths = [root / f"class{i % classes}" / f"{i:06d}.jpg" for i in range(count)]
+    if done.exists():
+        return paths
+    rng = random.Random(seed)
+    sources = [Image.open(path).convert("RGB") for path in sample_photos()]
+    for i, path in enumerate(paths):
+        source = sources[i % len(sources)]
+        side = rng.randint(*longer)
+        width, height = (side, side * 3 // 4) if rng.random() < 0.75 else (side * 3 // 4, side)
+        largest = min(source.width, source.height * width / height)  # the widest box of that shape
+        box_w = rng.uniform(largest / 2, largest)
+        box_h = box_w * height / width
+        x0, y0 = rng.uniform(0, source.width - box_w), rng.uniform(0, source.height - box_h)
+        photo = source.resize((width, height), Image.Resampling.BICUBIC, box=(x0, y0, x0 + box_w, y0 + box_h))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        photo.save(path, quality=rng.randint(90, 95))
+    done.touch()
+    return paths
+
+
+def camera_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    src = out / "camera"
+    paths = make_camera_photos(src / "train", size["camera_photos"])
+    make_camera_photos(src / "val", 2, seed=1)
+    megabytes = sum(p.stat().st_size for p in paths) / len(paths) / 2**20
+    cores = usable_cores()
+    packed = {1: [], cores: []}
+    for _ in range(rounds):  # the pack's throughput: every image read, resized, encoded and written
+        for workers in packed:
+            dst = out / f"camera-{MAX_SIDE}-{workers}"
+            shutil.rmtree(dst, ignore_errors=True)
+            start = time.perf_counter()
+            pack(src, dst, workers=workers, max_side=MAX_SIDE)
+            packed[workers].append((len(paths) + 2) / (time.perf_counter() - start))
+    shards = ShardSplit(out / f"camera-{MAX_SIDE}-1", "train")
+    transform = image_transforms(parse_config(["--dataset", "imagefolder", "--image-size", "224"]), True)
+    loose = lambda path: transform(load_image(str(path)))  # noqa: E731
+    small = lambda i: transform(decode(shards[i][0], shards.name(i)))  # noqa: E731
+    for path in paths:  # into the page cache: the rows time decoding, not the disk
+        path.read_bytes()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a DataLoader worker's setting
+    speeds = {"loose": [], "packed": []}
+    try:
+        for _ in range(rounds):
+            speeds["loose"].append(images_per_s(loose, paths))
+            speeds["packed"].append(images_per_s(small, range(len(shards))))
+    finally:
+        torch.set_num_threads(threads)
+    gain = [p / lo for p, lo in zip(speeds["packed"], speeds["loose"], strict=True)]
+    scaling = [n / one for one, n in zip(packed[1], packed[cores], strict=True)]
+    kilobytes = sum(int(rows[:, 1].sum()) for rows in shards.rows) / len(shards) / 1024
+    return [
+        row(f"camera-sized photos, train pipeline on one core: shards packed with MAX_SIDE={MAX_SIDE} / loose "
+            f"originals (images/s)", gain,
+            f"RandomResizedCrop 224 + flip; loose {median(speeds['loose']):.1f}/s ({len(paths)} JPEGs of 3000-4000 "
+            f"px, {megabytes:.1f} MB each), packed {median(speeds['packed']):.1f}/s (512 px, {kilobytes:.0f} KB "
+            f"each in the shards)"),
+        row(f"make pack MAX_SIDE={MAX_SIDE} of camera-sized photos: images/s with {cores} workers / with 1",
+            scaling, f"1 worker {median(packed[1]):.1f}/s, {cores} workers {median(packed[cores]):.1f}/s "
+                     f"(read, decode, resize, encode, write)"),
+    ]
