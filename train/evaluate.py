@@ -117,7 +117,7 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, l
         raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
                           f"best.pt or a checkpoint of the run") from None
     state = state.get("model", state) if isinstance(state, dict) else state
-    return cfg, json.loads(classes.read_text()), state, path
+    return cfg, classes, state, path
 
 
 @dataclass
