@@ -94,8 +94,9 @@ def draw_per_class(ax: plt.Axes, record: dict) -> None:
     ax.set_xlabel(f"top-1 accuracy of the class (%); dashed: of all classes, {100 * record['accuracy']:.1f}%")
     ax.axvline(100 * record["accuracy"], color="black", linestyle="--", linewidth=1)
     if len(shown) <= 30:
-        for i, v in enumerate(values):
-            ax.text(min(v + 1, 88), i, f"{v:.1f}", va="center", fontsize=8)
+        for i, v in enumerate(values):  # beside the bar, or inside a long one
+            ax.text(v + 1 if v < 85 else v - 1, i, f"{v:.1f}", va="center", ha="left" if v < 85 else "right",
+                    fontsize=8, color="black" if v < 85 else "white")
     what = "worst first" if len(shown) == len(scored) else f"the {len(shown)} worst of {count} classes"
     ax.set_title(f"per-class accuracy, {what}", fontsize=11)
 
