@@ -221,8 +221,9 @@ def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_p
 
 def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_path):
     """A run tracked in MLflow: the evaluation's scores as metrics eval-<checkpoint>/..., its JSON and PNG as
-    artifacts in eval-<checkpoint>/, in the run's own MLflow run. A server that does not answer is one warning, and
-    the files are written all the same; an untracked run sends nothing."""
+    artifacts in eval-<checkpoint>/, in the run's own MLflow run, on the server MLFLOW_TRACKING_URI names, else the
+    one the run was tracked at. A server that does not answer is one warning, and the files are written all the
+    same; an untracked run sends nothing."""
     from mlflow import MlflowClient
 
     env = tracked_env(mlflow_server.uri, tmp_path)
@@ -240,6 +241,10 @@ def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_pat
                                                                                   "eval-best/eval-best.png"]
     sent = client.download_artifacts(run_id, "eval-best/eval-best.png", str(tmp_path))
     assert open(sent, "rb").read() == (run_dir / "eval-best.png").read_bytes()
+    untold = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}  # the server the run was tracked at
+    run([PY, "-m", "train.evaluate", str(run_dir)], env=untold)
+    assert client.get_run(run_id).data.metrics["eval-model/accuracy"] == \
+        json.loads((run_dir / "eval-model.json").read_text())["accuracy"]
 
     os.remove(run_dir / "eval-best.json")
     down = run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best"],

@@ -1,6 +1,7 @@
 """make export / python -m train.export: a run's model for a process that has torch alone, or ONNX Runtime alone."""
 
 import json
+import re
 import shutil
 import sys
 
@@ -39,7 +40,14 @@ outputs = [session.run(None, {images.name: b})[0] for b in (batch, batch[:1], ba
 np.savez(sys.argv[3], *outputs)
 print(json.dumps({"input": [images.name, images.shape], "output": [logits.name, logits.shape]}))
 """
-ONNX_PY = REPO / ".venv-onnx" / "bin" / "python"
+
+
+def _pins(lock) -> dict[str, set[str]]:
+    """A lock file's pins: each package's versions, with their markers."""
+    found: dict[str, set[str]] = {}
+    for name, pin in re.findall(r"^([A-Za-z0-9._-]+)==([^\\\n]+?) *\\$", lock.read_text(), re.MULTILINE):
+        found.setdefault(name.lower(), set()).add(pin)
+    return found
 
 
 def _validation_batch(tmp_path):
@@ -84,18 +92,25 @@ def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(referenc
 
 
 def test_onnx_export_runs_in_onnx_runtime_alone_and_equals_the_eager_model(reference_run, tmp_path):
-    """make export FORMAT=onnx: .venv-onnx installed on first use from docker/onnx.lock, .venv unchanged; best.onnx
-    and model.onnx, each run by ONNX Runtime in a process without torch, equal their eager models within 1e-4 on the
-    validation batch at any batch size, beside the same preprocessing as the .pt2 export."""
-    run_dir = tmp_path / "run"
+    """make export FORMAT=onnx: its environment (ONNX_VENV) installed on first use from docker/onnx.lock, once,
+    .venv unchanged; best.onnx and model.onnx, each run by ONNX Runtime in a process without torch, equal their
+    eager models within 1e-4 on the validation batch at any batch size, beside the same preprocessing as the .pt2."""
+    run_dir, onnx_venv = tmp_path / "run", tmp_path / "venv-onnx"
     shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
-    make("export", f"RUN={run_dir}", "CHECKPOINT=best", "FORMAT=onnx")
-    make("export", f"RUN={run_dir}", "FORMAT=onnx")
+    first = make("export", f"RUN={run_dir}", "CHECKPOINT=best", "FORMAT=onnx", f"ONNX_VENV={onnx_venv}")
+    assert f"{onnx_venv}/bin/python -m pip install" in first.stdout and (onnx_venv / ".installed").is_file()
+    again = make("export", f"RUN={run_dir}", "FORMAT=onnx", f"ONNX_VENV={onnx_venv}")
+    assert "pip install" not in again.stdout  # installed once
+    own = sorted(p.name for p in onnx_venv.glob("lib/python*/site-packages/*") if p.suffix not in (".pth",)
+                 and not p.name.endswith(".dist-info") and p.name != "__pycache__")
+    assert {"onnx", "onnxruntime", "onnxscript"} <= set(own) and not {"torch", "numpy", "train"} & set(own)
     make("export", f"RUN={run_dir}")  # model.pt2, whose preprocessing model.onnx.json repeats
-    assert (REPO / ".venv-onnx" / ".installed").is_file()
-    own = "import importlib.util as u; print([n for n in ('onnx', 'onnxscript', 'onnxruntime') if u.find_spec(n)])"
-    assert run([PY, "-c", own]).stdout == "[]\n"  # .venv has none of them, before or after
+    listed = "import importlib.util as u; print([n for n in ('onnx', 'onnxscript', 'onnxruntime') if u.find_spec(n)])"
+    assert run([PY, "-c", listed]).stdout == "[]\n"  # .venv has none of them
     assert "onnx" not in (REPO / "requirements.lock").read_text()  # nor does make setup, nor the image, install them
+    pins = [_pins(REPO / name) for name in ("requirements.lock", "docker/onnx.lock")]
+    shared = pins[0].keys() & pins[1].keys()
+    assert {"numpy", "protobuf"} <= shared and all(pins[0][n] == pins[1][n] for n in shared)  # what both hold: as .venv
     batch, classes = _validation_batch(tmp_path)
     np.save(tmp_path / "batch.npy", batch.numpy())
     outputs = {}
@@ -106,8 +121,8 @@ def test_onnx_export_runs_in_onnx_runtime_alone_and_equals_the_eager_model(refer
         assert {k: v for k, v in record.items() if k not in ("format", "input", "output", "max_batch", "weights")} \
             == {k: v for k, v in pt2.items() if k not in ("format", "max_batch", "weights")}
         assert record["weights"] == str(run_dir / weights) and len(record["classes"]) == 10
-        served = run([str(ONNX_PY), "-I", "-c", ONNX_RUNTIME_ONLY, str(run_dir / name), str(tmp_path / "batch.npy"),
-                      str(tmp_path / "out.npz")])
+        served = run([str(onnx_venv / "bin" / "python"), "-I", "-c", ONNX_RUNTIME_ONLY, str(run_dir / name),
+                      str(tmp_path / "batch.npy"), str(tmp_path / "out.npz")])
         assert json.loads(served.stdout) == {"input": ["images", ["batch", 3, 16, 16]], "output": ["logits",
                                                                                                    ["batch", 10]]}
         with np.load(tmp_path / "out.npz") as saved:
