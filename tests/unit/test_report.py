@@ -1,6 +1,9 @@
 """The evaluation report's figure (train/report.py), read from matplotlib's own objects: what a person sees on it
 for 10 to 1000 classes. tests/e2e/test_evaluate.py checks the figure `make evaluate` writes is this one."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -42,14 +45,18 @@ def test_a_person_reads_the_figure(count):
     record = a_record(count)
     fig = report.figure(record)
     axes = panels(fig)
-    assert fig.get_suptitle().startswith(f"exp1 · best.pt · top-1 {100 * record['accuracy']:.2f}%")
+    assert fig.get_suptitle() == (f"exp1 · best.pt · top-1 {100 * record['accuracy']:.2f}%, top-5 95.00% · "
+                                  f"{40 * count} images, loss 0.9000")
     matrix = np.asarray(record["confusion"])
 
     # the matrix: which axis is the truth, the class names on both up to 50 classes, counts in the cells up to 30
     grid = axes["confusion matrix"]
     assert grid.get_title() == "confusion matrix (rows: the truth)"
-    assert grid.get_ylabel().startswith("true class") and grid.get_xlabel().startswith("predicted class")
     names = count <= report.NAMES_UP_TO
+    axes_say = "" if names else " (index in classes.json)"
+    assert (grid.get_ylabel(), grid.get_xlabel()) == ("true class" + axes_say, "predicted class" + axes_say)
+    shares = matrix / matrix.sum(1, keepdims=True)
+    assert np.allclose(grid.images[0].get_array(), shares)  # each cell's colour: its share of the true class
     assert [t.get_text() for t in grid.get_yticklabels()] == (record["classes"] if names else
                                                               [t.get_text() for t in grid.get_yticklabels()])
     assert ([t.get_text() for t in grid.get_xticklabels()] == record["classes"]) is names
@@ -68,6 +75,8 @@ def test_a_person_reads_the_figure(count):
     assert [p.get_width() for p in bars.patches] == pytest.approx(
         [100 * record["per_class_accuracy"][c] for c in shown])
     assert bars.yaxis_inverted()  # the first, the worst, on top
+    (line,) = bars.lines
+    assert list(line.get_xdata()) == [100 * record["accuracy"]] * 2 and line.get_linestyle() == "--"
 
     # the most confused pairs, a table whatever the class count
     table = axes["most confused pairs"].tables[0]
@@ -86,3 +95,15 @@ def test_the_saved_png_is_the_figure(tmp_path):
     saved = report.plt.imread(tmp_path / "eval.png")
     assert saved.shape[:2] == pixels.shape[:2] and (np.round(saved[..., :3] * 255) == pixels).all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.png"]  # no temporary file left
+
+
+def test_the_pictured_report_is_what_the_report_draws_today(tmp_path):
+    """docs/eval-report.png (README, docs/training.md): what `make evaluate` wrote for a 100-step run of the built-in
+    dataset, beside the record it wrote (docs/eval-report.json); the figure of that record today, pixel for pixel.
+    When the report's drawing changes, the picture is made again."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    record = json.loads((docs / "eval-report.json").read_text())
+    assert record["run"] == "shapes-100-steps" and record["dataset"] == "shapes" and len(record["classes"]) == 10
+    drawn = report.save(report.figure(record), tmp_path / "now.png")
+    pictured = report.plt.imread(docs / "eval-report.png")
+    assert pictured.shape[:2] == drawn.shape[:2] and (np.round(pictured[..., :3] * 255) == drawn).all()
