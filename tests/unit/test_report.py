@@ -52,7 +52,7 @@ def test_a_person_reads_the_figure(count):
     # the matrix: which axis is the truth, the class names on both up to 50 classes, counts in the cells up to 30
     grid = axes["confusion matrix"]
     assert grid.get_title() == "confusion matrix (rows: the truth)"
-    names = count <= report.NAMES_UP_TO
+    names = count <= 50  # the documented limits: names up to 50 classes, counts up to 30, then the 25 worst
     axes_say = "" if names else " (index in classes.json)"
     assert (grid.get_ylabel(), grid.get_xlabel()) == ("true class" + axes_say, "predicted class" + axes_say)
     shares = matrix / matrix.sum(1, keepdims=True)
@@ -61,7 +61,7 @@ def test_a_person_reads_the_figure(count):
                                                               [t.get_text() for t in grid.get_yticklabels()])
     assert ([t.get_text() for t in grid.get_xticklabels()] == record["classes"]) is names
     cells = {(round(t.get_position()[1]), round(t.get_position()[0])): int(t.get_text()) for t in grid.texts}
-    if count <= report.CELL_COUNTS_UP_TO:
+    if count <= 30:
         assert cells == {(int(r), int(c)): int(matrix[r, c]) for r, c in zip(*np.nonzero(matrix), strict=True)}
     else:
         assert cells == {}
@@ -71,7 +71,7 @@ def test_a_person_reads_the_figure(count):
     bars = axes["per-class accuracy"]
     worst_first = sorted(record["classes"], key=lambda c: (record["per_class_accuracy"][c], c))
     shown = [t.get_text() for t in bars.get_yticklabels()]
-    assert shown == (worst_first if names else worst_first[:report.WORST_SHOWN])
+    assert shown == (worst_first if names else worst_first[:25])
     assert [p.get_width() for p in bars.patches] == pytest.approx(
         [100 * record["per_class_accuracy"][c] for c in shown])
     assert bars.yaxis_inverted()  # the first, the worst, on top
