@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -157,9 +157,9 @@ def evaluate_run(job: Job) -> int:
         model.to(device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        progress = Progress(len(loader), f"evaluating {source.name}" + (f" (rank 0's share of {len(val_set)} "
-                            f"images)" if ident.world_size > 1 else f" ({len(val_set)} images)"), unit="batches",
-                            stream=sys.stderr if is_main() else open(os.devnull, "w"))
+        share = f"rank 0's share of {len(val_set)} images" if ident.world_size > 1 else f"{len(val_set)} images"
+        progress = Progress(len(loader), f"evaluating {source.name} ({share})", unit="batches",
+                            every=None if is_main() else math.inf)  # rank 0 alone says how far it got
         try:
             result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
                               progress.update, top5=len(classes) > 5, confusion_of=len(classes),
