@@ -61,6 +61,8 @@ RUN ?=
 CHECKPOINT ?= model
 # ... and, for a run of your own package.module:factory model, that factory (a run folder alone never runs code)
 MODEL ?=
+# `make export`: pt2 (torch.export, for a process with torch) or onnx (ONNX Runtime, TensorRT, ...; adds ONNX_VENV)
+FORMAT ?= pt2
 # The output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
 SQSH ?= trainbox.sqsh
 SIF ?= trainbox.sif
@@ -84,6 +86,8 @@ MLFLOW_BASE_IMAGE ?= python:3.12-slim
 MLFLOW_VENV ?= .venv-mlflow
 # SkyPilot's environment (`make sky-setup`), from tests/skypilot.lock
 SKY_VENV ?= .venv-sky
+# ONNX export's environment (`make onnx-setup`, on the first FORMAT=onnx): .venv's packages plus docker/onnx.lock
+ONNX_VENV ?= .venv-onnx
 # (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
@@ -96,6 +100,11 @@ NEEDS_310 += ; sys.exit(0 if ok else "error: trainbox needs Python >= 3.10, foun
 OLD_PATH_FILE := import os, sysconfig; p = os.path.join(sysconfig.get_paths()["purelib"], "trainbox.pth")
 OLD_PATH_FILE += ; os.path.exists(p) and os.remove(p)
 PIP_EDITABLE := --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -e .
+# ONNX_VENV sees every package of .venv (torch, trainbox) after its own: a path file that adds .venv's site-packages
+# as a site directory. .venv itself never changes, and docker/onnx.lock pins what both hold to requirements.lock's.
+SEES_VENV := import sys, sysconfig, pathlib; own = sysconfig.get_paths()["purelib"]
+SEES_VENV += ; there = sysconfig.get_paths(vars={"base": sys.argv[1], "platbase": sys.argv[1]})["purelib"]
+SEES_VENV += ; pathlib.Path(there, "trainbox-venv.pth").write_text(f"import site; site.addsitedir({own!r})\n")
 # WEIGHTS= (the old name of CHECKPOINT=) given to evaluate or export: one line naming the new, exit 2.
 renamed_weights = $(if $(filter command line environment,$(origin WEIGHTS)),echo "error: WEIGHTS=$(WEIGHTS) is now \
   CHECKPOINT=$(WEIGHTS): make $(1) RUN=$(RUN) CHECKPOINT=$(WEIGHTS)" >&2; exit 2,true)
@@ -122,12 +131,15 @@ LOCK_FLAGS_OTHER := --index https://download.pytorch.org/whl/$(TORCH_FLAVOUR) --
 LOCK_FLAGS := $(if $(filter cu130,$(TORCH_FLAVOUR)),$(LOCK_FLAGS_cu130),$(LOCK_FLAGS_OTHER))
 COMPOSE_RUN := $(COMPOSE) --env-file $(ENV_FILE)
 STAMP := $(VENV)/.installed-$(TORCH_FLAVOUR)
+# FORMAT=onnx exports in ONNX_VENV (installed on first use), any other FORMAT in .venv (train.export checks it)
+EXPORT_VENV := $(if $(filter onnx,$(FORMAT)),$(ONNX_VENV),$(VENV))
+EXPORT_NEEDS := $(STAMP) $(if $(filter onnx,$(FORMAT)),$(ONNX_VENV)/.installed)
 # Compose reads HOST_UID, DATA_DIR, ... from $(ENV_FILE); these come from make's knobs.
 export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench pack evaluate export chaos build image shell \
-  tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+.PHONY: help setup train train-local train-docker test bench pack evaluate export onnx-setup chaos build image \
+  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -173,11 +185,20 @@ evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DA
 	$(PY) -m train.evaluate "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
 	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS)) $(if $(MODEL),--model "$(MODEL)")
 
-export: $(STAMP) ## a run's model for torch alone: RUN=runs/<name> [CHECKPOINT=best] -> RUN/model.pt2 + .json
+export: $(EXPORT_NEEDS) ## ship a run's model: RUN=runs/<name> [CHECKPOINT=best] [FORMAT=onnx] -> RUN/model.pt2 or .onnx
 	@$(call renamed_weights,export)
 	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
 	  >&2; exit 2; }
-	$(PY) -m train.export "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(MODEL),--model "$(MODEL)")
+	$(EXPORT_VENV)/bin/python -m train.export "$(RUN)" --checkpoint "$(CHECKPOINT)" --format "$(FORMAT)" \
+	  $(if $(MODEL),--model "$(MODEL)")
+
+onnx-setup: $(ONNX_VENV)/.installed ## ONNX export's environment: .venv plus docker/onnx.lock in .venv-onnx
+
+$(ONNX_VENV)/.installed: docker/onnx.lock $(STAMP)
+	@test -x $(ONNX_VENV)/bin/python || $(PY) -m venv --without-pip $(ONNX_VENV)
+	@$(PY) -c '$(SEES_VENV)' $(ONNX_VENV)
+	$(ONNX_VENV)/bin/python -m pip install $(PIP_LOCKED) -r docker/onnx.lock
+	@touch $@
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
 	$(PY) -m tests.chaos $(CHAOS_ARGS)
@@ -283,6 +304,8 @@ lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu1
 	  -o docker/mlflow.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/skypilot.in \
 	  -o tests/skypilot.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) docker/onnx.in \
+	  -c requirements.lock -o docker/onnx.lock)
 
 docker/locks/%.lock:
 	@echo "error: $@ is missing: run 'make lock TORCH_FLAVOUR=$*' where download.pytorch.org is reachable," \
@@ -290,7 +313,7 @@ docker/locks/%.lock:
 	@exit 2
 
 clean: ## remove the local environment and caches (runs/ and the image are kept)
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(ONNX_VENV) .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 , := ,

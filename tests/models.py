@@ -1,5 +1,6 @@
 """Model factories for tests, loaded through --model tests.models:NAME like a user's own."""
 
+import torch
 from torch import nn
 
 
@@ -127,3 +128,19 @@ class _BranchesOnItsInput(nn.Module):
 
 def branches_on_its_input(num_classes: int) -> nn.Module:
     return _BranchesOnItsInput(num_classes)
+
+
+class _HasNoOnnxOperator(nn.Module):
+    """A modified Bessel function (torch.special.i0) of its input: torch.export captures it, ONNX has no operator
+    for it."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.net = tiny_groupnorm_cnn(num_classes)
+
+    def forward(self, x):
+        return self.net(torch.special.i0(x) - 1)
+
+
+def has_no_onnx_operator(num_classes: int) -> nn.Module:
+    return _HasNoOnnxOperator(num_classes)

@@ -12,10 +12,12 @@ trainer's evaluations call evaluate() from here, and so does the command, on a f
 
 Every rank scores its shard of the validation set, each sample counted exactly once (no padding), with the
 trainer's own evaluation: on the same data and layout the figures equal the run's final evaluation bit for bit.
-Rank 0 writes OUT (default RUN_DIR/eval-<checkpoint>.json): loss, top-1, top-5 (more than 5 classes), per-class
-accuracy, the confusion matrix (rows: true class, columns: predicted); OUT.png, the matrix as an image; and
-the figures to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>). This module sits below the trainer: it
-imports neither the trainer nor its launcher.
+Rank 0 shows its progress (train/progress.py) and writes OUT (default RUN_DIR/eval-<checkpoint>.json): loss,
+top-1, top-5 (more than 5 classes), per-class accuracy, the most confused pairs, the confusion matrix (rows: true
+class, columns: predicted); OUT.png, the report a person reads (train/report.py: the labelled matrix, per-class
+accuracy worst first, the pairs); the figures and the report to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>),
+and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). This module sits below the trainer: it
+imports neither the trainer nor its launcher, nor matplotlib but in the command's report.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train import vision
 from train.config import Config
 from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
 from train.distributed import identity, init, is_main, teardown
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
-from train.runfiles import read_classes, read_config
+from train.progress import Progress
+from train.runfiles import atomic_write, read_classes, read_config
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
@@ -154,8 +156,15 @@ def evaluate_run(job: Job) -> int:
         model.to(device)
         if cfg.channels_last:
             model.to(memory_format=torch.channels_last)
-        result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
-                          top5=len(classes) > 5, confusion_of=len(classes), norm=normalisation_on(cfg, device))
+        share = f"rank 0's share of {len(val_set)} images" if ident.world_size > 1 else f"{len(val_set)} images"
+        progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
+                            quiet=not is_main()).start()  # rank 0 alone says how far it got
+        try:
+            result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
+                              progress.update, top5=len(classes) > 5, confusion_of=len(classes),
+                              norm=normalisation_on(cfg, device))
+        finally:
+            progress.close()
         if is_main():
             report(job, cfg, classes, source, result)
         clean = True
@@ -165,34 +174,44 @@ def evaluate_run(job: Job) -> int:
 
 
 def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict) -> None:
+    """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary."""
+    from train import report as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
+
     confusion = torch.tensor(result["confusion"])
     per_class = {name: (confusion[i, i] / row).item() if (row := confusion[i].sum()) else None
                  for i, name in enumerate(classes)}
-    figures = {k: result[k] for k in ("loss", "accuracy", "top5", "samples") if k in result}
-    record = {"weights": str(source), "data_dir": cfg.data_dir, "dataset": cfg.dataset, "world_size":
-              identity().world_size, **figures, "per_class_accuracy": per_class, "classes": classes,
-              "confusion": result["confusion"]}
-    job.out.write_text(json.dumps(record, indent=1) + "\n")
-    write_png(confusion, job.out.with_suffix(".png"))
+    scores = {k: result[k] for k in ("loss", "accuracy", "top5", "samples") if k in result}
+    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data_dir,
+              "dataset": cfg.dataset, "world_size": identity().world_size, **scores,
+              "per_class_accuracy": per_class, "confused_pairs": figures.confused_pairs(result["confusion"], classes),
+              "classes": classes, "confusion": result["confusion"]}
+    atomic_write(job.out, (json.dumps(record, indent=1) + "\n").encode())
+    picture = job.out.with_suffix(".png")
+    fig = figures.figure(record)
+    pixels = figures.save(fig, picture)
+    figures.plt.close(fig)
     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - only the evaluation command writes here
 
-    with SummaryWriter(str(job.run_dir / "tensorboard" / f"eval-{Path(job.checkpoint).stem}")) as board:
-        for key, value in figures.items():
+    name = f"eval-{Path(job.checkpoint).stem}"
+    with SummaryWriter(str(job.run_dir / "tensorboard" / name)) as board:
+        for key, value in scores.items():
             board.add_scalar(f"eval/{key}", value, 0)
+        board.add_image("eval/report", pixels, 0, dataformats="HWC")
+    from train.tracking import log_evaluation  # noqa: PLC0415 - its mlflow import is for tracked runs only
+
+    tracked = log_evaluation(job.run_dir, name, scores, [job.out, picture])
     top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
     print(f"{source}: loss {result['loss']:.4f}, top-1 {100 * result['accuracy']:.2f}%{top5} over "
-          f"{result['samples']} samples -> {job.out} (+ {job.out.with_suffix('.png').name})")
+          f"{result['samples']} samples -> {job.out} (+ {picture.name}{', MLflow run ' + tracked if tracked else ''})")
     worst = sorted((v, k) for k, v in per_class.items() if v is not None)[:5]
     print("lowest per-class accuracy: " + ", ".join(f"{k} {100 * v:.1f}%" for v, k in worst))
-
-
-def write_png(confusion: torch.Tensor, path: Path) -> None:
-    """The confusion matrix as an image: each row normalised by its true-class count, dark = many."""
-    cell = max(1, 512 // len(confusion))
-    rows = confusion.sum(1, keepdim=True).clamp(min=1)
-    shade = (255 - 255 * confusion / rows).round().to(torch.uint8)
-    image = shade.repeat_interleave(cell, 0).repeat_interleave(cell, 1)
-    vision.io.write_png(image.expand(3, *image.shape).contiguous(), str(path))
+    if record["confused_pairs"]:
+        pairs = [(f"{r['true']} -> {r['predicted']}", r["count"], 100 * r["share_of_true"])
+                 for r in record["confused_pairs"]]
+        width = max(len(pair) for pair, _, _ in pairs)
+        print("most confused (true -> predicted: images, share of the true class):")
+        for pair, count, share in pairs:
+            print(f"  {pair:<{width}}  {count:>6}  {share:5.1f}%")
 
 
 def main(argv: list[str]) -> int:

@@ -1,27 +1,39 @@
-"""python -m train.export RUN_DIR (make export RUN=...): the run's model as an ExportedProgram that needs only
-torch to run, with the preprocessing a caller needs recorded beside it.
+"""python -m train.export RUN_DIR (make export RUN=...): the run's model as a file to ship, with the
+preprocessing a caller needs recorded beside it: an ExportedProgram that needs only torch, or an ONNX model for
+ONNX Runtime, TensorRT, Triton and the rest.
 
   python -m train.export runs/exp1                      model.pt (the final model) -> runs/exp1/model.pt2
   python -m train.export runs/exp1 --checkpoint best    best.pt (the best evaluation)
   python -m train.export runs/exp1 --checkpoint ema     model_ema.pt -> model_ema.pt2 (--model-ema; best_ema too)
   python -m train.export runs/exp1 --checkpoint runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
   python -m train.export runs/exp2 --model mypkg.nets:build   a run of your own model: name its factory again
+  make export RUN=runs/exp1 FORMAT=onnx                 -> runs/exp1/model.onnx (installs .venv-onnx on first use)
 
-Writes OUT (torch.export, the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation,
-mean, std and the class names. A caller:
+Writes OUT (the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation, mean, std and the
+class names. A caller:
 
   program = torch.export.load("model.pt2").module()
   logits = program(batch)          # batch: N x 3 x H x W float32, normalised as model.pt2.json says
 
-A model that cannot be exported is one line naming why, and nothing is written.
+  session = onnxruntime.InferenceSession("model.onnx")
+  logits, = session.run(None, {"images": batch})    # a numpy array, as model.onnx.json says
+
+--format onnx needs the onnx and onnxscript packages, which .venv does not hold: `make export FORMAT=onnx` (or
+`make onnx-setup`) installs them from docker/onnx.lock into .venv-onnx, an environment that sees .venv's packages
+and adds these, and runs the export there. A model that cannot be exported is one line naming why, and nothing
+is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,9 +46,12 @@ from train.models import build_model
 from train.weights import normalisation
 
 MAX_BATCH = 4096
+FORMATS = {"pt2": "torch.export, for a process with torch", "onnx": "ONNX Runtime, TensorRT, ..."}
+ONNX_PACKAGES = ("onnx", "onnxscript")  # what torch.onnx's exporter imports (onnxruntime only runs the file)
+ONNX_NAMES = {"input": "images", "output": "logits"}  # the ONNX model's input and output
 
 
-def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "") -> Path:
+def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt: str = "pt2") -> Path:
     cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec)
     model = build_model(cfg, len(classes))
     try:
@@ -54,16 +69,63 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "") -> P
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         raise ConfigError(f"--model {cfg.model} cannot be exported with torch.export ({why}): nothing was "
                           f"written") from None
-    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}.pt2")  # torch.export.save wants the .pt2 suffix
-    try:
-        torch.export.save(program, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    record = {"weights": str(source), "model": cfg.model, "image_size": size, "max_batch": MAX_BATCH,
+    if fmt == "onnx":
+        save_onnx(to_onnx(program, example, cfg.model), out)
+        shape = {"format": "onnx", **ONNX_NAMES}
+    else:
+        tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}.pt2")  # torch.export.save wants the .pt2 suffix
+        try:
+            torch.export.save(program, tmp)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        shape = {"format": "pt2", "max_batch": MAX_BATCH}
+    record = {"weights": str(source), "model": cfg.model, "image_size": size, **shape,
               **preprocessing(cfg, classes, *normalisation(cfg))}
     atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
     return out
+
+
+def to_onnx(program, example: torch.Tensor, model: str):
+    """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram), the batch dimension named
+    and dynamic. An operator ONNX has no translation for is one line naming it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.onnx's deprecation notes on its own internals
+            return torch.onnx.export(program, (example,), dynamo=True, verbose=False,
+                                     input_names=[ONNX_NAMES["input"]], output_names=[ONNX_NAMES["output"]],
+                                     dynamic_shapes=({0: "batch"},))
+    except Exception as e:  # noqa: BLE001 - the exporter wraps its reasons; the innermost one says which operator
+        while e.__cause__ is not None:
+            e = e.__cause__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines() or [""]
+        raise ConfigError(f"--model {model} cannot be exported to ONNX ({type(e).__name__}: {text[0][:200]}): "
+                          f"nothing was written; FORMAT=pt2 (torch.export) may still take it") from None
+
+
+def save_onnx(onnx_program, out: Path) -> None:
+    """out, whole or not at all: written in a folder of its own beside it, then moved in place. A model over 2 GB
+    keeps its weights in OUT.data (ONNX's external data, named in the file): that goes first, the model last."""
+    staging = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    staging.mkdir()
+    try:
+        onnx_program.save(str(staging / out.name))
+        files = sorted(staging.iterdir(), key=lambda f: f.name == out.name)
+        for file in files:
+            os.replace(file, out.with_name(file.name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_format(fmt: str) -> None:
+    """A format this command writes, in an environment that can write it."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt}: pass " + " or ".join(f"{k} ({v})" for k, v in FORMATS.items()))
+    missing = [name for name in ONNX_PACKAGES if fmt == "onnx" and importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"--format onnx needs {' and '.join(missing)}, which {sys.prefix} does not hold: run make "
+                          f"export FORMAT=onnx RUN=... (it installs them from docker/onnx.lock into .venv-onnx on "
+                          f"first use), or make onnx-setup and then .venv-onnx/bin/python -m train.export")
 
 
 def main(argv: list[str]) -> int:
@@ -73,17 +135,21 @@ def main(argv: list[str]) -> int:
                                                               "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
                                                               "file of the run")
     parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
-    parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2; OUT.json beside)")
+    parser.add_argument("--format", default="pt2", help="pt2 (torch.export, default) or onnx (ONNX: needs "
+                                                       ".venv-onnx, which make export FORMAT=onnx installs)")
+    parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2 or model.onnx, as "
+                                                 "the checkpoint; OUT.json beside)")
     parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
                                                     "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
     if ns.weights is not None:
         return fail(renamed("python -m train.export", ns.weights))
-    out = ns.out or ns.run_dir / (Path(CHECKPOINTS.get(ns.checkpoint, "model.pt")).stem + ".pt2")
+    out = ns.out or ns.run_dir / (Path(CHECKPOINTS.get(ns.checkpoint, "model.pt")).stem + "." + ns.format)
     try:
+        check_format(ns.format)
         if ns.out and not out.parent.is_dir():
             raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")
-        written = export(ns.run_dir, ns.checkpoint, out, ns.model)
+        written = export(ns.run_dir, ns.checkpoint, out, ns.model, ns.format)
     except ConfigError as e:
         return fail(str(e))
     print(f"exported {written} (+ {written.name}.json: size, mean, std, interpolation, classes)")

@@ -387,3 +387,27 @@ def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
     for name in ("model.pt", "manifest.json"):
         tracker.upload(run_dir / name)
     return tracker
+
+
+def log_evaluation(run_dir: Path, name: str, scores: dict, files: list[Path]) -> str:
+    """`python -m train.evaluate` of a tracked run (RUN_DIR/mlflow.json names its MLflow run): the scores as
+    metrics NAME/<score>, the files as artifacts in NAME/, on the server MLFLOW_TRACKING_URI names, else the one the
+    run was tracked at. A server that does not take them is one warning: the files are there all the same. Returns
+    the MLflow run's id, or '' when nothing was sent."""
+    record = read_json(run_dir / RECORD)
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or record.get("tracking_uri", "")
+    if not record.get("run_id") or not uri:
+        return ""
+    mlflow = _mlflow()
+    try:
+        client = mlflow.MlflowClient(uri)
+        now = int(time.time() * 1000)
+        client.log_batch(record["run_id"], metrics=[mlflow.entities.Metric(f"{name}/{key}", float(value), now, 0)
+                                                    for key, value in scores.items()], synchronous=True)
+        for file in files:
+            client.log_artifact(record["run_id"], str(file), name)
+    except Exception as e:  # noqa: BLE001 - the server's and the network's errors alike: the files are here
+        log.warning("mlflow: run %s at %s did not take the evaluation (%s): %s have it", record["run_id"], uri,
+                    _reason(e), ", ".join(str(f) for f in files))
+        return ""
+    return record["run_id"]

@@ -17,7 +17,9 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
+import os
 import re
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from train.config import Config
 from train.distributed import gather, identity
 from train.errors import ConfigError
+from train.progress import Progress
 from train.vision import named_weights
 
 log = logging.getLogger("train")
@@ -109,8 +112,9 @@ def cached_file(entry) -> Path:
 
 
 def fetch(entry) -> Path:
-    """The named weights' file, on this node: local rank 0 fetches it once (or checks the cached copy against
-    the SHA-256 prefix in its name); every rank learns whether that worked, and none waits without bound."""
+    """The named weights' file, on this node: local rank 0 fetches it once, its progress shown (or checks the
+    cached copy against the SHA-256 prefix in its name); every rank learns whether that worked, and none waits
+    without bound."""
     path = cached_file(entry)
     prefix = re.search(r"-([a-f0-9]+)\.", path.name)
     error = None
@@ -118,10 +122,13 @@ def fetch(entry) -> Path:
         try:
             if not path.is_file():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                torch.hub.download_url_to_file(entry.url, str(path), prefix.group(1) if prefix else None)
+                download(entry.url, path, prefix.group(1) if prefix else None)
             elif prefix and not _sha256(path).startswith(prefix.group(1)):
                 error = (f"{path} is damaged (its SHA-256 does not start with {prefix.group(1)}), refused: delete it "
                          f"and run again, or place the file from {entry.url} there")
+        except DamagedDownload as e:
+            error = (f"fetched {path.name} from {entry.url}, but {e} (a proxy or a cut connection?), refused: run "
+                     f"again, or place the file from there at {path}")
         except (OSError, RuntimeError) as e:
             error = (f"cannot fetch {path.name} ({str(e).splitlines()[0][:120]}): offline? place the file from "
                      f"{entry.url} at {path} (TORCH_HOME on the NAS shares it with every node)")
@@ -129,6 +136,34 @@ def fetch(entry) -> Path:
     if failed:
         raise ConfigError(failed[0])
     return path
+
+
+class DamagedDownload(ValueError):
+    """A download whose bytes are not the file its name promises."""
+
+
+def download(url: str, path: Path, sha256_prefix: str | None) -> None:
+    """url to path, its progress shown (train/progress.py), checked against the SHA-256 prefix before it takes
+    the file's name: a cut or damaged download leaves nothing behind."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    digest = hashlib.sha256()
+    request = urllib.request.Request(url, headers={"User-Agent": "torch.hub"})  # what torch.hub sends
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response, open(partial, "wb") as f:
+            progress = Progress(f"fetching {path.name}", total=int(response.headers.get("Content-Length") or 0) / 1e6,
+                                unit="MB", last=None).start()
+            try:
+                while chunk := response.read(1 << 20):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    progress.update(len(chunk) / 1e6)
+            finally:
+                progress.close()
+        if sha256_prefix and not digest.hexdigest().startswith(sha256_prefix):
+            raise DamagedDownload(f"its SHA-256 does not start with {sha256_prefix}")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _sha256(path: Path) -> str:

@@ -1,14 +1,21 @@
 """make evaluate / python -m train.evaluate: a run's model scored again, under any launcher, equal to the run's
 own final evaluation on the same data and layout."""
 
+import io
 import json
 import os
+import pty
+import re
 import shutil
+import subprocess
 
+import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status
+from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status, tracked_env
+from train import report
+from train.distributed import free_port
 
 
 def _equal_to_the_final_evaluation(run_dir, report):
@@ -112,3 +119,141 @@ def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_p
     assert "pass --model planted:net (MODEL= with make)" in refused.stderr and not mark.exists()
     consented = run([PY, "-m", "train.evaluate", str(run_dir), "--model", "planted:net"], expect=None, env=env)
     assert mark.exists() and "code outside trainbox" not in consented.stderr  # imported: the user named it
+
+
+def test_the_report_a_person_reads(tmp_path):
+    """make evaluate's eval-model.png is train/report.py's figure of eval-model.json, pixel for pixel
+    (tests/unit/test_report.py reads that figure: the labelled matrix, per-class accuracy worst first, the pairs),
+    titled with the run, the checkpoint and top-1; TensorBoard has the same picture; the most confused pairs are
+    the largest mistakes of the matrix, in the JSON and printed."""
+    run_dir = tmp_path / "exp1"
+    run(python_cmd(*DEBUG, "--run-dir", run_dir))
+    proc = make("evaluate", f"RUN={run_dir}")
+    record = json.loads((run_dir / "eval-model.json").read_text())
+    confusion, classes = np.array(record["confusion"]), record["classes"]
+    mistakes = sorted((confusion[t, p] for t in range(len(classes)) for p in range(len(classes)) if t != p),
+                      reverse=True)
+    pairs = record["confused_pairs"]
+    assert [r["count"] for r in pairs] == [n for n in mistakes[:10] if n] and pairs[0]["count"] > 0
+    for r in pairs:
+        t, p = classes.index(r["true"]), classes.index(r["predicted"])
+        assert confusion[t, p] == r["count"] and r["share_of_true"] == confusion[t, p] / confusion[t].sum()
+        assert re.search(rf"^  {re.escape(r['true'])} -> {re.escape(r['predicted'])} +{r['count']} ", proc.stdout,
+                         re.MULTILINE)
+    assert "most confused (true -> predicted: images, share of the true class):" in proc.stdout
+    fig = report.figure(record)
+    assert fig.get_suptitle().startswith(f"exp1 · model.pt · top-1 {100 * record['accuracy']:.2f}%, top-5 ")
+    expected = report.save(fig, tmp_path / "again.png")
+    written = report.plt.imread(run_dir / "eval-model.png")
+    assert written.shape[:2] == expected.shape[:2] and (np.round(written[..., :3] * 255) == expected).all()
+    board = EventAccumulator(str(run_dir / "tensorboard" / "eval-model"), size_guidance={"images": 0})
+    board.Reload()
+    (image,) = board.Images("eval/report")
+    shown = report.plt.imread(io.BytesIO(image.encoded_image_string), format="png")
+    assert shown.shape[:2] == expected.shape[:2] and (np.round(shown[..., :3] * 255) == expected).all()
+    assert board.Scalars("eval/accuracy")[0].value == record["accuracy"]
+
+
+def _progress_lines(text: str) -> list[str]:
+    return [line for line in re.split(r"[\r\n]+", text.replace("\x1b[K", "")) if line.startswith("evaluating ")]
+
+
+def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
+    """Its stderr a pipe (a CI log, a Slurm file): a plain line every TRAINBOX_PROGRESS_EVERY seconds (0: every
+    batch) with done/total, the rate and the time left, then how it ended; nothing before the first interval is
+    over (5 s by default: tests/unit/test_progress.py). On a terminal: the same line redrawn in place. With 2
+    workers, rank 0 alone shows its share."""
+    run_dir = tmp_path / "run"
+    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--val-samples", 4096, "--run-dir", run_dir))
+    every_batch = env_for_tests(TRAINBOX_PROGRESS_EVERY="0")
+    logged = run([PY, "-m", "train.evaluate", str(run_dir)], env=every_batch).stderr
+    lines = _progress_lines(logged)
+    assert len(lines) == 17 and "\r" not in logged and "\x1b" not in logged, logged
+    for done, line in enumerate(lines[:-1], 1):
+        assert re.fullmatch(rf"evaluating model.pt \(4096 images\): {done}/16 batches \({100 * done / 16:.0f}%\), "
+                            rf"[0-9.]+ batches/s, 0:[0-9]{{2}} left", line), line
+    assert re.fullmatch(r"evaluating model.pt \(4096 images\): 16/16 batches in 0:[0-9]{2}, [0-9.]+ batches/s",
+                        lines[-1]), lines[-1]
+    hourly = run([PY, "-m", "train.evaluate", str(run_dir)], env=env_for_tests(TRAINBOX_PROGRESS_EVERY="3600"))
+    assert _progress_lines(hourly.stderr) == [], hourly.stderr  # nothing before the first interval is over
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([PY, "-m", "train.evaluate", str(run_dir)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=terminal, env=every_batch, cwd=REPO)
+    os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed: the process has ended
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(controller)
+    assert proc.wait(timeout=120) == 0
+    shown = seen.decode()
+    redraws = re.findall(r"\r\x1b\[K([^\r\n]*)", shown)
+    assert [line.split(":")[1].split()[0] for line in redraws] == [f"{n}/16" for n in range(1, 17)] + ["16/16"]
+    assert "\n" not in shown[shown.index("\r\x1b[K"):shown.rindex("\r\x1b[K")]  # one line, drawn over
+    assert " in 0:" in redraws[-1] and shown.endswith("\r\n")
+
+    two = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", "2"], env=every_batch).stderr
+    lines = _progress_lines(two)
+    assert len(lines) == 9 and all(line.startswith("evaluating model.pt (rank 0's share of 4096 images): ")
+                                   for line in lines), two  # rank 0's 2048 images in 8 batches, once
+
+
+def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_path):
+    """The report's plotting library is the evaluation command's alone: a training run, evaluations included,
+    never loads it (nor train.report)."""
+    def imported(proc) -> set[str]:
+        return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+
+    run_dir = tmp_path / "run"
+    trained = imported(run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 2,
+                                                                "--run-dir", run_dir)[1:]]))
+    assert "torch" in trained and "train.evaluate" in trained and status(run_dir)["state"] == "done"
+    assert not {m for m in trained if m.split(".")[0] == "matplotlib" or m == "train.report"}
+    evaluated = imported(run([PY, "-X", "importtime", "-m", "train.evaluate", str(run_dir)]))
+    assert {"matplotlib.pyplot", "train.report"} <= evaluated  # the control: it is seen where it is imported
+
+
+def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_path):
+    """A run tracked in MLflow: the evaluation's scores as metrics eval-<checkpoint>/..., its JSON and PNG as
+    artifacts in eval-<checkpoint>/, in the run's own MLflow run, on the server MLFLOW_TRACKING_URI names, else the
+    one the run was tracked at. A server that does not answer is one warning, and the files are written all the
+    same; an untracked run sends nothing."""
+    from mlflow import MlflowClient
+
+    env = tracked_env(mlflow_server.uri, tmp_path)
+    run_dir = tmp_path / "tracked"
+    run(python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 0, "--run-dir", run_dir), env=env)
+    run_id = json.loads((run_dir / "mlflow.json").read_text())["run_id"]
+    proc = run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best"], env=env)
+    assert f"(+ eval-best.png, MLflow run {run_id})" in proc.stdout
+    record = json.loads((run_dir / "eval-best.json").read_text())
+    client = MlflowClient(mlflow_server.uri)
+    metrics = client.get_run(run_id).data.metrics
+    assert {k: metrics[f"eval-best/{k}"] for k in ("loss", "accuracy", "top5", "samples")} == \
+        {k: record[k] for k in ("loss", "accuracy", "top5", "samples")}
+    assert sorted(a.path for a in client.list_artifacts(run_id, "eval-best")) == ["eval-best/eval-best.json",
+                                                                                  "eval-best/eval-best.png"]
+    sent = client.download_artifacts(run_id, "eval-best/eval-best.png", str(tmp_path))
+    assert open(sent, "rb").read() == (run_dir / "eval-best.png").read_bytes()
+    untold = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}  # the server the run was tracked at
+    run([PY, "-m", "train.evaluate", str(run_dir)], env=untold)
+    assert client.get_run(run_id).data.metrics["eval-model/accuracy"] == \
+        json.loads((run_dir / "eval-model.json").read_text())["accuracy"]
+
+    os.remove(run_dir / "eval-best.json")
+    down = run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best"],
+               env={**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"})
+    warnings = [line for line in down.stderr.splitlines() if "did not take the evaluation" in line]
+    assert len(warnings) == 1 and "Connection refused" in warnings[0] and "Traceback" not in down.stderr, down.stderr
+    assert (run_dir / "eval-best.json").is_file() and "MLflow run" not in down.stdout
+
+    untracked = tmp_path / "untracked"
+    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--run-dir", untracked))
+    alone = run([PY, "-m", "train.evaluate", str(untracked)], env=env)
+    assert "MLflow" not in alone.stdout + alone.stderr and not (untracked / "mlflow.json").exists()

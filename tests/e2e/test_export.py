@@ -1,12 +1,14 @@
-"""make export / python -m train.export: a run's model for a process that has torch alone."""
+"""make export / python -m train.export: a run's model for a process that has torch alone, or ONNX Runtime alone."""
 
 import json
+import re
 import shutil
 import sys
 
+import numpy as np
 import torch
 
-from tests.helpers import DEBUG, PEAKED, PY, make, python_cmd, run, snapshot
+from tests.helpers import DEBUG, PEAKED, PY, REPO, make, python_cmd, run, snapshot
 from train.config import Config, parse_config
 from train.data import build_datasets, prepare_inputs
 from train.models import build_model
@@ -25,6 +27,45 @@ assert not [m for m in sys.modules if m.split(".")[0] in ("train", "torchvision"
 """
 
 
+# A serving process: ONNX Runtime and numpy, and no torch, trainbox or torchvision (.venv-onnx has them: blocked).
+ONNX_RUNTIME_ONLY = """
+import json, sys
+for name in ("torch", "train", "torchvision"):
+    sys.modules[name] = None
+import numpy as np, onnxruntime
+session = onnxruntime.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+batch = np.load(sys.argv[2])
+(images,), (logits,) = session.get_inputs(), session.get_outputs()
+outputs = [session.run(None, {images.name: b})[0] for b in (batch, batch[:1], batch[:7])]
+np.savez(sys.argv[3], *outputs)
+print(json.dumps({"input": [images.name, images.shape], "output": [logits.name, logits.shape]}))
+"""
+
+
+def _pins(lock) -> dict[str, set[str]]:
+    """A lock file's pins: each package's versions, with their markers."""
+    found: dict[str, set[str]] = {}
+    for name, pin in re.findall(r"^([A-Za-z0-9._-]+)==([^\\\n]+?) *\\$", lock.read_text(), re.MULTILINE):
+        found.setdefault(name.lower(), set()).add(pin)
+    return found
+
+
+def _validation_batch(tmp_path):
+    """The first 64 validation images of the PEAKED runs, as the evaluation feeds them to the model."""
+    cfg = parse_config([*map(str, PEAKED)])
+    _, val_set, classes = build_datasets(cfg)
+    images = torch.stack([val_set[i][0] for i in range(64)])
+    return prepare_inputs(images, torch.device("cpu"), channels_last=False), classes
+
+
+def _eager(run_dir, weights, classes, batch):
+    state = torch.load(run_dir / weights, weights_only=True)
+    eager = build_model(Config(**json.loads((run_dir / "config.json").read_text())), classes)
+    eager.load_state_dict(state.get("model", state))
+    with torch.no_grad():
+        return eager.eval()(batch)
+
+
 def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(reference_run, tmp_path):
     """best.pt and model.pt of a run whose best evaluation is not its last: each program equals its own eager
     model, and the two differ."""
@@ -32,10 +73,7 @@ def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(referenc
     shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
     make("export", f"RUN={run_dir}", "CHECKPOINT=best")
     run([PY, "-m", "train.export", str(run_dir)])  # model.pt, the default
-    cfg = parse_config([*map(str, PEAKED)])
-    _, val_set, classes = build_datasets(cfg)
-    images = torch.stack([val_set[i][0] for i in range(64)])
-    batch = prepare_inputs(images, torch.device("cpu"), channels_last=False)  # as the evaluation feeds it
+    batch, classes = _validation_batch(tmp_path)
     torch.save(batch, tmp_path / "batch.pt")
     programs = []
     for name, weights in (("best.pt2", "best.pt"), ("model.pt2", "model.pt")):
@@ -45,16 +83,56 @@ def test_export_runs_in_a_torch_only_process_and_equals_the_eager_model(referenc
         run([sys.executable, "-I", "-c", TORCH_ONLY, str(run_dir / name), str(tmp_path / "batch.pt"),
              str(tmp_path / "out.pt")])
         outputs = torch.load(tmp_path / "out.pt")
-        state = torch.load(run_dir / weights, weights_only=True)
-        eager = build_model(Config(**json.loads((run_dir / "config.json").read_text())), classes)
-        eager.load_state_dict(state.get("model", state))
-        with torch.no_grad():
-            expected = eager.eval()(batch)
+        expected = _eager(run_dir, weights, classes, batch)
         torch.testing.assert_close(outputs[0], expected, rtol=1e-5, atol=1e-5)  # fp32 tolerance
         torch.testing.assert_close(outputs[1], expected[:1], rtol=1e-5, atol=1e-5)  # the batch size is dynamic
         torch.testing.assert_close(outputs[2], expected[:7], rtol=1e-5, atol=1e-5)
         programs.append(outputs[0])
     assert not torch.allclose(*programs, rtol=1e-3, atol=1e-3)  # best.pt2 is best.pt's model, not model.pt's
+
+
+def test_onnx_export_runs_in_onnx_runtime_alone_and_equals_the_eager_model(reference_run, tmp_path):
+    """make export FORMAT=onnx: its environment (ONNX_VENV) installed on first use from docker/onnx.lock, once,
+    .venv unchanged; best.onnx and model.onnx, each run by ONNX Runtime in a process without torch, equal their
+    eager models within 1e-4 on the validation batch at any batch size, beside the same preprocessing as the .pt2."""
+    run_dir, onnx_venv = tmp_path / "run", tmp_path / "venv-onnx"
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
+    first = make("export", f"RUN={run_dir}", "CHECKPOINT=best", "FORMAT=onnx", f"ONNX_VENV={onnx_venv}")
+    assert f"{onnx_venv}/bin/python -m pip install" in first.stdout and (onnx_venv / ".installed").is_file()
+    again = make("export", f"RUN={run_dir}", "FORMAT=onnx", f"ONNX_VENV={onnx_venv}")
+    assert "pip install" not in again.stdout  # installed once
+    own = sorted(p.name for p in onnx_venv.glob("lib/python*/site-packages/*") if p.suffix not in (".pth",)
+                 and not p.name.endswith(".dist-info") and p.name != "__pycache__")
+    assert {"onnx", "onnxruntime", "onnxscript"} <= set(own) and not {"torch", "numpy", "train"} & set(own)
+    make("export", f"RUN={run_dir}")  # model.pt2, whose preprocessing model.onnx.json repeats
+    listed = "import importlib.util as u; print([n for n in ('onnx', 'onnxscript', 'onnxruntime') if u.find_spec(n)])"
+    assert run([PY, "-c", listed]).stdout == "[]\n"  # .venv has none of them
+    assert "onnx" not in (REPO / "requirements.lock").read_text()  # nor does make setup, nor the image, install them
+    pins = [_pins(REPO / name) for name in ("requirements.lock", "docker/onnx.lock")]
+    shared = pins[0].keys() & pins[1].keys()
+    assert {"numpy", "protobuf"} <= shared and all(pins[0][n] == pins[1][n] for n in shared)  # what both hold: as .venv
+    batch, classes = _validation_batch(tmp_path)
+    np.save(tmp_path / "batch.npy", batch.numpy())
+    outputs = {}
+    for name, weights in (("best.onnx", "best.pt"), ("model.onnx", "model.pt")):
+        record = json.loads((run_dir / f"{name}.json").read_text())
+        pt2 = json.loads((run_dir / "model.pt2.json").read_text())
+        assert (record["format"], record["input"], record["output"]) == ("onnx", "images", "logits")
+        assert {k: v for k, v in record.items() if k not in ("format", "input", "output", "max_batch", "weights")} \
+            == {k: v for k, v in pt2.items() if k not in ("format", "max_batch", "weights")}
+        assert record["weights"] == str(run_dir / weights) and len(record["classes"]) == 10
+        served = run([str(onnx_venv / "bin" / "python"), "-I", "-c", ONNX_RUNTIME_ONLY, str(run_dir / name),
+                      str(tmp_path / "batch.npy"), str(tmp_path / "out.npz")])
+        assert json.loads(served.stdout) == {"input": ["images", ["batch", 3, 16, 16]], "output": ["logits",
+                                                                                                   ["batch", 10]]}
+        with np.load(tmp_path / "out.npz") as saved:
+            full, one, seven = (torch.from_numpy(saved[f"arr_{i}"]) for i in range(3))
+        expected = _eager(run_dir, weights, classes, batch)
+        torch.testing.assert_close(full, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(one, expected[:1], rtol=1e-4, atol=1e-4)  # the batch size is dynamic
+        torch.testing.assert_close(seven, expected[:7], rtol=1e-4, atol=1e-4)
+        outputs[name] = full
+    assert not torch.allclose(*outputs.values(), rtol=1e-3, atol=1e-3)  # best.onnx is best.pt's model
 
 
 def test_a_model_that_cannot_be_exported_is_one_line_and_nothing_is_written(tmp_path):
@@ -69,3 +147,32 @@ def test_a_model_that_cannot_be_exported_is_one_line_and_nothing_is_written(tmp_
     assert snapshot(run_dir) == before  # no model.pt2, no .json, no temp file
     missing = run([PY, "-m", "train.export", str(tmp_path / "nowhere")], expect=2)
     assert "is not a trainbox run directory" in missing.stderr
+
+
+def test_a_model_onnx_cannot_take_is_one_line_and_nothing_is_written(tmp_path):
+    """make export FORMAT=onnx of a model torch.export cannot capture, and of one with an operator ONNX lacks: one
+    line each naming why, and nothing written or lost (an earlier model.onnx stays as it was); the second still
+    exports as .pt2. A format trainbox does not write, and ONNX asked of .venv: one line naming the fix."""
+    for model, why in (("branches_on_its_input", "cannot be exported with torch.export ("),
+                       ("has_no_onnx_operator", "cannot be exported to ONNX (DispatchError: No ONNX function found "
+                                                "for <OpOverload(op='prims.bessel_i0'")):
+        run_dir = tmp_path / model
+        run(python_cmd(*DEBUG, "--model", f"tests.models:{model}", "--max-steps", 2, "--eval-every", 0,
+                       "--run-dir", run_dir))
+        (run_dir / "model.onnx").write_bytes(b"an earlier export")
+        before = snapshot(run_dir)
+        proc = make("export", f"RUN={run_dir}", "FORMAT=onnx", f"MODEL=tests.models:{model}", expect=None)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert errors[0].startswith(f"error: --model tests.models:{model} {why}"), errors[0]
+        assert "nothing was written" in errors[0]
+        assert snapshot(run_dir) == before  # no .json, no temp folder, the earlier model.onnx untouched
+    make("export", f"RUN={run_dir}", f"MODEL=tests.models:{model}")  # torch.export takes it
+    assert (run_dir / "model.pt2").is_file()
+    other = make("export", f"RUN={run_dir}", "FORMAT=tflite", expect=2)
+    assert other.stderr.splitlines()[0] == "error: --format tflite: pass pt2 (torch.export, for a process with " \
+                                           "torch) or onnx (ONNX Runtime, TensorRT, ...)"
+    in_venv = run([PY, "-m", "train.export", str(run_dir), "--format", "onnx"], expect=2)
+    assert in_venv.stderr.startswith("error: --format onnx needs onnx and onnxscript, which ") and \
+        "make export FORMAT=onnx RUN=..." in in_venv.stderr and len(in_venv.stderr.splitlines()) == 1
+    assert not (run_dir / "model.onnx.json").exists()
