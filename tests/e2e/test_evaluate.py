@@ -170,10 +170,10 @@ def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
     lines = _progress_lines(logged)
     assert len(lines) == 17 and "\r" not in logged and "\x1b" not in logged, logged
     for done, line in enumerate(lines[:-1], 1):
-        assert re.fullmatch(rf"evaluating model.pt \(4096 images\): {done}/16 batches \({100 * done / 16:.0f}%\), "
-                            rf"[0-9.]+ batches/s, 0:[0-9]{{2}} left", line), line
-    assert re.fullmatch(r"evaluating model.pt \(4096 images\): 16/16 batches in 0:[0-9]{2}, [0-9.]+ batches/s",
-                        lines[-1]), lines[-1]
+        assert re.fullmatch(rf"evaluating model.pt \(4096 images\): {done}/16 batches \({100 * done / 16:.1f}%\), "
+                            rf"[0-9.,]+ batches/s, ETA \d+ s", line), line
+    assert re.fullmatch(r"evaluating model.pt \(4096 images\): 16/16 batches \(100\.0%\), [0-9.,]+ batches/s, "
+                        r"\d+ s", lines[-1]), lines[-1]
     hourly = run([PY, "-m", "train.evaluate", str(run_dir)], env=env_for_tests(TRAINBOX_PROGRESS_EVERY="3600"))
     assert _progress_lines(hourly.stderr) == [], hourly.stderr  # nothing before the first interval is over
 
@@ -193,10 +193,10 @@ def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
     os.close(controller)
     assert proc.wait(timeout=120) == 0
     shown = seen.decode()
-    redraws = re.findall(r"\r\x1b\[K([^\r\n]*)", shown)
-    assert [line.split(":")[1].split()[0] for line in redraws] == [f"{n}/16" for n in range(1, 17)] + ["16/16"]
-    assert "\n" not in shown[shown.index("\r\x1b[K"):shown.rindex("\r\x1b[K")]  # one line, drawn over
-    assert " in 0:" in redraws[-1] and shown.endswith("\r\n")
+    redraws = re.findall(r"\r(evaluating [^\r\n]*?)\x1b\[K", shown)  # the line redrawn, the rest erased
+    assert [line.split(": ")[1].split()[0] for line in redraws] == [f"{n}/16" for n in range(1, 17)] + ["16/16"]
+    assert "\n" not in shown[shown.index("\revaluating"):shown.rindex("\revaluating")]  # one line, drawn over
+    assert "ETA" not in redraws[-1] and re.search(r", \d+ s$", redraws[-1]) and shown.endswith("\r\n")
 
     two = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", "2"], env=every_batch).stderr
     lines = _progress_lines(two)
