@@ -42,6 +42,8 @@ def env_for_tests(**extra) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("MASTER_PORT", None)
+    for key in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):  # a test's `make` is a user's own, not one nested in `make test`
+        env.pop(key, None)
     for key in list(env):  # never inherit a launcher's identity from the shell running the tests
         if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") or key.startswith("SLURM_"):
             env.pop(key)

@@ -223,18 +223,19 @@ def teardown(clean: bool, timeout_s: float) -> None:
     _control_group = _session_store = None
 
 
-def announce_unrecoverable(message: str) -> bool:
+def announce_unrecoverable(message: str) -> bool | None:
     """This rank ends on an error that a restart cannot mend (out of memory, a bad file): its line goes to
     the rendezvous store, where a peer that then loses contact with it (blocked in a collective with it)
     reads it (`peer_unrecoverable`) instead of reporting a lost peer. True if no other rank had announced
-    one (this rank's line is the one to print)."""
+    one (this rank's line is the one to print), None if the store's host (rank 0) is gone: it ended first,
+    on its own error or a peer's (its status.json says)."""
     if _session_store is None:
         return True
     try:
         _session_store.set(f"trainbox/unrecoverable/{identity().global_rank}", message)
         return _session_store.add("trainbox/unrecoverable", 1) == 1
     except (RuntimeError, OSError):  # the store's host is gone
-        return True
+        return None
 
 
 def peer_unrecoverable() -> str | None:

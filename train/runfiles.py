@@ -12,6 +12,7 @@ Every write is atomic: a temp file, fsync, rename over the file, fsync of the fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -70,6 +71,15 @@ def read_json(path: Path) -> dict:
 
 def read_status(run_dir: Path) -> dict:
     return read_json(run_dir / "status.json")
+
+
+def failed_since(run_dir: Path, when: float) -> bool:
+    """Whether status.json records an error that a restart cannot mend (exit code 2), written after `when`."""
+    status = read_status(run_dir)
+    with contextlib.suppress(OSError):
+        return status.get("state") == "failed" and status.get("exit_code") == 2 and \
+            (run_dir / "status.json").stat().st_mtime >= when
+    return False
 
 
 def failed_in_this_launch(run_dir: Path, env) -> bool:

@@ -579,8 +579,11 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
     reads it there once this rank has exited), rank 0 records it in status.json with the torchrun launch it
     happened in, whose restarts then refuse at once (runfiles.failed_in_this_launch). Nothing already saved is
     touched."""
-    if not isinstance(error, PeerGaveUp):
-        error.first = announce_unrecoverable(str(error))  # every rank may meet it: one of them prints it
+    if not isinstance(error, PeerGaveUp):  # every rank may meet it: one of them prints it
+        first = announce_unrecoverable(str(error))
+        if first is None:  # rank 0 ended before this rank said it: its line was said if it recorded a failure
+            first = run_dir is None or not runfiles.failed_since(run_dir, process_start_time())
+        error.first = first
     if is_main() and run_dir is not None and run_dir.is_dir():
         last = runfiles.read_status(run_dir)
         kept = {k: v for k, v in last.items() if k not in ("state", "step", "slurm_job_id", "slurm_restart_count")} \

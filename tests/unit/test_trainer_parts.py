@@ -59,3 +59,57 @@ def test_a_status_record_says_which_attempt_of_a_slurm_job_wrote_it():
 ])
 def test_a_run_counts_as_finished_only_when_done_at_max_steps_with_its_model(status, max_steps, model, done):
     assert finished(status, max_steps, model) is done
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    """This process as rank 1 of 2, its session store a client of a real TCPStore that this test hosts as rank 0."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from train import distributed, trainer
+
+    monkeypatch.setattr(distributed, "_identity", distributed.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
+    monkeypatch.setattr(trainer, "is_main", lambda: False)
+    host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=datetime.timedelta(seconds=5))
+    monkeypatch.setattr(distributed, "_session_store", dist.PrefixStore("trainbox/0/", client))
+    return {"host": host}
+
+
+def _end(tmp_path, message="out of memory during start-up"):
+    from train.errors import OutOfMemory
+    from train.trainer import end_unrecoverable
+
+    error = OutOfMemory(message)
+    end_unrecoverable(error, tmp_path, None)
+    return error.first
+
+
+def test_the_first_rank_to_meet_an_unrecoverable_error_says_it_and_the_others_do_not(rank_1_of_2, tmp_path):
+    assert _end(tmp_path) is True
+    assert _end(tmp_path) is False  # a second rank meeting it (the same store): already said
+
+
+def test_when_rank_0_ended_first_on_its_recorded_error_its_peers_say_nothing(rank_1_of_2, tmp_path):
+    """Rank 0 hosts the store (torchrun with a fresh store per attempt, srun): where it said its line, wrote
+    status.json and exited before a peer on another node met the same error, the peer stays silent."""
+    from train.runfiles import write_status
+
+    write_status(tmp_path, "failed", -1, error="out of memory during start-up", exit_code=2)
+    del rank_1_of_2["host"]  # rank 0 exited: its store is gone
+    assert _end(tmp_path) is False
+
+
+def test_when_rank_0_is_gone_without_recording_an_error_this_run_the_peer_says_its_own(rank_1_of_2, tmp_path):
+    import os
+
+    from train.runfiles import write_status
+
+    write_status(tmp_path, "failed", -1, error="an earlier run's error", exit_code=2)
+    os.utime(tmp_path / "status.json", (0, 0))  # written before this process started
+    del rank_1_of_2["host"]
+    assert _end(tmp_path) is True
+    (tmp_path / "status.json").unlink()
+    assert _end(tmp_path) is True
