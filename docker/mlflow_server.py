@@ -143,6 +143,10 @@ def command(runs: Path, env, in_container: bool) -> tuple[list[str], dict[str, s
     # database's password, and a command line is readable by every local user (ps).
     child["MLFLOW_BACKEND_STORE_URI"] = env.get("MLFLOW_BACKEND_STORE_URI") or f"sqlite:///{runs}/mlflow/mlflow.db"
     child["MLFLOW_ARTIFACTS_DESTINATION"] = f"{runs}/mlflow/artifacts"
+    # MLflow's job runner (four huey worker processes beside the server, about 1 GB) serves its GenAI features
+    # (prompt optimisation, trace roll-ups); tracking training runs never uses it. MLFLOW_SERVER_ENABLE_JOB_EXECUTION
+    # =true turns it back on.
+    child.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     args = ["mlflow", "server", "--host", bind, "--port", "5000" if in_container else port, "--workers", "1"]
     if open_to_network and not exposed(env):
         raise ServerError(f"MLFLOW_BIND={publish} opens the server to the network: set MLFLOW_EXPOSE=1 (a login "

@@ -182,6 +182,7 @@ def test_no_secret_on_a_command_line_and_the_store_is_the_servers_user_alone(tmp
                 continue
         assert any("mlflow" in line and "server" in line for line in command_lines), command_lines
         assert any("uvicorn" in line for line in command_lines), command_lines
+        assert not [line for line in command_lines if "huey" in line], command_lines  # no job runner beside it
         password = server.credentials["MLFLOW_TRACKING_PASSWORD"]
         assert not [line for line in command_lines if marker in line or password in line], command_lines
     finally:

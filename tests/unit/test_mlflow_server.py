@@ -161,3 +161,10 @@ def test_make_mlflow_user_refuses_the_admin_and_a_missing_server_in_one_line(tmp
         server.add_user(admin, "trainer")
     assert str(e.value).startswith("no MLflow server answers at http://127.0.0.1:1 (")
     assert "\n" not in str(e.value) and not list(tmp_path.glob("*trainer*"))  # no password file before a server
+
+
+def test_mlflows_job_runner_is_off_unless_asked_for(tmp_path):
+    _, env, _ = server.command(tmp_path, {}, in_container=False)
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    _, env, _ = server.command(tmp_path, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true"}, in_container=False)
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "true"
