@@ -34,7 +34,7 @@ def test_auto_picks_the_recipe_by_image_size_and_the_flag_overrides_it(size, exp
 
 def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():
     ours = image_transforms(cfg("--image-size", 224), train=True)
-    crop = next(t for t in ours.transforms if isinstance(t, v2.RandomResizedCrop))
+    crop = next(t for t in ours.reference.transforms if isinstance(t, v2.RandomResizedCrop))
     defaults = inspect.signature(v1.RandomResizedCrop).parameters  # the reference recipe keeps them
     assert (crop.scale, crop.ratio) == (defaults["scale"].default, defaults["ratio"].default) == \
         ((0.08, 1.0), (3 / 4, 4 / 3))
@@ -49,6 +49,31 @@ def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():
         assert mine.shape == (3, 224, 224) and mine.dtype == torch.uint8
         assert torch.equal(mine, theirs), seed
     assert len({tuple(ours(image).flatten()[:50].tolist()) for _ in range(4)}) > 1  # it is random
+
+
+@pytest.mark.parametrize("shape", [(3, 375, 500), (3, 500, 375), (3, 30, 900), (3, 900, 30), (3, 64, 64), (3, 7, 5)])
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_the_training_transform_draws_and_computes_as_torchvisions_objects(shape, interpolation):
+    """The same pixels as torchvision's v2 objects for tensors and PIL images of every shape (extreme ratios and
+    images smaller than the crop take RandomResizedCrop's fallback), and the same draws: the generator ends
+    where theirs does, so whatever comes next (the loader's next image, an --auto-augment policy) is the same."""
+    from PIL import Image
+
+    ours = image_transforms(cfg("--image-size", 160, "--interpolation", interpolation), train=True)
+    mode = v2.InterpolationMode(interpolation)
+    theirs = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(160, interpolation=mode, antialias=True),
+                         v2.RandomHorizontalFlip(), v2.ToDtype(torch.uint8, scale=True)])
+    assert repr(ours) == repr(theirs)  # what the run's plan.json shows
+    generator = torch.Generator().manual_seed(shape[1] * shape[2])
+    image = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    for given in (image, Image.fromarray(image.permute(1, 2, 0).numpy())):
+        for seed in range(6):
+            torch.manual_seed(seed)
+            mine, after = ours(given), torch.rand(3)
+            torch.manual_seed(seed)
+            expected, expected_after = theirs(given), torch.rand(3)
+            assert torch.equal(mine, expected) and mine.dtype == torch.uint8, (seed, shape)
+            assert torch.equal(after, expected_after), (seed, shape)
 
 
 def test_imagenet_evaluation_equals_torchvisions_packaged_preset():

@@ -26,8 +26,7 @@ def image_transforms(cfg: Config, train: bool):
     v2 = vision.v2
     size, mode = cfg.image_size, v2.InterpolationMode(cfg.interpolation)
     if recipe(cfg) == "imagenet" and train:
-        steps = [v2.RandomResizedCrop(cfg.train_crop_size or size, interpolation=mode, antialias=True),
-                 v2.RandomHorizontalFlip(), *auto_augment(cfg)]
+        return CropFlip(cfg.train_crop_size or size, mode, auto_augment(cfg))
     elif recipe(cfg) == "imagenet":
         resize, crop, _ = eval_steps(cfg)
         steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
@@ -36,6 +35,35 @@ def image_transforms(cfg: Config, train: bool):
         if train:
             steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(), *auto_augment(cfg)]
     return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
+
+
+class CropFlip:
+    """The imagenet recipe's training transform, equal to torchvision's `v2.Compose([ToImage(), RandomResizedCrop(size,
+    interpolation, antialias=True), RandomHorizontalFlip(), *augment, ToDtype(uint8, scale=True)])` (`reference`;
+    its repr is this one's): the same random draws in the same order, the same functional ops, the same pixels
+    (tests/unit/test_data.py). It calls those ops directly, without v2's per-transform dispatch: about 0.15 ms
+    of an image's 1.5 ms on one core."""
+
+    def __init__(self, size: int, interpolation, augment: list):
+        v2 = vision.v2
+        self.crop = v2.RandomResizedCrop(size, interpolation=interpolation, antialias=True)
+        self.augment = v2.Compose(augment) if augment else None
+        self.reference = v2.Compose([v2.ToImage(), self.crop, v2.RandomHorizontalFlip(), *augment,
+                                     v2.ToDtype(torch.uint8, scale=True)])
+
+    def __call__(self, image) -> torch.Tensor:
+        functional, crop = vision.v2.functional, self.crop
+        if not isinstance(image, torch.Tensor):
+            image = functional.pil_to_tensor(image)
+        box = crop.make_params([image])  # top, left, height, width: RandomResizedCrop's own draws
+        image = functional.resized_crop(image, **box, size=list(crop.size), interpolation=crop.interpolation,
+                                        antialias=True)
+        if torch.rand(1) < 0.5:  # RandomHorizontalFlip(p=0.5): applied when the draw is below p
+            image = functional.horizontal_flip(image)
+        return self.augment(image) if self.augment is not None else image
+
+    def __repr__(self) -> str:
+        return repr(self.reference)
 
 
 def auto_augment(cfg: Config) -> list:
