@@ -215,21 +215,14 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                              "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
-                                                              "file of the run")
-    parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
+    parser = finished_run_parser("python -m train.evaluate", __doc__)
     parser.add_argument("--data-dir", default="", help="another dataset root (its val/ split, the run's classes); "
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")
     parser.add_argument("--spawn", type=int, default=0, help="start N local workers (torch.multiprocessing)")
-    parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
-                                                    "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
     if ns.weights is not None:
-        return fail(renamed("python -m train.evaluate", ns.weights))
+        return fail(renamed(parser.prog, ns.weights))
     job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
               ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model)
     try:
@@ -251,6 +244,20 @@ def worker(job: Job) -> int:
         if is_main():
             print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def finished_run_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of a command on a finished run (evaluate, export): its folder, the checkpoint, the
+    model factory it may import, and the old --weights (refused by `renamed`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
+    parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
+                                                              "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
+                                                              "file of the run")
+    parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
+    parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
+                                                    "to allow its import (a run folder alone never runs code)")
+    return parser
 
 
 def renamed(command: str, value: str) -> str:

@@ -26,7 +26,6 @@ is written.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -41,7 +40,7 @@ import torch
 from train.runfiles import atomic_write
 from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail
-from train.evaluate import CHECKPOINTS, load_run, renamed
+from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
 from train.models import build_model
 from train.weights import normalisation
 
@@ -129,21 +128,14 @@ def check_format(fmt: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
-    parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
-                                                              "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "
-                                                              "file of the run")
-    parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
+    parser = finished_run_parser("python -m train.export", __doc__)
     parser.add_argument("--format", default="pt2", help="pt2 (torch.export, default) or onnx (ONNX: needs "
                                                        ".venv-onnx, which make export FORMAT=onnx installs)")
     parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2 or model.onnx, as "
                                                  "the checkpoint; OUT.json beside)")
-    parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
-                                                    "to allow its import (a run folder alone never runs code)")
     ns = parser.parse_args(argv)
     if ns.weights is not None:
-        return fail(renamed("python -m train.export", ns.weights))
+        return fail(renamed(parser.prog, ns.weights))
     out = ns.out or ns.run_dir / (Path(CHECKPOINTS.get(ns.checkpoint, "model.pt")).stem + "." + ns.format)
     try:
         check_format(ns.format)

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from train.bench.arms import median, row
-from train.bench.photos import images_per_s, sample_photos
+from train.bench.photos import images_per_s, resized_box, write_photos
 from train.config import parse_config
 from train.data import ShardSplit, image_transforms, load_image
 from train.data.decode import decode
@@ -35,25 +35,12 @@ def make_camera_photos(root: Path, count: int, classes: int = 2, seed: int = 0,
                        longer: tuple[int, int] = (3000, 4000)) -> list[Path]:
     """count JPEGs under root/<class>/ (an ImageFolder split) with their longer side in `longer`, a pure
     function of the arguments."""
-    done = root / f".complete-{count}-{classes}-{seed}-{longer[0]}-{longer[1]}"
-    paths = [root / f"class{i % classes}" / f"{i:06d}.jpg" for i in range(count)]
-    if done.exists():
-        return paths
-    rng = random.Random(seed)
-    sources = [Image.open(path).convert("RGB") for path in sample_photos()]
-    for i, path in enumerate(paths):
-        source = sources[i % len(sources)]
+    def cut(source: Image.Image, rng: random.Random) -> tuple[Image.Image, int]:
         side = rng.randint(*longer)
         width, height = (side, side * 3 // 4) if rng.random() < 0.75 else (side * 3 // 4, side)
         largest = min(source.width, source.height * width / height)  # the widest box of that shape
-        box_w = rng.uniform(largest / 2, largest)
-        box_h = box_w * height / width
-        x0, y0 = rng.uniform(0, source.width - box_w), rng.uniform(0, source.height - box_h)
-        photo = source.resize((width, height), Image.Resampling.BICUBIC, box=(x0, y0, x0 + box_w, y0 + box_h))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        photo.save(path, quality=rng.randint(90, 95))
-    done.touch()
-    return paths
+        return resized_box(source, rng, width, height, rng.uniform(largest / 2, largest)), rng.randint(90, 95)
+    return write_photos(root, count, classes, seed, f"{count}-{classes}-{seed}-{longer[0]}-{longer[1]}", cut)
 
 
 def camera_rows(out: Path, size: dict, rounds: int) -> list[dict]:

@@ -43,26 +43,39 @@ def sample_photos() -> list[Path]:
 
 def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> list[Path]:
     """count JPEGs under root/<class>/ (an ImageFolder split), a pure function of (count, classes, seed)."""
-    done = root / f".complete-{count}-{classes}-{seed}"
+    def cut(source: Image.Image, rng: random.Random) -> tuple[Image.Image, int]:
+        width, height = (500, 375) if rng.random() < 0.75 else (375, 500)
+        largest = min(source.width, source.height * width / height)  # the widest box of that shape
+        box_w = rng.uniform(width, largest) if largest > width else largest  # native or downscaled pixels
+        photo = resized_box(source, rng, width, height, box_w)
+        if rng.random() < 0.5:
+            photo = photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return photo, rng.randint(75, 95)
+    return write_photos(root, count, classes, seed, f"{count}-{classes}-{seed}", cut)
+
+
+def write_photos(root: Path, count: int, classes: int, seed: int, tag: str, cut) -> list[Path]:
+    """count JPEGs under root/<class>/, each cut(one of the sample photographs, the generator): (the photo, its
+    JPEG quality); made once (the marker .complete-TAG says so)."""
+    done = root / f".complete-{tag}"
     paths = [root / f"class{i % classes}" / f"{i:06d}.jpg" for i in range(count)]
     if done.exists():
         return paths
     rng = random.Random(seed)
     sources = [Image.open(path).convert("RGB") for path in sample_photos()]
     for i, path in enumerate(paths):
-        source = sources[i % len(sources)]
-        width, height = (500, 375) if rng.random() < 0.75 else (375, 500)
-        largest = min(source.width, source.height * width / height)  # the widest box of that shape
-        box_w = rng.uniform(width, largest) if largest > width else largest  # native or downscaled pixels
-        box_h = box_w * height / width
-        x0, y0 = rng.uniform(0, source.width - box_w), rng.uniform(0, source.height - box_h)
-        photo = source.resize((width, height), Image.Resampling.BICUBIC, box=(x0, y0, x0 + box_w, y0 + box_h))
-        if rng.random() < 0.5:
-            photo = photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        photo, quality = cut(sources[i % len(sources)], rng)
         path.parent.mkdir(parents=True, exist_ok=True)
-        photo.save(path, quality=rng.randint(75, 95))
+        photo.save(path, quality=quality)
     done.touch()
     return paths
+
+
+def resized_box(source: Image.Image, rng: random.Random, width: int, height: int, box_w: float) -> Image.Image:
+    """A box box_w wide of the source, of the shape width x height, at a random place, resampled to that size."""
+    box_h = box_w * height / width
+    x0, y0 = rng.uniform(0, source.width - box_w), rng.uniform(0, source.height - box_h)
+    return source.resize((width, height), Image.Resampling.BICUBIC, box=(x0, y0, x0 + box_w, y0 + box_h))
 
 
 def examples_pipeline(train: bool, size: int = 224):
