@@ -4,6 +4,7 @@ what a run left behind, and find its processes. Fixtures live in conftest.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -19,7 +20,7 @@ import torch
 
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
 from tests.chaos import RECIPE  # noqa: F401 - the tests import it from here
-from tests.processes import children, descendants, environ  # noqa: F401 - the tests import them from here
+from tests.processes import children, describe, descendants, environ
 from train.runfiles import read_metrics, read_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,12 +63,36 @@ def torchrun_cmd(nprocs: int, *args) -> list[str]:
 
 def run(cmd: list[str], *, expect: int | None = 0, timeout: float = 300, env: dict | None = None,
         cwd: Path = REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env or env_for_tests(), capture_output=True, text=True,
-                          timeout=timeout)
+    with subprocess.Popen(cmd, cwd=cwd, env=env or env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as started:
+        try:
+            out, err = started.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = end_hung(started)
+            raise AssertionError(f"{' '.join(cmd)} still ran after {timeout} s\n--- stdout\n{out[-3000:]}\n"
+                                 f"--- stderr\n{err[-12000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, started.returncode, out, err)
     if expect is not None and proc.returncode != expect:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}, expected {expect}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def end_hung(proc: subprocess.Popen) -> tuple[str, str]:
+    """End a command that hangs so that its output says where: each process still alive (its state and the kernel
+    function it waits in), then SIGABRT to its descendants (a trainbox worker's faulthandler prints every thread's
+    Python stack), then SIGKILL to all. Returns its stdout and its stderr, the process list appended."""
+    tree = descendants(proc.pid)
+    listing = [line for line in map(describe, [proc.pid, *tree]) if line]
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(3)
+    for pid in [*tree, proc.pid]:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    return out, err + "\n--- processes still running at the timeout\n" + "\n".join(listing)
 
 
 def make(*args, expect: int | None = 0, timeout: float = 600) -> subprocess.CompletedProcess:

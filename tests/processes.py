@@ -75,3 +75,12 @@ def alive(pid: int) -> bool:
         return _stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def describe(pid: int) -> str:
+    """One line: pid, state, parent, the kernel function it waits in and its command line ('' once it is gone)."""
+    try:
+        stat, wchan = _stat(pid), Path(f"/proc/{pid}/wchan").read_text()
+    except (OSError, IndexError):
+        return ""
+    return f"{pid} {stat[0]} parent {stat[1]} waits in {wchan or '-'}: {cmdline(pid)}"

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, attempts, children,
-                           env_for_tests, metrics, python_cmd, reached_step, run, status, wait_for, worker_pid)
+                           end_hung, env_for_tests, metrics, python_cmd, reached_step, run, status, wait_for,
+                           worker_pid)
 from train import checkpoint as ckpt
 
 FAULT = LONG
@@ -46,8 +47,8 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        out, err = _kill_tree(proc)
-        raise AssertionError(f"still running after {timeout}s\n{out[-3000:]}\n{err[-6000:]}") from None
+        out, err = end_hung(proc)
+        raise AssertionError(f"still running after {timeout}s\n{out[-3000:]}\n{err[-12000:]}") from None
 
 
 @pytest.fixture(autouse=True)
