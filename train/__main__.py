@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         return fail(str(e))
     if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
         return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
-    if cfg.spawn > 0 and not cfg.dry_run:  # the workers' fork server imports torch and the trainer meanwhile
+    if cfg.launch.spawn > 0 and not cfg.run.dry_run:  # the workers' fork server imports torch and the trainer meanwhile
         start_fork_server()
     # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer
     # at once.

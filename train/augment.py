@@ -12,19 +12,20 @@ from __future__ import annotations
 import torch
 
 from train import vision
-from train.config import Config
+from train.config import Augmentation
 
 
-def batch_seed(cfg: Config, step: int, micro: int, rank: int) -> int:
-    return ((cfg.seed * 1_000_003 + step) * 1_009 + micro) * 10_007 + rank
+def batch_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """The seed of one micro-batch's augmentation, from the run's --seed and where the batch stands."""
+    return ((seed * 1_000_003 + step) * 1_009 + micro) * 10_007 + rank
 
 
 class BatchAugment:
-    def __init__(self, cfg: Config, num_classes: int):
+    def __init__(self, aug: Augmentation, num_classes: int):
         v2 = vision.v2  # torchvision, only where a recipe asks for it
-        self.erase = v2.RandomErasing(p=cfg.random_erase) if cfg.random_erase > 0 else None
-        mixers = ([v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes)] if cfg.mixup_alpha > 0 else []) + \
-            ([v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes)] if cfg.cutmix_alpha > 0 else [])
+        self.erase = v2.RandomErasing(p=aug.random_erase) if aug.random_erase > 0 else None
+        mixers = ([v2.MixUp(alpha=aug.mixup_alpha, num_classes=num_classes)] if aug.mixup_alpha > 0 else []) + \
+            ([v2.CutMix(alpha=aug.cutmix_alpha, num_classes=num_classes)] if aug.cutmix_alpha > 0 else [])
         self.mix = v2.RandomChoice(mixers) if mixers else None
 
     def __repr__(self) -> str:
@@ -33,8 +34,8 @@ class BatchAugment:
         return ", then ".join(parts)
 
     @staticmethod
-    def wanted(cfg: Config) -> bool:
-        return cfg.random_erase > 0 or cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
+    def wanted(aug: Augmentation) -> bool:
+        return aug.random_erase > 0 or aug.mixup_alpha > 0 or aug.cutmix_alpha > 0
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(images, labels) -> (images, labels or soft targets), under `seed`."""

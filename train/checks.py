@@ -32,65 +32,67 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
-    if cfg.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
+    if cfg.launch.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
-    if not cfg.dry_run:  # a dry run plans for the devices the config asks for, present here or not
-        check_devices(cfg, local_workers=world or cfg.spawn or ident.local_world_size)
-    if cfg.dataset == "cifar10":
-        check_cifar(Path(cfg.data_dir), cfg.download)
-    if cfg.dataset == "imagefolder":
-        check_imagefolder(Path(cfg.data_dir))
-    if cfg.dataset == "shards":
-        read_index(Path(cfg.data_dir))
-    check_model_spec(cfg)
+    if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
+        check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
+    if cfg.data.dataset == "cifar10":
+        check_cifar(Path(cfg.data.data_dir), cfg.data.download)
+    if cfg.data.dataset == "imagefolder":
+        check_imagefolder(Path(cfg.data.data_dir))
+    if cfg.data.dataset == "shards":
+        read_index(Path(cfg.data.data_dir))
+    check_model_spec(cfg.model)
     check_weights(cfg)
     check_decay_groups(cfg)
-    if cfg.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
-        check_steps(cfg.train_samples, world or cfg.spawn or ident.world_size, cfg)
+    if cfg.data.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
+        check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
-    port = os.environ.get("MASTER_PORT") if cfg.spawn else \
+    port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \
         str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
-    if port is not None and not cfg.dry_run:
-        check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.spawn else
+    if port is not None and not cfg.run.dry_run:
+        check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.launch.spawn else
                    "set MASTER_PORT to a free port")
-    if cfg.run_dir:
-        check_run_dir(cfg, Path(cfg.run_dir))
-    if not cfg.dry_run:
+    if cfg.run.run_dir:
+        check_run_dir(cfg, Path(cfg.run.run_dir))
+    if not cfg.run.dry_run:
         check_tracking(cfg, ident.global_rank)
 
 
 def check_weights(cfg: Config) -> None:
     """--weights that name nothing or no file, and --freeze prefixes that match no parameter (the names, on a
     model built on the meta device: no memory, no time), answered before any worker starts."""
-    if not cfg.weights and not cfg.freeze:
+    if not cfg.model.weights and not cfg.model.freeze:
         return
     with torch.device("meta"):
-        model = build_model(cfg, 1000)
-    resuming = bool(cfg.run_dir) and Path(cfg.run_dir).is_dir() and bool(checkpoint.list_checkpoints(Path(cfg.run_dir)))
-    if cfg.weights and resolve(cfg) is None and not resuming:  # a file (named weights: fetched by the workers)
-        fitted(cfg, read_weights(cfg, fetched=False)[0], model, None)
-    frozen_names(cfg, model, 1000)
+        model = build_model(cfg.model, 1000)
+    run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
+    resuming = run_dir is not None and run_dir.is_dir() and bool(checkpoint.list_checkpoints(run_dir))
+    if cfg.model.weights and resolve(cfg.model) is None and not resuming:  # a file (named weights: the workers fetch)
+        fitted(cfg.model, read_weights(cfg.model, fetched=False)[0], model, None)
+    frozen_names(cfg.model, model, 1000)
 
 
 def check_decay_groups(cfg: Config) -> None:
     """A weight decay given for parameters the model has none of (--transformer-embedding-decay on a ResNet, a
     --norm-weight-decay whose layers are all frozen): one line before any worker starts, on the meta device."""
-    if cfg.norm_weight_decay is None and cfg.bias_weight_decay is None and cfg.transformer_embedding_decay is None:
+    opt = cfg.optimisation
+    if opt.norm_weight_decay is None and opt.bias_weight_decay is None and opt.transformer_embedding_decay is None:
         return
     with torch.device("meta"):
-        model = build_model(cfg, 1000)
-    freeze(model, frozen_names(cfg, model, 1000))
-    decay_groups(cfg, model)
+        model = build_model(cfg.model, 1000)
+    freeze(model, frozen_names(cfg.model, model, 1000))
+    decay_groups(cfg.optimisation, model, cfg.model.model)
 
 
 def check_tracking(cfg: Config, rank: int) -> None:
     """A tracked run names a server it can reach. Asked once per launch (the launcher and global rank 0),
     and only for a new run: a restart or resume of a tracked run trains on while the server is down."""
-    uri = tracking_uri(cfg)
+    uri = tracking_uri(cfg.tracking)
     if not uri:
         return
     check_uri(uri)
-    if rank == 0 and not continues_a_tracked_run(cfg.run_dir):
+    if rank == 0 and not continues_a_tracked_run(cfg.run.run_dir):
         probe_server(uri)
 
 
@@ -99,14 +101,14 @@ def check_devices(cfg: Config, local_workers: int) -> None:
     if problem:
         raise ConfigError(problem)
     cuda = torch.cuda.is_available()
-    if cfg.device == "cuda" and not cuda:
+    if cfg.launch.device == "cuda" and not cuda:
         shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
             if "CUDA_VISIBLE_DEVICES" in os.environ else ""
         raise ConfigError(f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver "
                           f"and CUDA_VISIBLE_DEVICES")
-    if cuda and cfg.device != "cpu":
+    if cuda and cfg.launch.device != "cpu":
         check_gpu_per_worker(local_workers, torch.cuda.device_count())
-    check_precision(cfg, on_cpu=cfg.device == "cpu" or not cuda)
+    check_precision(cfg, on_cpu=cfg.launch.device == "cpu" or not cuda)
 
 
 def check_gpu_per_worker(local_workers: int, visible: int) -> None:
@@ -117,24 +119,25 @@ def check_gpu_per_worker(local_workers: int, visible: int) -> None:
 
 
 def check_precision(cfg: Config, on_cpu: bool) -> None:
-    if on_cpu and cfg.precision in ("fp16", "bf16"):
-        raise ConfigError(f"--precision {cfg.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
-    if on_cpu and cfg.sync_bn:
+    if on_cpu and cfg.model.precision in ("fp16", "bf16"):
+        raise ConfigError(f"--precision {cfg.model.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
+    if on_cpu and cfg.model.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if cfg.decode == "gpu" and cfg.dataset not in ("imagefolder", "shards"):
-        raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.dataset} has none: use it with "
+    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "shards"):
+        raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.data.dataset} has none: use it with "
                           f"--dataset imagefolder or shards, or drop it")
-    if cfg.decode == "gpu" and on_cpu:
+    if cfg.data.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 
 
 def check_steps(train_samples: int, world: int, cfg: Config) -> int:
     """The optimizer steps in one epoch, which must be at least one."""
-    steps = samples_per_rank(train_samples, world, cfg.ra_reps) // cfg.batch_size // cfg.grad_accum
+    opt = cfg.optimisation
+    steps = samples_per_rank(train_samples, world, cfg.augmentation.ra_reps) // opt.batch_size // opt.grad_accum
     if steps == 0:
-        cut = " (--ra-reps takes a multiple of 256 of them)" if cfg.ra_reps else ""
+        cut = " (--ra-reps takes a multiple of 256 of them)" if cfg.augmentation.ra_reps else ""
         raise ConfigError(f"{train_samples} training samples{cut} are fewer than one step needs "
-                          f"({world} workers x {cfg.batch_size} x {cfg.grad_accum}): "
+                          f"({world} workers x {cfg.optimisation.batch_size} x {cfg.optimisation.grad_accum}): "
                           f"lower --batch-size or --grad-accum")
     return steps
 
@@ -142,8 +145,8 @@ def check_steps(train_samples: int, world: int, cfg: Config) -> int:
 def check_same_model(saved: dict, cfg: Config, source: Path | str) -> None:
     """A run directory or checkpoint (`source`) made with other MODEL_KEYS cannot be resumed by this config."""
     for key in MODEL_KEYS:
-        if key in saved and saved[key] != getattr(cfg, key):
-            raise ConfigError(f"{source} was made with {key}={saved[key]!r}, this run has {key}={getattr(cfg, key)!r}: "
+        if key in saved and saved[key] != cfg.setting(key):
+            raise ConfigError(f"{source} was made with {key}={saved[key]!r}, this run has {key}={cfg.setting(key)!r}: "
                               f"use a new --run-dir or the same {key}")
 
 

@@ -29,230 +29,162 @@ except ModuleNotFoundError:  # Python 3.10: tomli where installed
         tomllib = None
 
 
-def _field(section: str):
-    """The factory of one section's fields: each field declares its section (--help groups the flags by it), a
-    default and a help line."""
-    def make(default, help: str, choices: tuple | None = None):
-        return field(default=default, metadata={"help": help, "choices": choices, "section": section})
-    return make
-
-
-SECTIONS = {
-    "run": "what the run is and how long: its folder, seed, length, a stop, a dry run",
-    "launch": "read by python -m train before any worker starts",
-    "data": "the dataset and how it is read",
-    "augmentation": "the recipe per image and per batch",
-    "model": "the network, its starting weights and how it runs",
-    "optimisation": "the batch, the optimizer and its weight-decay groups",
-    "schedule": "the learning rate over the run",
-    "regularisation": "label smoothing and the EMA of the weights",
-    "checkpoints": "checkpoints, evaluations and logging",
-    "tracking": "MLflow, off unless a server is named",
-}
-_run = _field("run")
-_launch = _field("launch")
-_data = _field("data")
-_augmentation = _field("augmentation")
-_model = _field("model")
-_optimisation = _field("optimisation")
-_schedule = _field("schedule")
-_regularisation = _field("regularisation")
-_checkpoints = _field("checkpoints")
-_tracking = _field("tracking")
+def _field(default, help: str, choices: tuple | None = None):
+    """A setting: its default, its help line (--help) and, where it has them, its choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
-class Config:
-    # --- run: what the run is and how long: its folder, seed, length, a stop, a dry run ---
-    run_dir: str = _run("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; empty: "
-                            "runs/<timestamp>")
-    preset: str = _run("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
-    seed: int = _run(0, "seed for the model, the built-in data, sampling and augmentation")
-    max_steps: int = _run(600, "total optimizer steps of the run, counted across resumes")
-    epochs: int = _run(0, "train for N passes over the training set instead of --max-steps: the steps follow from its "
-                          "size, the workers, --batch-size and --grad-accum (printed at start, in plan.json); 0: "
-                          "--max-steps")
-    stop_at: int = _run(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
-    dry_run: bool = _run(False, "print the run's plan (steps, world size, weight-decay groups, normalisation, "
-                                "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
-                                "exit: no run folder, no download, no training")
-    deterministic: bool = _run(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
-    # --- launch: read by python -m train before any worker starts ---
-    spawn: int = _launch(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
-    device: str = _launch("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
-    timeout_s: int = _launch(600, "collective timeout in seconds; a stuck rank fails the job after this long")
-    threads: int = _launch(0, "CPU threads per process; 0: the cores available divided by the local workers")
-    # --- data: the dataset and how it is read ---
-    dataset: str = _data("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, "
-                                   "DATA_DIR/val); shards (an ImageFolder packed by make pack); synthetic: random "
-                                   "images for benchmarks (learns nothing)",
-                                   choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
-    data_dir: str = _data("data", "dataset root for cifar10, imagefolder and shards")
-    download: bool = _data(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
-    image_size: int = _data(32, "image side in pixels (shapes generates at it; others resize to it); with named "
-                                "--weights on image files: their crop unless given")
-    train_samples: int = _data(12000, "shapes/synthetic: number of training images")
-    val_samples: int = _data(2000, "shapes/synthetic: number of validation images")
-    num_workers: int = _data(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else every core of the "
-                                 "process's share but one")
-    decode: str = _data("cpu", "image files: cpu (loader workers decode and augment) or gpu (workers only read the "
-                               "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
-                               "there, each sample with its own seed)", choices=("cpu", "gpu"))
-    normalize: str = _data("auto", "input normalisation: imagenet (ImageNet's mean and std), trainbox (0.5, 0.25); "
-                                   "auto: the named --weights' own (their transforms()), else trainbox",
-                                   choices=("auto", "imagenet", "trainbox"))
-    # --- augmentation: the recipe per image and per batch ---
-    augment: str = _augmentation("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
-                                         "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); auto: "
-                                         "imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
-    train_crop_size: int = _augmentation(0, "imagenet recipe: RandomResizedCrop's size; 0: --image-size")
-    val_resize_size: int = _augmentation(0, "imagenet recipe: the evaluation's resize (shorter side); 0: "
-                                            "--val-crop-size / 0.875")
-    val_crop_size: int = _augmentation(0, "imagenet recipe: the evaluation's centre crop; 0: --image-size")
-    interpolation: str = _augmentation("bilinear", "resizing of the imagenet recipe (train crop, eval resize); "
-                                                   "--auto-augment resamples bilinearly (on tensors its ops take no "
-                                                   "bicubic)", choices=("bilinear", "bicubic"))
-    auto_augment: str = _augmentation("none", "file datasets: after the crop and flip, v2.TrivialAugmentWide "
-                                              "(ta_wide), RandAugment (ra), AugMix (augmix) or AutoAugment's ImageNet "
-                                              "policy (imagenet)",
-                                              choices=("none", "ta_wide", "ra", "augmix", "imagenet"))
-    ra_magnitude: int = _augmentation(9, "--auto-augment ra: RandAugment's magnitude")
-    augmix_severity: int = _augmentation(3, "--auto-augment augmix: AugMix's severity")
-    ra_reps: int = _augmentation(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each "
-                                    "image N times per epoch, augmented apart, the epoch cut to a multiple of 256; 0: "
-                                    "off")
-    random_erase: float = _augmentation(0.0, "v2.RandomErasing's probability, per image after normalisation (as "
-                                             "torchvision's reference applies it); 0: off")
-    mixup_alpha: float = _augmentation(0.0, "v2.MixUp's alpha on each training batch (with --cutmix-alpha: one of the "
-                                            "two at random per batch); 0: off")
-    cutmix_alpha: float = _augmentation(0.0, "v2.CutMix's alpha on each training batch; 0: off")
-    # --- model: the network, its starting weights and how it runs ---
-    model: str = _model("cnn", "cnn (small built-in), a torchvision classification model name, or "
+class Run:
+    """What the run is and how long: its folder, seed, length, a stop, a dry run."""
+
+    run_dir: str = _field("", "run directory (checkpoints, logs, model.pt); re-using one resumes it; empty: "
+                              "runs/<timestamp>")
+    preset: str = _field("", "named preset applied before the config file and flags", choices=("", "debug", "default"))
+    seed: int = _field(0, "seed for the model, the built-in data, sampling and augmentation")
+    max_steps: int = _field(600, "total optimizer steps of the run, counted across resumes")
+    epochs: int = _field(0, "train for N passes over the training set instead of --max-steps: the steps follow from "
+                            "its size, the workers, --batch-size and --grad-accum (printed at start, in plan.json); 0: "
+                            "--max-steps")
+    stop_at: int = _field(0, "stop after this step as a stop signal would (checkpoint, exit 75); 0: off")
+    dry_run: bool = _field(False, "print the run's plan (steps, world size, weight-decay groups, normalisation, "
+                                  "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
+                                  "exit: no run folder, no download, no training")
+    deterministic: bool = _field(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Read by python -m train before any worker starts."""
+
+    spawn: int = _field(0, "start N local worker processes with torch.multiprocessing (0: do not spawn)")
+    device: str = _field("auto", "auto: CUDA if available, else CPU", choices=("auto", "cpu", "cuda"))
+    timeout_s: int = _field(600, "collective timeout in seconds; a stuck rank fails the job after this long")
+    threads: int = _field(0, "CPU threads per process; 0: the cores available divided by the local workers")
+
+
+@dataclass(frozen=True)
+class Data:
+    """The dataset and how it is read."""
+
+    dataset: str = _field("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, "
+                                    "DATA_DIR/val); shards (an ImageFolder packed by make pack); synthetic: random "
+                                    "images for benchmarks (learns nothing)",
+                                    choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
+    data_dir: str = _field("data", "dataset root for cifar10, imagefolder and shards")
+    download: bool = _field(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
+    image_size: int = _field(32, "image side in pixels (shapes generates at it; others resize to it); with named "
+                                 "--weights on image files: their crop unless given")
+    train_samples: int = _field(12000, "shapes/synthetic: number of training images")
+    val_samples: int = _field(2000, "shapes/synthetic: number of validation images")
+    num_workers: int = _field(-1, "DataLoader workers per process; -1: 0 for shapes (in memory), else every core of "
+                                  "the process's share but one")
+    decode: str = _field("cpu", "image files: cpu (loader workers decode and augment) or gpu (workers only read the "
+                                "files; the training process decodes each batch on its GPU with nvJPEG and augments it "
+                                "there, each sample with its own seed)", choices=("cpu", "gpu"))
+    normalize: str = _field("auto", "input normalisation: imagenet (ImageNet's mean and std), trainbox (0.5, 0.25); "
+                                    "auto: the named --weights' own (their transforms()), else trainbox",
+                                    choices=("auto", "imagenet", "trainbox"))
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """The recipe per image and per batch."""
+
+    augment: str = _field("auto", "file datasets' recipe: cifar (resize, padded random crop, flip) or imagenet "
+                                  "(RandomResizedCrop + flip; eval: resize to size/0.875, centre crop); auto: "
+                                  "imagenet from 128 px up", choices=("auto", "cifar", "imagenet"))
+    train_crop_size: int = _field(0, "imagenet recipe: RandomResizedCrop's size; 0: --image-size")
+    val_resize_size: int = _field(0, "imagenet recipe: the evaluation's resize (shorter side); 0: "
+                                     "--val-crop-size / 0.875")
+    val_crop_size: int = _field(0, "imagenet recipe: the evaluation's centre crop; 0: --image-size")
+    interpolation: str = _field("bilinear", "resizing of the imagenet recipe (train crop, eval resize); "
+                                            "--auto-augment resamples bilinearly (on tensors its ops take no "
+                                            "bicubic)", choices=("bilinear", "bicubic"))
+    auto_augment: str = _field("none", "file datasets: after the crop and flip, v2.TrivialAugmentWide "
+                                       "(ta_wide), RandAugment (ra), AugMix (augmix) or AutoAugment's ImageNet "
+                                       "policy (imagenet)",
+                                       choices=("none", "ta_wide", "ra", "augmix", "imagenet"))
+    ra_magnitude: int = _field(9, "--auto-augment ra: RandAugment's magnitude")
+    augmix_severity: int = _field(3, "--auto-augment augmix: AugMix's severity")
+    ra_reps: int = _field(0, "the repeated-augmentation sampler of torchvision's reference (RASampler): each "
+                             "image N times per epoch, augmented apart, the epoch cut to a multiple of 256; 0: "
+                             "off")
+    random_erase: float = _field(0.0, "v2.RandomErasing's probability, per image after normalisation (as "
+                                      "torchvision's reference applies it); 0: off")
+    mixup_alpha: float = _field(0.0, "v2.MixUp's alpha on each training batch (with --cutmix-alpha: one of the "
+                                     "two at random per batch); 0: off")
+    cutmix_alpha: float = _field(0.0, "v2.CutMix's alpha on each training batch; 0: off")
+
+
+@dataclass(frozen=True)
+class Model:
+    """The network, its starting weights and how it runs."""
+
+    model: str = _field("cnn", "cnn (small built-in), a torchvision classification model name, or "
                                "package.module:factory")
-    weights: str = _model("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
+    weights: str = _field("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
                               "DEFAULT for --model's default; fetched once per node into TORCH_HOME) or a file "
                               "(model.pt, best.pt, a checkpoint, a state_dict); a head of another class count is "
                               "replaced; a resume ignores it")
-    freeze: str = _model("", "freeze parameters: backbone (all but the classifier head) or name prefixes, "
+    freeze: str = _field("", "freeze parameters: backbone (all but the classifier head) or name prefixes, "
                              "comma-separated (no gradient, no optimizer state, BatchNorm statistics kept)")
-    width: int = _model(32, "cnn: channels of the first stage (doubles per stage)")
-    sync_bn: bool = _model(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
-    channels_last: bool = _model(False, "use the channels_last memory format for model and inputs")
-    compile: bool = _model(False, "wrap the model with torch.compile")
-    bucket_cap_mb: int = _model(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
-    static_graph: bool = _model(False, "DDP static_graph: faster when the graph never changes and every parameter gets "
+    width: int = _field(32, "cnn: channels of the first stage (doubles per stage)")
+    sync_bn: bool = _field(False, "convert BatchNorm layers to SyncBatchNorm (multi-GPU)")
+    channels_last: bool = _field(False, "use the channels_last memory format for model and inputs")
+    compile: bool = _field(False, "wrap the model with torch.compile")
+    bucket_cap_mb: int = _field(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
+    static_graph: bool = _field(False, "DDP static_graph: faster when the graph never changes and every parameter gets "
                                        "a gradient every step")
-    precision: str = _model("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
+    precision: str = _field("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
                                     choices=("auto", "fp32", "bf16", "fp16"))
-    # --- optimisation: the batch, the optimizer and its weight-decay groups ---
-    batch_size: int = _optimisation(64, "images per worker per micro-batch")
-    grad_accum: int = _optimisation(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
-    optimizer: str = _optimisation("adamw", "optimizer", choices=("adamw", "sgd"))
-    lr: float = _optimisation(3e-3, "peak learning rate")
-    weight_decay: float = _optimisation(0.05, "weight decay")
-    momentum: float = _optimisation(0.9, "sgd momentum")
-    nesterov: bool = _optimisation(True, "sgd: Nesterov momentum (torchvision's reference --opt sgd is without it)")
-    norm_weight_decay: float | None = _optimisation(None, "weight decay of normalisation layers' parameters "
-                                                          "(BatchNorm, LayerNorm, ...); unset: --weight-decay, in no "
-                                                          "group of their own (torchvision's reference)")
-    bias_weight_decay: float | None = _optimisation(None, "weight decay of parameters named bias, ahead of the norm "
-                                                          "rule; unset: no group of their own (torchvision's "
-                                                          "reference)")
-    transformer_embedding_decay: float | None = _optimisation(None, "weight decay of parameters named class_token, "
-                                                                    "position_embedding or "
-                                                                    "relative_position_bias_table (torchvision's "
-                                                                    "reference and its key list); unset: no group of "
-                                                                    "their own")
-    grad_clip: float = _optimisation(1.0, "clip the global gradient norm to this (0: off)")
-    # --- schedule: the learning rate over the run ---
-    warmup_steps: int = _schedule(50, "linear warm-up steps before the cosine decay")
-    warmup_epochs: float = _schedule(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: "
-                                          "--warmup-steps")
-    lr_scheduler: str = _schedule("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
-                                            "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
-                                            choices=("cosine", "step", "multistep", "constant"))
-    min_lr_ratio: float = _schedule(0.02, "final learning rate as a fraction of --lr")
-    lr_step_size: int = _schedule(30, "--lr-scheduler step: its period, in the schedule's unit")
-    lr_gamma: float = _schedule(0.1, "--lr-scheduler step/multistep: the factor at each decay")
-    lr_milestones: str = _schedule("", "--lr-scheduler multistep: comma-separated points, in the schedule's unit")
-    warmup_method: str = _schedule("linear", "warm-up: linear from --warmup-decay x --lr to --lr, or constant at "
-                                             "--warmup-decay x --lr", choices=("linear", "constant"))
-    warmup_decay: float = _schedule(0.01, "the warm-up's starting factor (torchvision's lr-warmup-decay)")
-    schedule_unit: str = _schedule("step", "the schedule advances every optimizer step (lengths in steps), or every "
-                                           "epoch as torchvision's reference does (needs --epochs; lengths in epochs)",
-                                           choices=("step", "epoch"))
-    # --- regularisation: label smoothing and the EMA of the weights ---
-    label_smoothing: float = _regularisation(0.0, "cross-entropy label smoothing (torch's label_smoothing)")
-    model_ema: bool = _regularisation(False, "keep an exponential moving average of the weights (AveragedModel, "
-                                             "buffers included), evaluated beside the model and saved as model_ema.pt")
-    model_ema_steps: int = _regularisation(32, "--model-ema: update the average every N optimizer steps of an epoch")
-    model_ema_decay: float = _regularisation(0.99998, "--model-ema: the decay before torchvision's adjustment for the "
-                                                      "batch, world size, update period and epochs")
-    # --- checkpoints: checkpoints, evaluations and logging ---
-    save_every: int = _checkpoints(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
-    keep_checkpoints: int = _checkpoints(3, "keep the newest K checkpoints")
-    eval_every: int = _checkpoints(200, "evaluate every N steps (and at the end); 0: only at the end")
-    log_every: int = _checkpoints(50, "log loss and throughput every N steps")
-    tensorboard: bool = _checkpoints(True, "write TensorBoard event files into the run directory")
-    # --- tracking: MLflow, off unless a server is named ---
-    mlflow_uri: str = _tracking("", "MLflow tracking server, http(s)://HOST:PORT; empty: $MLFLOW_TRACKING_URI, and no "
-                                    "tracking when that is unset too")
-    mlflow_experiment: str = _tracking("", "MLflow experiment; empty: $MLFLOW_EXPERIMENT_NAME, else trainbox")
-    mlflow_checkpoints: bool = _tracking(False, "also send every checkpoint to MLflow as an artifact (model.pt and "
-                                                "manifest.json always are)")
 
-    def validate(self) -> None:
-        positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
-                    "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
-        non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
-                        "momentum", "epochs", "warmup_epochs")
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
-        if self.num_workers < -1:
-            raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.num_workers}: pass -1, 0 (load "
-                              f"in the training process) or a worker count")
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}: pass a positive learning rate, e.g. --lr 3e-4")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}: pass a fraction of "
-                              f"--lr, e.g. 0.1")
-        if self.warmup_epochs and not self.epochs:
-            raise ConfigError(f"--warmup-epochs {self.warmup_epochs} needs --epochs: give the run's length in epochs "
-                              f"too, or the warm-up in --warmup-steps")
-        self.validate_recipe()
-        if self.image_size < 8:
-            raise ConfigError(f"--image-size must be at least 8, got {self.image_size}: pass 8 or more (pixels)")
-        for f in fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
-                                  f"got {getattr(self, f.name)!r}: pass one of those")
 
-    def validate_recipe(self) -> None:
-        """The recipe knobs: ranges, and the knobs a setting needs."""
-        for name in ("label_smoothing", "random_erase", "warmup_decay"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {getattr(self, name)}: pass a fraction")
-        for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
-                     "transformer_embedding_decay", "train_crop_size", "val_resize_size", "val_crop_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}: pass 0 or more")
-        for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be > 0, got {getattr(self, name)}: pass a positive value")
-        if not 0 < self.lr_gamma <= 1 or not 0 < self.model_ema_decay < 1:
-            raise ConfigError(f"--lr-gamma must be within (0, 1] and --model-ema-decay within (0, 1), got "
-                              f"{self.lr_gamma} and {self.model_ema_decay}: pass fractions, e.g. 0.1 and 0.99998")
-        if self.lr_scheduler == "multistep" and not self.milestones():
-            raise ConfigError("--lr-scheduler multistep needs --lr-milestones: pass e.g. --lr-milestones 30,60,80")
-        if self.schedule_unit == "epoch" and (not self.epochs or self.warmup_epochs != int(self.warmup_epochs)):
-            raise ConfigError(f"--schedule-unit epoch needs --epochs and a whole --warmup-epochs, got --epochs "
-                              f"{self.epochs} --warmup-epochs {self.warmup_epochs}: give the run in whole epochs, or "
-                              f"use --schedule-unit step")
+@dataclass(frozen=True)
+class Optimisation:
+    """The batch, the optimizer and its weight-decay groups."""
+
+    batch_size: int = _field(64, "images per worker per micro-batch")
+    grad_accum: int = _field(1, "micro-batches per optimizer step (gradients synchronised on the last only)")
+    optimizer: str = _field("adamw", "optimizer", choices=("adamw", "sgd"))
+    lr: float = _field(3e-3, "peak learning rate")
+    weight_decay: float = _field(0.05, "weight decay")
+    momentum: float = _field(0.9, "sgd momentum")
+    nesterov: bool = _field(True, "sgd: Nesterov momentum (torchvision's reference --opt sgd is without it)")
+    norm_weight_decay: float | None = _field(None, "weight decay of normalisation layers' parameters "
+                                                   "(BatchNorm, LayerNorm, ...); unset: --weight-decay, in no "
+                                                   "group of their own (torchvision's reference)")
+    bias_weight_decay: float | None = _field(None, "weight decay of parameters named bias, ahead of the norm "
+                                                   "rule; unset: no group of their own (torchvision's "
+                                                   "reference)")
+    transformer_embedding_decay: float | None = _field(None, "weight decay of parameters named class_token, "
+                                                             "position_embedding or "
+                                                             "relative_position_bias_table (torchvision's "
+                                                             "reference and its key list); unset: no group of "
+                                                             "their own")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this (0: off)")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate over the run."""
+
+    warmup_steps: int = _field(50, "linear warm-up steps before the cosine decay")
+    warmup_epochs: float = _field(0.0, "the warm-up in epochs (with --epochs) instead of --warmup-steps; 0: "
+                                       "--warmup-steps")
+    lr_scheduler: str = _field("cosine", "after the warm-up: cosine (to --min-lr-ratio), step (x --lr-gamma every "
+                                         "--lr-step-size), multistep (x --lr-gamma at --lr-milestones) or constant",
+                                         choices=("cosine", "step", "multistep", "constant"))
+    min_lr_ratio: float = _field(0.02, "final learning rate as a fraction of --lr")
+    lr_step_size: int = _field(30, "--lr-scheduler step: its period, in the schedule's unit")
+    lr_gamma: float = _field(0.1, "--lr-scheduler step/multistep: the factor at each decay")
+    lr_milestones: str = _field("", "--lr-scheduler multistep: comma-separated points, in the schedule's unit")
+    warmup_method: str = _field("linear", "warm-up: linear from --warmup-decay x --lr to --lr, or constant at "
+                                          "--warmup-decay x --lr", choices=("linear", "constant"))
+    warmup_decay: float = _field(0.01, "the warm-up's starting factor (torchvision's lr-warmup-decay)")
+    schedule_unit: str = _field("step", "the schedule advances every optimizer step (lengths in steps), or every "
+                                        "epoch as torchvision's reference does (needs --epochs; lengths in epochs)",
+                                        choices=("step", "epoch"))
 
     def milestones(self) -> list[int]:
         """--lr-milestones as a list of ints."""
@@ -262,8 +194,145 @@ class Config:
             raise ConfigError(f"--lr-milestones {self.lr_milestones!r} is not a list of whole numbers: pass "
                               f"e.g. --lr-milestones 30,60,80") from None
 
+
+@dataclass(frozen=True)
+class Regularisation:
+    """Label smoothing and the EMA of the weights."""
+
+    label_smoothing: float = _field(0.0, "cross-entropy label smoothing (torch's label_smoothing)")
+    model_ema: bool = _field(False, "keep an exponential moving average of the weights (AveragedModel, "
+                                    "buffers included), evaluated beside the model and saved as model_ema.pt")
+    model_ema_steps: int = _field(32, "--model-ema: update the average every N optimizer steps of an epoch")
+    model_ema_decay: float = _field(0.99998, "--model-ema: the decay before torchvision's adjustment for the "
+                                             "batch, world size, update period and epochs")
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Checkpoints, evaluations and logging."""
+
+    save_every: int = _field(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
+    keep_checkpoints: int = _field(3, "keep the newest K checkpoints")
+    eval_every: int = _field(200, "evaluate every N steps (and at the end); 0: only at the end")
+    log_every: int = _field(50, "log loss and throughput every N steps")
+    tensorboard: bool = _field(True, "write TensorBoard event files into the run directory")
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """MLflow, off unless a server is named."""
+
+    mlflow_uri: str = _field("", "MLflow tracking server, http(s)://HOST:PORT; empty: $MLFLOW_TRACKING_URI, and no "
+                                 "tracking when that is unset too")
+    mlflow_experiment: str = _field("", "MLflow experiment; empty: $MLFLOW_EXPERIMENT_NAME, else trainbox")
+    mlflow_checkpoints: bool = _field(False, "also send every checkpoint to MLflow as an artifact (model.pt and "
+                                             "manifest.json always are)")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The run's settings, one section each (--help groups the flags by them). The command line, config files
+    and config.json name each setting by its own name alone: no two sections share a name."""
+
+    run: Run = field(default_factory=Run)
+    launch: Launch = field(default_factory=Launch)
+    data: Data = field(default_factory=Data)
+    augmentation: Augmentation = field(default_factory=Augmentation)
+    model: Model = field(default_factory=Model)
+    optimisation: Optimisation = field(default_factory=Optimisation)
+    schedule: Schedule = field(default_factory=Schedule)
+    regularisation: Regularisation = field(default_factory=Regularisation)
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    tracking: Tracking = field(default_factory=Tracking)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Config:
+        """The config of flat settings (a config.json, the parsed command line); an unknown name is a ConfigError."""
+        parts: dict[str, dict] = {name: {} for name in SECTIONS}
+        for name, value in values.items():
+            if name not in SECTION_OF:
+                raise _unknown_key(name, "config")
+            parts[SECTION_OF[name]][name] = value
+        return cls(**{name: kind(**parts[name]) for name, kind in SECTIONS.items()})
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every setting by its own name, flat, in --help's order: config.json, the checkpoints, MLflow's params."""
+        return {name: value for section in SECTIONS
+                for name, value in dataclasses.asdict(getattr(self, section)).items()}
+
+    def replace(self, **values) -> Config:
+        """This config with these settings (by their own names) changed."""
+        return Config.from_dict({**self.to_dict(), **values})
+
+    def setting(self, name: str):
+        """One setting by its own name, as the command line and config files name it."""
+        return getattr(getattr(self, SECTION_OF[name]), name)
+
+    def validate(self) -> None:
+        positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
+                    "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
+        for name in positive:
+            if self.setting(name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
+        non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
+                        "momentum", "epochs", "warmup_epochs")
+        for name in non_negative:
+            if self.setting(name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
+        if self.data.num_workers < -1:
+            raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.data.num_workers}: pass -1, 0 (load "
+                              f"in the training process) or a worker count")
+        schedule = self.schedule
+        if self.optimisation.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.optimisation.lr}: pass a positive learning rate, e.g. "
+                              f"--lr 3e-4")
+        if not 0 <= schedule.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {schedule.min_lr_ratio}: pass a fraction of "
+                              f"--lr, e.g. 0.1")
+        if schedule.warmup_epochs and not self.run.epochs:
+            raise ConfigError(f"--warmup-epochs {schedule.warmup_epochs} needs --epochs: give the run's length in "
+                              f"epochs too, or the warm-up in --warmup-steps")
+        self.validate_recipe()
+        if self.data.image_size < 8:
+            raise ConfigError(f"--image-size must be at least 8, got {self.data.image_size}: pass 8 or more (pixels)")
+        for f in settings():
+            choices = f.metadata.get("choices")
+            if choices and self.setting(f.name) not in choices:
+                raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
+                                  f"got {self.setting(f.name)!r}: pass one of those")
+
+    def validate_recipe(self) -> None:
+        """The recipe knobs: ranges, and the knobs a setting needs."""
+        for name in ("label_smoothing", "random_erase", "warmup_decay"):
+            if not 0 <= self.setting(name) <= 1:
+                raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {self.setting(name)}: pass a fraction")
+        for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
+                     "transformer_embedding_decay", "train_crop_size", "val_resize_size", "val_crop_size"):
+            if self.setting(name) is not None and self.setting(name) < 0:
+                raise ConfigError(f"--{_flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
+        for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
+            if self.setting(name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
+        schedule, ema_decay = self.schedule, self.regularisation.model_ema_decay
+        if not 0 < schedule.lr_gamma <= 1 or not 0 < ema_decay < 1:
+            raise ConfigError(f"--lr-gamma must be within (0, 1] and --model-ema-decay within (0, 1), got "
+                              f"{schedule.lr_gamma} and {ema_decay}: pass fractions, e.g. 0.1 and 0.99998")
+        if schedule.lr_scheduler == "multistep" and not schedule.milestones():
+            raise ConfigError("--lr-scheduler multistep needs --lr-milestones: pass e.g. --lr-milestones 30,60,80")
+        epochs, warmup = self.run.epochs, schedule.warmup_epochs
+        if schedule.schedule_unit == "epoch" and (not epochs or warmup != int(warmup)):
+            raise ConfigError(f"--schedule-unit epoch needs --epochs and a whole --warmup-epochs, got --epochs "
+                              f"{epochs} --warmup-epochs {warmup}: give the run in whole epochs, or use "
+                              f"--schedule-unit step")
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)  # each section's name and class, in --help's order
+SECTION_OF: dict[str, str] = {f.name: name for name, kind in SECTIONS.items() for f in fields(kind)}
+
+
+def settings() -> list[dataclasses.Field]:
+    """Every setting's field, section by section, in --help's order."""
+    return [f for kind in SECTIONS.values() for f in fields(kind)]
 
 
 # Presets change defaults only; the config file and flags still override them.
@@ -282,46 +351,47 @@ IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size 
 
 def recipe(cfg: Config) -> str:
     """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
-    if cfg.augment != "auto":
-        return cfg.augment
-    return "imagenet" if cfg.image_size >= IMAGENET_FROM else "cifar"
+    if cfg.augmentation.augment != "auto":
+        return cfg.augmentation.augment
+    return "imagenet" if cfg.data.image_size >= IMAGENET_FROM else "cifar"
 
 
 def inert(cfg: Config) -> dict[str, str]:
     """The settings this config never reads, each with why and the fix: given by a user, they are refused
     (parse_config), never ignored."""
-    small = "--augment cifar" if cfg.augment == "cifar" else f"--image-size {cfg.image_size} is below {IMAGENET_FROM}"
+    small = ("--augment cifar" if cfg.augmentation.augment == "cifar"
+             else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
     rules: list[tuple[tuple[str, ...], bool, str]] = [
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
-          "ra_magnitude", "augmix_severity", "num_workers"), cfg.dataset in BUILT_IN,
-         f"with --dataset {cfg.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
+          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
+         f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
          f"or load): drop it, or train on image files (--dataset imagefolder, shards or cifar10)"),
-        (("train_samples", "val_samples"), cfg.dataset not in BUILT_IN,
-         f"with --dataset {cfg.dataset} (its size is its files'): drop it"),
+        (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
+         f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
-         cfg.dataset not in BUILT_IN and recipe(cfg) == "cifar",
+         cfg.data.dataset not in BUILT_IN and recipe(cfg) == "cifar",
          f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
          f"--augment imagenet"),
-        (("ra_magnitude",), cfg.dataset not in BUILT_IN and cfg.auto_augment != "ra",
-         f"with --auto-augment {cfg.auto_augment}: drop it, or pass --auto-augment ra"),
-        (("augmix_severity",), cfg.dataset not in BUILT_IN and cfg.auto_augment != "augmix",
-         f"with --auto-augment {cfg.auto_augment}: drop it, or pass --auto-augment augmix"),
-        (("download",), cfg.dataset != "cifar10",
-         f"with --dataset {cfg.dataset} (only CIFAR-10 is downloaded): drop it"),
-        (("width",), cfg.model != "cnn", f"with --model {cfg.model} (it sizes the built-in cnn): drop it"),
-        (("momentum", "nesterov"), cfg.optimizer != "sgd",
-         f"with --optimizer {cfg.optimizer}: drop it, or pass --optimizer sgd"),
-        (("lr_step_size",), cfg.lr_scheduler != "step",
-         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler step"),
-        (("lr_gamma",), cfg.lr_scheduler not in ("step", "multistep"),
-         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler step or multistep"),
-        (("lr_milestones",), cfg.lr_scheduler != "multistep",
-         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler multistep"),
-        (("min_lr_ratio",), cfg.lr_scheduler != "cosine",
-         f"with --lr-scheduler {cfg.lr_scheduler}: drop it, or pass --lr-scheduler cosine"),
-        (("warmup_method", "warmup_decay"), not (cfg.warmup_epochs or cfg.warmup_steps),
+        (("ra_magnitude",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "ra",
+         f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment ra"),
+        (("augmix_severity",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "augmix",
+         f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
+        (("download",), cfg.data.dataset != "cifar10",
+         f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
+        (("width",), cfg.model.model != "cnn", f"with --model {cfg.model.model} (it sizes the built-in cnn): drop it"),
+        (("momentum", "nesterov"), cfg.optimisation.optimizer != "sgd",
+         f"with --optimizer {cfg.optimisation.optimizer}: drop it, or pass --optimizer sgd"),
+        (("lr_step_size",), cfg.schedule.lr_scheduler != "step",
+         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step"),
+        (("lr_gamma",), cfg.schedule.lr_scheduler not in ("step", "multistep"),
+         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step or multistep"),
+        (("lr_milestones",), cfg.schedule.lr_scheduler != "multistep",
+         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler multistep"),
+        (("min_lr_ratio",), cfg.schedule.lr_scheduler != "cosine",
+         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler cosine"),
+        (("warmup_method", "warmup_decay"), not (cfg.schedule.warmup_epochs or cfg.schedule.warmup_steps),
          "without a warm-up (--warmup-steps 0): drop it, or give the warm-up a length"),
-        (("model_ema_steps", "model_ema_decay"), not cfg.model_ema,
+        (("model_ema_steps", "model_ema_decay"), not cfg.regularisation.model_ema,
          "without --model-ema: drop it, or pass --model-ema"),
     ]
     found: dict[str, str] = {}
@@ -340,10 +410,11 @@ def check_no_effect(cfg: Config, given: dict[str, str]) -> None:
 
 def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
     """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
-    if not cfg.epochs:
-        return cfg.max_steps, cfg.warmup_steps
-    warmup = round(cfg.warmup_epochs * steps_per_epoch) if cfg.warmup_epochs else cfg.warmup_steps
-    return cfg.epochs * steps_per_epoch, warmup
+    if not cfg.run.epochs:
+        return cfg.run.max_steps, cfg.schedule.warmup_steps
+    schedule = cfg.schedule
+    warmup = round(schedule.warmup_epochs * steps_per_epoch) if schedule.warmup_epochs else schedule.warmup_steps
+    return cfg.run.epochs * steps_per_epoch, warmup
 
 
 def default_run_dir(started: float | None = None) -> str:
@@ -354,8 +425,8 @@ def default_run_dir(started: float | None = None) -> str:
 def launch_run_dir(cfg: Config) -> str:
     """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
     parent), so the attempts it restarts after a failure resume the same run instead of starting new ones."""
-    if cfg.run_dir:
-        return cfg.run_dir
+    if cfg.run.run_dir:
+        return cfg.run.run_dir
     return default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
 
 
@@ -372,7 +443,6 @@ def process_start_time(pid: int | str = "self") -> float:
 
 _IMPORTED = time.time()
 
-_TYPES = {f.name: f.type for f in fields(Config)}
 
 
 def _flag(name: str) -> str:
@@ -381,7 +451,7 @@ def _flag(name: str) -> str:
 
 def _field_type(name: str) -> type:
     """The field's type; for an optional field (float | None: unset means something of its own), its type when set."""
-    kind = typing.get_type_hints(Config)[name]
+    kind = typing.get_type_hints(SECTIONS[SECTION_OF[name]])[name]
     return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
 
 
@@ -398,7 +468,7 @@ def _coerce(name: str, value, source: str):
 
 
 def _unknown_key(key: str, source: str) -> ConfigError:
-    close = difflib.get_close_matches(key, [f.name for f in fields(Config)], n=1)
+    close = difflib.get_close_matches(key, list(SECTION_OF), n=1)
     hint = f": did you mean {close[0]}?" if close else ": see python -m train --help"
     return ConfigError(f"{source}: unknown key {key!r}{hint}")
 
@@ -431,7 +501,7 @@ def load_config_file(path: str) -> dict:
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")
-        if name not in _TYPES:
+        if name not in SECTION_OF:
             raise _unknown_key(key, f"config file {path}")
         out[name] = _coerce(name, value, f"config file {path}")
     return out
@@ -448,10 +518,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     """The command line, derived from Config: one flag per field, grouped in --help by the field's section."""
     parser = _OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
                             argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    groups = {name: parser.add_argument_group(name, about) for name, about in SECTIONS.items()}
+    groups = {name: parser.add_argument_group(name, kind.__doc__) for name, kind in SECTIONS.items()}
     groups["run"].add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
-    for f in fields(Config):
-        group, kind = groups[f.metadata["section"]], _field_type(f.name)
+    for f in settings():
+        group, kind = groups[SECTION_OF[f.name]], _field_type(f.name)
         help_text = f.metadata['help'] + ("" if f.default is None else f" (default: {f.default!r})")
         flag = f"--{_flag(f.name)}"
         if kind is bool:
@@ -476,7 +546,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if given.get(length) and steps in given:
             raise ConfigError(f"--{_flag(length)} and --{_flag(steps)} both set the same length: give one of them")
     values = {**PRESETS.get(preset, {}), **file_values, **args}
-    cfg = Config(**values)
+    cfg = Config.from_dict(values)
     cfg.validate()
     cfg = _weights_sizes(cfg, given)
     where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
@@ -490,16 +560,16 @@ def _weights_sizes(cfg: Config, given: dict) -> Config:
     """Named --weights bring their own evaluation transforms (resize R, crop C, interpolation): on image files they
     are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
     (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win."""
-    if not cfg.weights or cfg.dataset in BUILT_IN:
+    if not cfg.model.weights or cfg.data.dataset in BUILT_IN:
         return cfg
-    own = evaluation_transforms(cfg.model, cfg.weights)  # torchvision is imported for named weights only
+    own = evaluation_transforms(cfg.model.model, cfg.model.weights)  # torchvision is imported for named weights only
     if own is None:  # a file
         return cfg
     resize, crop, interpolation = own
-    image_size = cfg.image_size if "image_size" in given else crop
+    image_size = cfg.data.image_size if "image_size" in given else crop
     sizes = {"image_size": image_size}
     if "val_resize_size" not in given:
-        sizes["val_resize_size"] = (cfg.val_crop_size or image_size) * resize // crop
+        sizes["val_resize_size"] = (cfg.augmentation.val_crop_size or image_size) * resize // crop
     if "interpolation" not in given and interpolation in ("bilinear", "bicubic"):
         sizes["interpolation"] = interpolation
-    return dataclasses.replace(cfg, **sizes)
+    return cfg.replace(**sizes)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from train.config import Config
+from train.config import Regularisation
 
 
-def adjusted_decay(cfg: Config, world: int, epochs: float) -> float:
+def adjusted_decay(reg: Regularisation, global_batch: int, epochs: float) -> float:
     """torchvision's adjustment, which keeps the average's horizon independent of the batch, the world size,
-    the update period and the run's length: alpha = (1 - decay) x world x batch x period / epochs, at most 1."""
-    adjust = world * cfg.batch_size * cfg.grad_accum * cfg.model_ema_steps / epochs
-    return 1.0 - min(1.0, (1.0 - cfg.model_ema_decay) * adjust)
+    the update period and the run's length: alpha = (1 - decay) x world x batch x period / epochs, at most 1
+    (global_batch: world x batch x --grad-accum)."""
+    adjust = global_batch * reg.model_ema_steps / epochs
+    return 1.0 - min(1.0, (1.0 - reg.model_ema_decay) * adjust)
 
 
 class ModelEma(AveragedModel):

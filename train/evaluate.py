@@ -96,16 +96,17 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, l
         raise ConfigError(f"{run_dir} is not a trainbox run directory (no readable config.json / classes.json): pass "
                           f"the folder a run trained in (runs/<name>)")
     try:
-        cfg = Config(**saved)
-    except TypeError as e:
+        cfg = Config.from_dict(saved)
+    except (TypeError, ConfigError) as e:  # a key this version does not know
         raise ConfigError(f"{run_dir / 'config.json'} cannot be read as a trainbox config ({str(e)[:120]}): pass the "
                           f"folder a run trained in (runs/<name>)") from None
-    if ":" in cfg.model and model != cfg.model:
+    trained = cfg.model.model
+    if ":" in trained and model != trained:
         given = f"--model {model} does not name it" if model else "its factory would be imported and run"
-        raise ConfigError(f"{run_dir} was trained with --model {cfg.model}, code outside trainbox, and {given}: pass "
-                          f"--model {cfg.model} (MODEL= with make) if you trust that module")
-    if model and model != cfg.model:
-        raise ConfigError(f"--model {model}: {run_dir} was trained with --model {cfg.model}: pass that, or no --model")
+        raise ConfigError(f"{run_dir} was trained with --model {trained}, code outside trainbox, and {given}: pass "
+                          f"--model {trained} (MODEL= with make) if you trust that module")
+    if model and model != trained:
+        raise ConfigError(f"--model {model}: {run_dir} was trained with --model {trained}: pass that, or no --model")
     path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
     if not path.is_file():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
@@ -134,33 +135,33 @@ class Job:
 def evaluate_run(job: Job) -> int:
     """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
     cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model)
-    cfg = Config(**{**cfg.to_dict(), **({"data_dir": job.data_dir} if job.data_dir else {})})
+    cfg = cfg.replace(**({"data_dir": job.data_dir} if job.data_dir else {}))
     configure_runtime(cfg)
     ident = identity()
-    device = pick_device(cfg.device, ident)
-    init(device, cfg.timeout_s)
+    device = pick_device(cfg.launch.device, ident)
+    init(device, cfg.launch.timeout_s)
     clean = False
     try:
         _, val_set, _ = build_datasets(cfg, train=False)
         if class_names(val_set) != classes:
-            raise ConfigError(f"{cfg.data_dir}: its classes ({', '.join(class_names(val_set)[:5])}, ...) are not the "
-                              f"{len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
+            raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(class_names(val_set)[:5])}, ...) are not "
+                              f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set with the run's class folders")
         loader = build_val_loader(cfg, val_set, ident.global_rank, ident.world_size, device.type == "cuda", device)
-        model = build_model(cfg, len(classes))
+        model = build_model(cfg.model, len(classes))
         try:
             model.load_state_dict(state)
         except (RuntimeError, KeyError) as e:
-            raise ConfigError(f"{source} does not fit the run's --model {cfg.model} "
+            raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
                               f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
         model.to(device)
-        if cfg.channels_last:
+        if cfg.model.channels_last:
             model.to(memory_format=torch.channels_last)
         share = f"rank 0's share of {len(val_set)} images" if ident.world_size > 1 else f"{len(val_set)} images"
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.channels_last,
+            result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.model.channels_last,
                               progress.update, top5=len(classes) > 5, confusion_of=len(classes),
                               norm=normalisation_on(cfg, device))
         finally:
@@ -170,7 +171,7 @@ def evaluate_run(job: Job) -> int:
         clean = True
         return 0
     finally:
-        teardown(clean, cfg.timeout_s)
+        teardown(clean, cfg.launch.timeout_s)
 
 
 def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict) -> None:
@@ -181,8 +182,8 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
     per_class = {name: (confusion[i, i] / row).item() if (row := confusion[i].sum()) else None
                  for i, name in enumerate(classes)}
     scores = {k: result[k] for k in ("loss", "accuracy", "top5", "samples") if k in result}
-    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data_dir,
-              "dataset": cfg.dataset, "world_size": identity().world_size, **scores,
+    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data.data_dir,
+              "dataset": cfg.data.dataset, "world_size": identity().world_size, **scores,
               "per_class_accuracy": per_class, "confused_pairs": figures.confused_pairs(result["confusion"], classes),
               "classes": classes, "confusion": result["confusion"]}
     atomic_write(job.out, (json.dumps(record, indent=1) + "\n").encode())

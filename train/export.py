@@ -52,12 +52,12 @@ ONNX_NAMES = {"input": "images", "output": "logits"}  # the ONNX model's input a
 
 def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt: str = "pt2") -> Path:
     cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec)
-    model = build_model(cfg, len(classes))
+    model = build_model(cfg.model, len(classes))
     try:
         model.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{source} does not fit the run's --model {cfg.model} ({str(e).splitlines()[0][:160]}): "
-                          f"pass weights of this run") from None
+        raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
+                          f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
     model.eval()
     size = eval_steps(cfg)[1]  # what the evaluation feeds the model: its centre crop
     example = torch.zeros(2, 3, size, size)
@@ -66,10 +66,10 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
         program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     except Exception as e:  # noqa: BLE001 - torch.export's errors are many; its first line says why
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-        raise ConfigError(f"--model {cfg.model} cannot be exported with torch.export ({why}): nothing was "
+        raise ConfigError(f"--model {cfg.model.model} cannot be exported with torch.export ({why}): nothing was "
                           f"written") from None
     if fmt == "onnx":
-        save_onnx(to_onnx(program, example, cfg.model), out)
+        save_onnx(to_onnx(program, example, cfg.model.model), out)
         shape = {"format": "onnx", **ONNX_NAMES}
     else:
         tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}.pt2")  # torch.export.save wants the .pt2 suffix
@@ -79,7 +79,7 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
         finally:
             tmp.unlink(missing_ok=True)
         shape = {"format": "pt2", "max_batch": MAX_BATCH}
-    record = {"weights": str(source), "model": cfg.model, "image_size": size, **shape,
+    record = {"weights": str(source), "model": cfg.model.model, "image_size": size, **shape,
               **preprocessing(cfg, classes, *normalisation(cfg))}
     atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
     return out

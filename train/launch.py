@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import faulthandler
 import functools
 import json
@@ -47,12 +46,12 @@ def start(cfg: Config) -> int:
     """python -m train, once the config parsed."""
     try:
         preflight(cfg)
-        if cfg.dry_run:
-            return print_plan(cfg, cfg.spawn or identity().world_size)
+        if cfg.run.dry_run:
+            return print_plan(cfg, cfg.launch.spawn or identity().world_size)
     except ConfigError as e:
         stop_fork_server()
         return fail(str(e))
-    return spawn(cfg) if cfg.spawn else run_worker(cfg)
+    return spawn(cfg) if cfg.launch.spawn else run_worker(cfg)
 
 
 def print_plan(cfg: Config, world: int) -> int:
@@ -143,8 +142,8 @@ def _report_lost_peer(rank: int, error: Exception) -> None:
 
 def spawn(cfg: Config) -> int:
     """Start cfg.spawn local training workers and wait for all of them; signals are passed on to them."""
-    cfg = dataclasses.replace(cfg, run_dir=cfg.run_dir or default_run_dir())  # one run folder for them all
-    return spawn_workers(cfg.spawn, functools.partial(run_worker, cfg))
+    cfg = cfg.replace(run_dir=cfg.run.run_dir or default_run_dir())  # one run folder for them all
+    return spawn_workers(cfg.launch.spawn, functools.partial(run_worker, cfg))
 
 
 # ---------------------------------------------------------------- python -m train.launch (make train)
@@ -167,22 +166,22 @@ def launch_main(argv: list[str]) -> int:
         if cpu_only and "--device" not in args:
             args += ["--device", "cpu"]
         cfg = parse_config(args)
-        if cfg.spawn:
+        if cfg.launch.spawn:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
         preflight(cfg, nprocs)
-        if cfg.dry_run:
+        if cfg.run.dry_run:
             return print_plan(cfg, nprocs)
     except (ConfigError, PlanError) as e:
         return fail(str(e))
-    if not cfg.run_dir:
-        cfg = dataclasses.replace(cfg, run_dir=default_run_dir())
-        args += ["--run-dir", cfg.run_dir]
+    if not cfg.run.run_dir:
+        cfg = cfg.replace(run_dir=default_run_dir())
+        args += ["--run-dir", cfg.run.run_dir]
     where = "CPU (gloo)" if cpu_only else "GPU (nccl)"
     if nprocs == 1:
         print(f"trainbox: 1 worker on {where}", file=sys.stderr, flush=True)
         return run_worker(cfg)
     print(f"trainbox: {nprocs} workers on {where} via torchrun", file=sys.stderr, flush=True)
-    return run_torchrun(nprocs, ns.max_restarts, args, Path(cfg.run_dir))
+    return run_torchrun(nprocs, ns.max_restarts, args, Path(cfg.run.run_dir))
 
 
 def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_dir: Path) -> int:

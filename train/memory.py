@@ -29,9 +29,10 @@ def out_of_memory(error: BaseException, where: str, device: torch.device, cfg: C
     cpu = re.search(r"tried to allocate (\d+) bytes", text)  # the CPU allocator's words
     cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     asked = f"tried to allocate {_gib(int(cpu.group(1))) if cpu else cuda.group(1)}, " if cpu or cuda else ""
-    fixes = [f"a smaller --batch-size (now {cfg.batch_size}; a larger --grad-accum, now {cfg.grad_accum}, keeps "
-             f"the global batch)", f"a smaller --image-size (now {cfg.image_size})"]
-    if device.type == "cuda" and cfg.precision in ("auto", "fp32"):
+    opt = cfg.optimisation
+    fixes = [f"a smaller --batch-size (now {opt.batch_size}; a larger --grad-accum, now {opt.grad_accum}, keeps the "
+             f"global batch)", f"a smaller --image-size (now {cfg.data.image_size})"]
+    if device.type == "cuda" and cfg.model.precision in ("auto", "fp32"):
         fixes.append("--precision bf16")
     return OutOfMemory(f"out of memory during {where} on {_device_memory(device, asked)}: use "
                        + ", ".join(fixes[:-1]) + " or " + fixes[-1] + ", then run the same command")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from train import vision
-from train.config import Config
+from train.config import Model
 from train.errors import ConfigError
 
 
@@ -47,24 +47,25 @@ def _user_factory(spec: str):
     return factory
 
 
-def build_model(cfg: Config, num_classes: int) -> nn.Module:
-    if cfg.model == "cnn":
-        return SmallCNN(num_classes, cfg.width)
-    if ":" in cfg.model:
-        model = _user_factory(cfg.model)(num_classes=num_classes)
+def build_model(spec: Model, num_classes: int) -> nn.Module:
+    """The network the config's model section names (--model, --width), with a head of num_classes, untrained."""
+    if spec.model == "cnn":
+        return SmallCNN(num_classes, spec.width)
+    if ":" in spec.model:
+        model = _user_factory(spec.model)(num_classes=num_classes)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"--model {cfg.model} returned a {type(model).__name__}, not an nn.Module: make the "
+            raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
                               f"factory return a torch.nn.Module")
         return model
-    return _torchvision_models(cfg.model).get_model(cfg.model, weights=None, num_classes=num_classes)
+    return _torchvision_models(spec.model).get_model(spec.model, weights=None, num_classes=num_classes)
 
 
-def check_model_spec(cfg: Config) -> None:
+def check_model_spec(spec: Model) -> None:
     """Fail early (before workers start) on a --model that cannot be built."""
-    if ":" in cfg.model:
-        _user_factory(cfg.model)
-    elif cfg.model != "cnn":
-        _torchvision_models(cfg.model)
+    if ":" in spec.model:
+        _user_factory(spec.model)
+    elif spec.model != "cnn":
+        _torchvision_models(spec.model)
 
 
 def _torchvision_models(name: str):

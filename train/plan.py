@@ -25,7 +25,7 @@ from train.data import build_datasets, check_cifar, describe_sampler
 from train.ema import adjusted_decay
 from train.errors import ConfigError
 from train.models import build_model
-from train.optim import build_optimizer, build_scheduler, decay_groups
+from train.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.weights import cached_file, freeze, frozen_names, normalisation, resolve
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
@@ -68,32 +68,40 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
     trains; a setting that has no effect on them is one line (ConfigError)."""
     steps_per_epoch = check_steps(len(train_set), world, cfg)
     max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
-    epochs = cfg.epochs or max_steps / steps_per_epoch
+    epochs = cfg.run.epochs or max_steps / steps_per_epoch
     mean, std = normalisation(cfg)
-    batch = BatchAugment(cfg, num_classes) if BatchAugment.wanted(cfg) else None
+    batch = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
+    global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
     return Plan(
         run_dir=run_dir, world_size=world, device=device, precision=precision, train_samples=len(train_set),
         val_samples=len(val_set), num_classes=num_classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-        warmup_steps=warmup_steps, epochs=epochs, global_batch=world * cfg.batch_size * cfg.grad_accum,
-        sampler=describe_sampler(cfg.ra_reps, world), normalize={"mean": list(mean), "std": list(std)},
+        warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
+        sampler=describe_sampler(cfg.augmentation.ra_reps, world), normalize={"mean": list(mean), "std": list(std)},
         train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
         eval_transform=_transform_of(val_set, cfg),
-        loss=f"CrossEntropyLoss(label_smoothing={cfg.label_smoothing})", optimizer=_optimizer(cfg),
-        param_groups=decay_groups(cfg, model),
+        loss=f"CrossEntropyLoss(label_smoothing={cfg.regularisation.label_smoothing})", optimizer=_optimizer(cfg),
+        param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
-        ema={"decay": adjusted_decay(cfg, world, epochs), "given_decay": cfg.model_ema_decay,
-             "every_steps": cfg.model_ema_steps,
-             "restarted_during": f"the warm-up ({cfg.warmup_epochs:g} epochs)" if cfg.schedule_unit == "epoch"
-             else f"the warm-up ({warmup_steps} steps)"} if cfg.model_ema else None,
-        weights=_weights(cfg))
+        ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg))
+
+
+def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:
+    """--model-ema's adjusted decay, its period and when it restarts from the weights; None without it."""
+    reg, schedule = cfg.regularisation, cfg.schedule
+    if not reg.model_ema:
+        return None
+    warmup = (f"{schedule.warmup_epochs:g} epochs" if schedule.schedule_unit == "epoch"
+              else f"{warmup_steps} steps")
+    return {"decay": adjusted_decay(reg, global_batch, epochs), "given_decay": reg.model_ema_decay,
+            "every_steps": reg.model_ema_steps, "restarted_during": f"the warm-up ({warmup})"}
 
 
 def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epoch: int) -> dict:
     """The learning rate of each epoch's optimizer steps, or of each step for runs of up to LR_EVERY_STEP steps
     that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it."""
     optimizer = _probe_optimizer(cfg)
-    scheduler = build_scheduler(cfg, optimizer, max_steps, warmup_steps)
-    every_step = cfg.schedule_unit == "step"
+    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, max_steps, warmup_steps))
+    every_step = cfg.schedule.schedule_unit == "step"
     per_step = every_step and max_steps <= LR_EVERY_STEP
     values = []
     with warnings.catch_warnings():  # the scheduler steps without an optimizer step: there is nothing to train
@@ -108,14 +116,15 @@ def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epo
 def _probe_optimizer(cfg: Config) -> torch.optim.Optimizer:
     """The trainer's optimizer (build_optimizer) over one parameter of its own: its class and settings."""
     probe = torch.nn.Linear(1, 1, bias=False)
-    return build_optimizer(cfg, probe, [{"weight_decay": cfg.weight_decay, "params": ["weight"]}])
+    opt = cfg.optimisation
+    return build_optimizer(opt, probe, [{"weight_decay": opt.weight_decay, "params": ["weight"]}])
 
 
 def _optimizer(cfg: Config) -> dict:
     optimizer = _probe_optimizer(cfg)
     keys = ("momentum", "dampening", "nesterov") if isinstance(optimizer, torch.optim.SGD) else ("betas", "eps")
     return {"name": type(optimizer).__name__, **{k: optimizer.defaults[k] for k in keys},
-            "grad_clip": cfg.grad_clip or None}
+            "grad_clip": cfg.optimisation.grad_clip or None}
 
 
 def _transform_of(dataset, cfg: Config) -> str:
@@ -125,25 +134,25 @@ def _transform_of(dataset, cfg: Config) -> str:
         if transform is not None:
             return repr(transform)
         dataset = getattr(dataset, "source", None)
-    return f"none: images made in memory at {cfg.image_size} px"
+    return f"none: images made in memory at {cfg.data.image_size} px"
 
 
 def _weights(cfg: Config) -> dict | None:
-    if not cfg.weights:
+    if not cfg.model.weights:
         return None
-    entry = resolve(cfg)
+    entry = resolve(cfg.model)
     if entry is None:
-        return {"weights": cfg.weights, "file": str(Path(cfg.weights))}
-    return {"weights": cfg.weights, "torchvision": f"{type(entry).__name__}.{entry.name}",
+        return {"weights": cfg.model.weights, "file": str(Path(cfg.model.weights))}
+    return {"weights": cfg.model.weights, "torchvision": f"{type(entry).__name__}.{entry.name}",
             "file": str(cached_file(entry)), "transforms": repr(entry.transforms())}
 
 
 def planned_device(cfg: Config) -> str:
     """The device a dry run plans for: --device, else CUDA where it is here or where the config needs it
     (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs), else the CPU."""
-    if cfg.device != "auto":
-        return cfg.device
-    needs_gpu = cfg.precision in ("bf16", "fp16") or cfg.decode == "gpu" or cfg.sync_bn
+    if cfg.launch.device != "auto":
+        return cfg.launch.device
+    needs_gpu = cfg.model.precision in ("bf16", "fp16") or cfg.data.decode == "gpu" or cfg.model.sync_bn
     return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
 
 
@@ -152,8 +161,8 @@ def precision_name(dtype: torch.dtype | None) -> str:
 
 
 def planned_precision(cfg: Config, device: str) -> str:
-    if cfg.precision != "auto":
-        return cfg.precision
+    if cfg.model.precision != "auto":
+        return cfg.model.precision
     if device != "cuda":
         return "fp32"
     if torch.cuda.is_available():
@@ -163,16 +172,16 @@ def planned_precision(cfg: Config, device: str) -> str:
 
 def dry_run(cfg: Config, world: int) -> Plan:
     """The plan of cfg on `world` workers, without a process group, a run folder, a download or a weight."""
-    if cfg.dataset == "cifar10":
+    if cfg.data.dataset == "cifar10":
         try:
-            check_cifar(Path(cfg.data_dir), False)
+            check_cifar(Path(cfg.data.data_dir), False)
         except ConfigError:
-            raise ConfigError(f"--dry-run downloads nothing, and CIFAR-10 is not under {cfg.data_dir}: run once "
+            raise ConfigError(f"--dry-run downloads nothing, and CIFAR-10 is not under {cfg.data.data_dir}: run once "
                               f"without --dry-run (with --download) first, or point --data-dir at it") from None
     train_set, val_set, num_classes = build_datasets(cfg)
     with torch.device("meta"):
-        model = build_model(cfg, num_classes)
-    freeze(model, frozen_names(cfg, model, num_classes))
+        model = build_model(cfg.model, num_classes)
+    freeze(model, frozen_names(cfg.model, model, num_classes))
     device = planned_device(cfg)
     return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
                      launch_run_dir(cfg))

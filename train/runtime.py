@@ -24,11 +24,11 @@ def pick_device(requested: str, ident: Identity) -> torch.device:
 
 def configure_runtime(cfg: Config) -> None:
     """Threads and determinism, before any tensor work."""
-    threads = cfg.threads
+    threads = cfg.launch.threads
     if threads == 0:
-        threads = 1 if cfg.deterministic else max(1, usable_cores() // identity().local_world_size)
+        threads = 1 if cfg.run.deterministic else max(1, usable_cores() // identity().local_world_size)
     torch.set_num_threads(threads)
-    if cfg.deterministic:
+    if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
@@ -39,6 +39,6 @@ def configure_runtime(cfg: Config) -> None:
 def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for fp32."""
     check_precision(cfg, on_cpu=device.type != "cuda")
-    if cfg.precision == "auto":
+    if cfg.model.precision == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.precision]

@@ -35,7 +35,7 @@ from train.checkpoint import list_checkpoints, sidecar_of
 from train.runfiles import atomic_write, read_config, read_json, read_metrics, read_status
 from train.distributed import is_main
 from train.metrics import setup_logging
-from train.config import Config
+from train.config import Config, Tracking
 from train.errors import ConfigError
 
 log = logging.getLogger("train")
@@ -46,13 +46,13 @@ BATCH_EVERY_S = 2.0  # how often the thread sends what the loop logged
 MAX_BACKOFF_S = 30.0  # the longest wait between tries while the server does not answer
 
 
-def tracking_uri(cfg: Config) -> str:
+def tracking_uri(tracking: Tracking) -> str:
     """The tracking server, or '' when tracking is off."""
-    return cfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    return tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
-def experiment_name(cfg: Config) -> str:
-    return cfg.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or "trainbox"
+def experiment_name(tracking: Tracking) -> str:
+    return tracking.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "") or "trainbox"
 
 
 def check_uri(uri: str) -> None:
@@ -364,13 +364,13 @@ class Tracker:
             return client.get_experiment_by_name(self.experiment).experiment_id
 
 
-def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | None:
+def start_tracking(tracking: Tracking, run_dir: Path, resume_step: int) -> Tracker | None:
     """Rank 0's Tracker, or None when tracking is off."""
-    uri = tracking_uri(cfg)
+    uri = tracking_uri(tracking)
     if not uri:
         return None
-    tracker = Tracker(uri, experiment_name(cfg), run_dir, resume_step)
-    if cfg.mlflow_checkpoints:  # those an earlier attempt saved but died before sending (sent ones are skipped)
+    tracker = Tracker(uri, experiment_name(tracking), run_dir, resume_step)
+    if tracking.mlflow_checkpoints:  # those an earlier attempt saved but died before sending (sent ones are skipped)
         for path in list_checkpoints(run_dir):
             for file in (path, sidecar_of(path)):
                 tracker.upload(file, "checkpoints")
@@ -380,10 +380,10 @@ def start_tracking(cfg: Config, run_dir: Path, resume_step: int) -> Tracker | No
 def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
     """A finished run started again: rank 0 sends what its tracking may still lack (metrics an attempt
     could not send, model.pt, manifest.json) and marks the MLflow run finished."""
-    if not is_main() or not tracking_uri(cfg):
+    if not is_main() or not tracking_uri(cfg.tracking):
         return None
     setup_logging(run_dir)
-    tracker = start_tracking(cfg, run_dir, read_status(run_dir).get("step", cfg.max_steps))
+    tracker = start_tracking(cfg.tracking, run_dir, read_status(run_dir).get("step", cfg.run.max_steps))
     for name in ("model.pt", "manifest.json"):
         tracker.upload(run_dir / name)
     return tracker

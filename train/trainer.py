@@ -36,7 +36,7 @@ from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
 from train.ema import ModelEma
-from train.optim import build_optimizer, build_scheduler
+from train.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.plan import make_plan, precision_name
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.evaluate import evaluate
@@ -52,8 +52,8 @@ def run(cfg: Config) -> int:
     ident = identity()
     watchdog.begin(f"rank {ident.global_rank}")
     configure_runtime(cfg)
-    device = pick_device(cfg.device, ident)
-    init(device, cfg.timeout_s)
+    device = pick_device(cfg.launch.device, ident)
+    init(device, cfg.launch.timeout_s)
     stop = StopSignal()
     clean, code, tracker, trainer, run_dir = False, None, None, None, None
     try:
@@ -76,13 +76,13 @@ def run(cfg: Config) -> int:
     finally:
         try:
             stop.close(wait=clean)
-            teardown(clean, cfg.timeout_s)
+            teardown(clean, cfg.launch.timeout_s)
         finally:
             watchdog.pause()
             if tracker is not None:  # after the group is gone: no rank waits for rank 0's uploads
                 outcome = {EXIT_DONE: "FINISHED", EXIT_STOPPED: "KILLED"}.get(code, "FAILED")
                 # A stop or a failure leaves within the launchers' grace periods (torchrun's, compose's).
-                tracker.close(outcome, cfg.timeout_s if outcome == "FINISHED" else min(cfg.timeout_s, 30))
+                tracker.close(outcome, cfg.launch.timeout_s if outcome == "FINISHED" else min(cfg.launch.timeout_s, 30))
 
 
 class Trainer:
@@ -93,19 +93,19 @@ class Trainer:
         self.cfg, self.run_dir, self.device, self.stop = cfg, run_dir, device, stop
         self.rank, self.world, self.launcher = ident.global_rank, ident.world_size, ident.launcher
         self.autocast_dtype = resolve_precision(cfg, device)
-        self.limit = watch_limit(cfg.timeout_s)
+        self.limit = watch_limit(cfg.launch.timeout_s)
         self.step = self.epoch = self.step_in_epoch = 0
         self.resumed_from: int | None = None
         self.last_eval, self.eval_owed, self.first_step_logged = -1, False, False
         self.settle_s = 0.0  # this attempt's settling pass (settle_buckets), in seconds
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
-        self.weights: dict = {"weights": cfg.weights} if cfg.weights else {}  # what the manifest records
+        self.weights: dict = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
         # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
-        initial = read_weights(cfg) if cfg.weights and not self._has_checkpoint() else None
+        initial = read_weights(cfg.model) if cfg.model.weights and not self._has_checkpoint() else None
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.run.seed)
         train_set, val_set, self.num_classes = build_datasets(cfg)
         self.class_names = class_names(train_set)
         self.raw_model = self._model()
@@ -120,13 +120,14 @@ class Trainer:
         self.model = self._wrap(self.raw_model)
         self._write_run_files()
         self.last_saved = self.step if self.resumed_from is not None else -1
-        self.tracker = start_tracking(cfg, run_dir, self.step) if is_main() else None
-        self.metrics = MetricsWriter(run_dir if is_main() else None, cfg.tensorboard, resume_step=self.step,
+        self.tracker = start_tracking(cfg.tracking, run_dir, self.step) if is_main() else None
+        self.metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=self.step,
                                      tracker=self.tracker)
         self.telemetry = GpuTelemetry(device)
-        self.window = LogWindow(device, self.world * cfg.batch_size * cfg.grad_accum)
-        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-        self.augment = BatchAugment(cfg, self.num_classes) if BatchAugment.wanted(cfg) else None
+        self.window = LogWindow(device, self.world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
+        aug = cfg.augmentation
+        self.augment = BatchAugment(aug, self.num_classes) if BatchAugment.wanted(aug) else None
 
     # ------------------------------------------------------------ the loop
 
@@ -137,21 +138,21 @@ class Trainer:
         try:
             if self.eval_owed:  # stopped at an evaluation step before evaluating
                 self.evaluate()
-            if cfg.stop_at and self.resumed_from is not None and cfg.stop_at <= self.step < self.max_steps:
-                return self.stop_here(f"--stop-at {cfg.stop_at}: already at step {self.step}", save=False)
+            if cfg.run.stop_at and self.resumed_from is not None and cfg.run.stop_at <= self.step < self.max_steps:
+                return self.stop_here(f"--stop-at {cfg.run.stop_at}: already at step {self.step}", save=False)
             self.model.train()
             self.settle_s = self.settle_buckets()
             batches = self.batches()
             while self.step < self.max_steps:
                 losses = self.train_step(batches)
                 self.after_step(losses)
-                if self.stop.agreed() or self.step == cfg.stop_at:
-                    return self.stop_here("--stop-at" if self.step == cfg.stop_at else
+                if self.stop.agreed() or self.step == cfg.run.stop_at:
+                    return self.stop_here("--stop-at" if self.step == cfg.run.stop_at else
                                           self.stop.received or "a stop signal on another rank")
                 if self.is_eval_step(self.step):
                     self.evaluate()
-                if self.step % cfg.save_every == 0 and self.step < self.max_steps:
-                    self.save(f"every {cfg.save_every} steps")
+                if self.step % cfg.checkpoints.save_every == 0 and self.step < self.max_steps:
+                    self.save(f"every {cfg.checkpoints.save_every} steps")
             return self.finish()
         finally:
             self.metrics.close()
@@ -161,27 +162,27 @@ class Trainer:
         on the last only), clip, optimizer and schedule. Returns the micro-batches' losses."""
         cfg, model, scaler = self.cfg, self.model, self.scaler
         losses = []
-        for micro in range(cfg.grad_accum):
+        for micro in range(cfg.optimisation.grad_accum):
             x, y = next(batches)
             if self.augment is not None:  # random erasing, Mixup/CutMix: seeded by the position, not the stream
-                x, y = self.augment(x, y, batch_seed(cfg, self.step, micro, self.rank))
-                x = x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
-            last = micro == cfg.grad_accum - 1
+                x, y = self.augment(x, y, batch_seed(cfg.run.seed, self.step, micro, self.rank))
+                x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+            last = micro == cfg.optimisation.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                     enabled=self.autocast_dtype is not None):
-                    loss = self.criterion(model(x), y) / cfg.grad_accum
+                    loss = self.criterion(model(x), y) / cfg.optimisation.grad_accum
                 scaler.scale(loss).backward()
             losses.append(loss.detach())
-        if cfg.grad_clip > 0:
+        if cfg.optimisation.grad_clip > 0:
             scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.optimisation.grad_clip)
         scaler.step(self.optimizer)
         scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.update_ema()
         epoch_ended = self.advance()
-        if cfg.schedule_unit == "step" or epoch_ended:
+        if cfg.schedule.schedule_unit == "step" or epoch_ended:
             self.scheduler.step()
         return losses
 
@@ -198,7 +199,7 @@ class Trainer:
     def update_ema(self) -> None:
         """The reference's EMA rule: every --model-ema-steps optimizer steps of an epoch (counted from its
         first), restarted from the weights while the warm-up lasts."""
-        if self.ema is None or self.step_in_epoch % self.cfg.model_ema_steps:
+        if self.ema is None or self.step_in_epoch % self.cfg.regularisation.model_ema_steps:
             return
         self.ema.update_parameters(self.raw_model)
         if self.in_warmup():
@@ -206,8 +207,8 @@ class Trainer:
 
     def in_warmup(self) -> bool:
         """Whether the optimizer step just taken was in the warm-up (an epoch of it, with --schedule-unit epoch)."""
-        if self.cfg.schedule_unit == "epoch":
-            return self.epoch < self.cfg.warmup_epochs
+        if self.cfg.schedule.schedule_unit == "epoch":
+            return self.epoch < self.cfg.schedule.warmup_epochs
         return self.step < self.plan.warmup_steps
 
     def settle_buckets(self) -> float:
@@ -223,11 +224,11 @@ class Trainer:
         cfg, started = self.cfg, time.perf_counter()
         buffers = [b.detach().clone() for b in self.raw_model.buffers()]
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-        x = torch.zeros(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=self.device)
-        x = x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
-        for _ in range(2 if cfg.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
+        x = torch.zeros(cfg.optimisation.batch_size, 3, cfg.data.image_size, cfg.data.image_size, device=self.device)
+        x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+        for _ in range(2 if cfg.model.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                y = torch.zeros(cfg.batch_size, dtype=torch.long, device=self.device)
+                y = torch.zeros(cfg.optimisation.batch_size, dtype=torch.long, device=self.device)
                 loss = self.criterion(self.model(x), y)
             loss.backward()
             self.optimizer.zero_grad(set_to_none=True)
@@ -243,16 +244,16 @@ class Trainer:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
         spent waiting for each goes into the logging window."""
-        cfg = self.cfg
+        opt, channels_last = self.cfg.optimisation, self.cfg.model.channels_last
         while True:
             epoch = self.epoch
-            self.sampler.set_epoch(epoch, start=self.step_in_epoch * cfg.grad_accum * cfg.batch_size)
+            self.sampler.set_epoch(epoch, start=self.step_in_epoch * opt.grad_accum * opt.batch_size)
             loader = iter(self.train_loader)
             while self.epoch == epoch:  # until advance() has moved into the next epoch
                 waiting = time.perf_counter()
                 x, y = next(loader)
                 self.window.wait += time.perf_counter() - waiting
-                x = prepare_inputs(x, self.device, cfg.channels_last, *self.norm)
+                x = prepare_inputs(x, self.device, channels_last, *self.norm)
                 yield x, y.to(self.device, non_blocking=True)
 
     def after_step(self, losses: list[torch.Tensor]) -> None:
@@ -263,7 +264,7 @@ class Trainer:
             self.first_step_logged = True
             self.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
                                                          "settle_s": self.settle_s})
-        if self.step % self.cfg.log_every == 0 or self.step == self.max_steps:
+        if self.step % self.cfg.checkpoints.log_every == 0 or self.step == self.max_steps:
             self.log_window()
 
     def log_window(self) -> None:
@@ -281,14 +282,16 @@ class Trainer:
         self.metrics.write(self.step, "train", values)
 
     def is_eval_step(self, step: int) -> bool:
-        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and step < self.max_steps
+        every = self.cfg.checkpoints.eval_every
+        return bool(every) and step % every == 0 and step < self.max_steps
 
     def evaluate(self) -> dict:
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         models = {"": self.raw_model, **({"EMA ": self.ema.module} if self.ema is not None else {})}
-        results = {name: evaluate(model, self.val_loader, self.device, self.autocast_dtype, self.cfg.channels_last,
-                                  watchdog.progress, top5=self.num_classes > 5, norm=self.norm)
+        results = {name: evaluate(model, self.val_loader, self.device, self.autocast_dtype,
+                                  self.cfg.model.channels_last, watchdog.progress, top5=self.num_classes > 5,
+                                  norm=self.norm)
                    for name, model in models.items()}
         watchdog.enter("training", self.limit)
         for name, figures in results.items():
@@ -367,9 +370,10 @@ class Trainer:
                       "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None})
 
         def write() -> None:
-            path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(rng), self.cfg.keep_checkpoints)
+            path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(rng),
+                                        self.cfg.checkpoints.keep_checkpoints)
             log.info("saved %s (%s)", path, reason)
-            if self.tracker and self.cfg.mlflow_checkpoints:
+            if self.tracker and self.cfg.tracking.mlflow_checkpoints:
                 for file in (path, ckpt.sidecar_of(path)):
                     self.tracker.upload(file, "checkpoints")
 
@@ -393,7 +397,8 @@ class Trainer:
         return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "world_size": self.world, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "rng": rng,
+                "world_size": self.world, "batch_size": cfg.optimisation.batch_size,
+                "grad_accum": cfg.optimisation.grad_accum, "rng": rng,
                 "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step,
                 "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None,
                 "best_ema": self.best_ema}
@@ -423,20 +428,21 @@ class Trainer:
         self.eval_owed = state.get("eval_owed", False) and self.step < self.max_steps  # older checkpoints: none
         self.best, self.best_ema = state.get("best"), state.get("best_ema")
         saved = (state["world_size"], state["batch_size"], state["grad_accum"])
-        if cfg.epochs and saved != (self.world, cfg.batch_size, cfg.grad_accum):
-            raise ConfigError(f"{source} is a run of --epochs {cfg.epochs} with {saved[0]} workers x batch {saved[1]} "
-                              f"x accumulation {saved[2]}; with {self.world} x {cfg.batch_size} x {cfg.grad_accum} "
+        layout = (self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
+        if cfg.run.epochs and saved != layout:
+            raise ConfigError(f"{source} is a run of --epochs {cfg.run.epochs} with {saved[0]} workers x batch "
+                              f"{saved[1]} x accumulation {saved[2]}; with {layout[0]} x {layout[1]} x {layout[2]} "
                               f"its steps, schedule and position would change: resume with the same workers, "
                               f"--batch-size and --grad-accum, or start a new --run-dir")
-        self.step_in_epoch = relayout(state["step_in_epoch"], saved, (self.world, cfg.batch_size, cfg.grad_accum))
+        self.step_in_epoch = relayout(state["step_in_epoch"], saved, layout)
         if self.step_in_epoch >= self.steps_per_epoch:  # saved at an epoch's end: the next one's start
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        if saved != (self.world, cfg.batch_size, cfg.grad_accum):
+        if saved != (self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum):
             log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
                         "same data order, but results will differ from an uninterrupted run",
-                        *saved, self.world, cfg.batch_size, cfg.grad_accum)
+                        *saved, self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
         if state["world_size"] != self.world:  # per-rank RNG streams cannot carry over
-            torch.manual_seed(cfg.seed * 7919 + self.rank + self.step)
+            torch.manual_seed(cfg.run.seed * 7919 + self.rank + self.step)
         else:
             torch.set_rng_state(state["rng"][self.rank]["cpu"].cpu())
             if self.device.type == "cuda" and state["rng"][self.rank]["cuda"] is not None:
@@ -463,33 +469,34 @@ class Trainer:
         cfg, plan, pin = self.cfg, self.plan, self.device.type == "cuda"
         train_loader, sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
         val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
-        if is_main() and cfg.epochs:  # the run's length in steps, from its length in epochs on this layout
+        if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
             log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
-                     "warm-up %d steps", cfg.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
-                     self.world, cfg.batch_size, cfg.grad_accum, plan.warmup_steps)
-        if is_main() and cfg.ra_reps and self.world == 1:
+                     "warm-up %d steps", cfg.run.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
+                     self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum, plan.warmup_steps)
+        if is_main() and cfg.augmentation.ra_reps and self.world == 1:
             log.info("sampler: %s", plan.sampler)
         return train_loader, sampler, val_loader
 
     def _model(self) -> torch.nn.Module:
         """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
         cfg = self.cfg
-        model = build_model(cfg, self.num_classes)
-        freeze(model, frozen_names(cfg, model, self.num_classes))  # before the optimizer: no state for them
-        if cfg.sync_bn and self.world > 1:
+        model = build_model(cfg.model, self.num_classes)
+        freeze(model, frozen_names(cfg.model, model, self.num_classes))  # before the optimizer: no state for them
+        if cfg.model.sync_bn and self.world > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(self.device)
-        if cfg.channels_last:
+        if cfg.model.channels_last:
             model.to(memory_format=torch.channels_last)
         return model
 
     def _optimisation(self, model: torch.nn.Module) -> tuple:
         """(optimizer, schedule, grad scaler, EMA or None) of the model."""
         cfg, plan = self.cfg, self.plan
-        optimizer = build_optimizer(cfg, model, plan.param_groups)
+        optimizer = build_optimizer(cfg.optimisation, model, plan.param_groups)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.autocast_dtype == torch.float16)
         ema = ModelEma(model, plan.ema["decay"], self.device) if plan.ema else None
-        return optimizer, build_scheduler(cfg, optimizer, plan.max_steps, plan.warmup_steps), scaler, ema
+        scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
+        return optimizer, scheduler, scaler, ema
 
     def _has_checkpoint(self) -> bool:
         """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""
@@ -507,10 +514,10 @@ class Trainer:
                                    f"disk and permissions")
         newest = broadcast_from_main(str(newest) if newest else None)
         if newest is None:
-            if self.cfg.weights:  # a new run: its starting weights (a resume has them in its checkpoint)
-                state, self.weights = initial or read_weights(self.cfg)
-                self.raw_model.load_state_dict(fitted(self.cfg, state, self.raw_model, self.num_classes))
-            torch.manual_seed(self.cfg.seed * 7919 + self.rank)
+            if self.cfg.model.weights:  # a new run: its starting weights (a resume has them in its checkpoint)
+                state, self.weights = initial or read_weights(self.cfg.model)
+                self.raw_model.load_state_dict(fitted(self.cfg.model, state, self.raw_model, self.num_classes))
+            torch.manual_seed(self.cfg.run.seed * 7919 + self.rank)
             return
         state = ckpt.load_checkpoint(Path(newest), self.device)
         self.load_state_dict(state, Path(newest))
@@ -519,12 +526,13 @@ class Trainer:
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         cfg = self.cfg
-        if cfg.compile:
+        if cfg.model.compile:
             model = torch.compile(model)
         if dist.is_initialized():
             model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph)
-            if cfg.deterministic and self.world > 1:
+                        gradient_as_bucket_view=True, bucket_cap_mb=cfg.model.bucket_cap_mb,
+                        static_graph=cfg.model.static_graph)
+            if cfg.run.deterministic and self.world > 1:
                 model.register_comm_hook(None, ordered_allreduce_hook)
         return model
 
@@ -543,11 +551,11 @@ class Trainer:
         if is_main():
             log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                      run_dir, self.world, self.launcher, self.device.type, self.max_steps, self.steps_per_epoch,
-                     self.world * cfg.batch_size * cfg.grad_accum,
+                     self.world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum,
                      str(self.autocast_dtype or "fp32").replace("torch.", ""))
-            if cfg.dataset == "shards":
-                log.info("data: %s", packed_with(Path(cfg.data_dir)))
-            if self.device.type == "cuda" and not cfg.deterministic:  # said once, where it applies
+            if cfg.data.dataset == "shards":
+                log.info("data: %s", packed_with(Path(cfg.data.data_dir)))
+            if self.device.type == "cuda" and not cfg.run.deterministic:  # said once, where it applies
                 log.info("note: on CUDA, a resumed or restarted run equals an uninterrupted one bit for bit only with "
                          "--deterministic (cuDNN and cuBLAS pick non-deterministic kernels otherwise, so even two "
                          "uninterrupted runs differ in rounding)")
@@ -597,7 +605,7 @@ def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer
 
 def run_length(cfg: Config, max_steps: int) -> dict:
     """What status.json says of the run's length: its steps (the plan's), and its epochs when given in --epochs."""
-    return {"max_steps": max_steps, **({"epochs": cfg.epochs} if cfg.epochs else {})}
+    return {"max_steps": max_steps, **({"epochs": cfg.run.epochs} if cfg.run.epochs else {})}
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -609,10 +617,10 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
     """A restart after the run ended (a worker lost during shutdown), or the same command again: the run's
     figures stand, and nothing is evaluated or written again (rank 0 decides for all)."""
     status = runfiles.read_status(run_dir) if is_main() else {}
-    done = broadcast_from_main(ckpt.finished(status, cfg.max_steps, (run_dir / "model.pt").is_file(), cfg.epochs)
-                               if is_main() else None)
+    finished = is_main() and ckpt.finished(status, cfg.run.max_steps, (run_dir / "model.pt").is_file(), cfg.run.epochs)
+    done = broadcast_from_main(finished if is_main() else None)
     if done and is_main():
-        longer = "--epochs" if cfg.epochs else "--max-steps"
+        longer = "--epochs" if cfg.run.epochs else "--max-steps"
         print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
               f"do; pass a larger {longer} to train on, or a new --run-dir", file=sys.stderr)
     return done

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from train.config import Config
+from train.config import Config, Model
 from train.distributed import gather, identity
 from train.errors import ConfigError
 from train.progress import Progress
@@ -46,20 +46,20 @@ def head_name(model: nn.Module, num_classes: int) -> str:
     return heads[-1]
 
 
-def frozen_names(cfg: Config, model: nn.Module, num_classes: int) -> list[str]:
+def frozen_names(spec: Model, model: nn.Module, num_classes: int) -> list[str]:
     """The parameter names --freeze selects; a prefix that selects nothing is a mistake."""
-    if not cfg.freeze:
+    if not spec.freeze:
         return []
     names = [name for name, _ in model.named_parameters()]
-    if cfg.freeze == "backbone":
+    if spec.freeze == "backbone":
         head = head_name(model, num_classes) + "."
         return [n for n in names if not n.startswith(head)]
     chosen = []
-    for prefix in (p.strip() for p in cfg.freeze.split(",") if p.strip()):
+    for prefix in (p.strip() for p in spec.freeze.split(",") if p.strip()):
         matched = [n for n in names if n == prefix or n.startswith(prefix + ".")]
         if not matched:
             close = difflib.get_close_matches(prefix, sorted({n.rsplit(".", 1)[0] for n in names}), n=3)
-            raise ConfigError(f"--freeze {prefix}: no parameter of --model {cfg.model} is named so"
+            raise ConfigError(f"--freeze {prefix}: no parameter of --model {spec.model} is named so"
                               f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give name prefixes such as "
                               f"{names[0].split('.')[0]}, or backbone")
         chosen += matched
@@ -84,17 +84,17 @@ def _stay_in_eval(module: nn.Module, _inputs) -> None:
 
 # ---------------------------------------------------------------- --weights
 
-def resolve(cfg: Config):
-    """The torchvision weights enum entry that cfg.weights names, or None for a file."""
-    return named_weights(cfg.model, cfg.weights)
+def resolve(spec: Model):
+    """The torchvision weights enum entry that --weights names, or None for a file."""
+    return named_weights(spec.model, spec.weights)
 
 
 def normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The input's mean and std (--normalize): auto takes the named --weights' own (their transforms(): ImageNet's
     for most, 0.5 for EfficientNet-V2-L, ...), else trainbox's (0.5, 0.25); imagenet forces ImageNet's."""
-    if cfg.normalize == "imagenet":
+    if cfg.data.normalize == "imagenet":
         return IMAGENET
-    entry = resolve(cfg) if cfg.normalize == "auto" else None
+    entry = resolve(cfg.model) if cfg.data.normalize == "auto" else None
     if entry is not None:
         preset = entry.transforms()
         return tuple(preset.mean), tuple(preset.std)
@@ -174,13 +174,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_weights(cfg: Config, fetched: bool = True) -> tuple[dict, dict]:
-    """(state_dict, what the manifest records) of cfg.weights: named weights fetched once per node, a file read
+def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
+    """(state_dict, what the manifest records) of --weights: named weights fetched once per node, a file read
     memory-mapped (fetched=False: the checks before any worker starts, which skip the SHA-256)."""
-    entry = resolve(cfg)
-    path = fetch(entry) if entry is not None else Path(cfg.weights)
+    entry = resolve(spec)
+    path = fetch(entry) if entry is not None else Path(spec.weights)
     if not path.is_file():
-        raise ConfigError(f"--weights {cfg.weights}: no such file: give a model.pt, checkpoint or state_dict file, or "
+        raise ConfigError(f"--weights {spec.weights}: no such file: give a model.pt, checkpoint or state_dict file, or "
                           f"torchvision weights such as ResNet50_Weights.DEFAULT")
     try:
         try:
@@ -197,11 +197,11 @@ def read_weights(cfg: Config, fetched: bool = True) -> tuple[dict, dict]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"--weights {path} holds no state_dict of tensors: give a model.pt, checkpoint or "
                           f"state_dict file")
-    return state, {"weights": cfg.weights, "weights_file": str(path), "weights_sha256": _sha256(path) if fetched
+    return state, {"weights": spec.weights, "weights_file": str(path), "weights_sha256": _sha256(path) if fetched
                    else None}
 
 
-def fitted(cfg: Config, state: dict, model: nn.Module, num_classes: int | None) -> dict:
+def fitted(spec: Model, state: dict, model: nn.Module, num_classes: int | None) -> dict:
     """state, fitted to model: the head left to the model (initialised anew) where the class count differs
     (num_classes None: the head is not compared); any other difference is one line naming the first key."""
     own = model.state_dict()
@@ -217,6 +217,6 @@ def fitted(cfg: Config, state: dict, model: nn.Module, num_classes: int | None) 
     if mismatch is not None:
         theirs = tuple(state[mismatch].shape) if mismatch in state else "missing"
         ours = tuple(own[mismatch].shape) if mismatch in own else "missing"
-        raise ConfigError(f"--weights {cfg.weights} do not fit --model {cfg.model}: {mismatch} is {theirs} in the "
+        raise ConfigError(f"--weights {spec.weights} do not fit --model {spec.model}: {mismatch} is {theirs} in the "
                           f"weights and {ours} in the model: give weights of this architecture")
     return state

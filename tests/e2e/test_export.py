@@ -60,7 +60,7 @@ def _validation_batch(tmp_path):
 
 def _eager(run_dir, weights, classes, batch):
     state = torch.load(run_dir / weights, weights_only=True)
-    eager = build_model(Config(**json.loads((run_dir / "config.json").read_text())), classes)
+    eager = build_model(Config.from_dict(json.loads((run_dir / "config.json").read_text())).model, classes)
     eager.load_state_dict(state.get("model", state))
     with torch.no_grad():
         return eager.eval()(batch)

@@ -161,7 +161,7 @@ def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(sc
     epochs = 4 if epoch_unit else max_steps / steps_per_epoch
     decay = 1.0 - min(1.0, (1.0 - 0.999) * 1 * 16 * 4 / epochs)  # the reference: world x batch x steps / epochs
     cfg = parse_config([*map(str, DEBUG), "--train-samples", "96"])
-    model = build_model(cfg, 10)
+    model = build_model(cfg.model, 10)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
     updates = 0
     for step in range(1, max_steps + 1):

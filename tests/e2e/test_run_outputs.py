@@ -87,7 +87,7 @@ def test_model_pt_is_the_unwrapped_state_dict(torchrun_run):
     run_dir, _ = torchrun_run
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert not any(k.startswith("module.") for k in state)
-    model = build_model(parse_config(DEBUG), 10)
+    model = build_model(parse_config(DEBUG).model, 10)
     model.load_state_dict(state)  # loads into a plain model, strictly
 
 

@@ -125,13 +125,13 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     model = SmallCNN(10, 8)
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     cfg = parse_config(["--optimizer", name, "--norm-weight-decay", "0", "--bias-weight-decay", "0"])  # 3 groups
-    named, by_name = decay_groups(cfg, model), dict(model.named_parameters())
+    named, by_name = decay_groups(cfg.optimisation, model, "cnn"), dict(model.named_parameters())
     groups = [{"params": [by_name[n] for n in g["params"]]} for g in named]  # the same groups, default kernels
     old = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if name == "sgd" else torch.optim.AdamW(groups, lr=0.1)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     old.step()
 
-    optimizer = build_optimizer(cfg, model, named)
+    optimizer = build_optimizer(cfg.optimisation, model, named)
     optimizer.load_state_dict(old.state_dict())
     assert all(g["fused"] for g in optimizer.param_groups)
     scaler = torch.amp.GradScaler("cpu")
@@ -152,7 +152,8 @@ def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])
-    optimizer = build_optimizer(parse_config([]), model, decay_groups(parse_config([]), model))
+    opt = parse_config([]).optimisation
+    optimizer = build_optimizer(opt, model, decay_groups(opt, model, "a strided parameter"))
     assert not optimizer.param_groups[0]["fused"]
     expected = model.w.detach().clone()
     group = optimizer.param_groups[0]

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from train.config import PRESETS, Config, ConfigError, get_args_parser, parse_config
+from train.config import PRESETS, SECTION_OF, Config, ConfigError, get_args_parser, parse_config, settings
 
 
 def test_every_field_has_a_default_and_help():
-    for f in dataclasses.fields(Config):
+    for f in settings():
         assert f.default is not dataclasses.MISSING, f.name
         assert f.metadata["help"].strip(), f.name
     Config().validate()
@@ -17,31 +17,31 @@ def test_every_field_has_a_default_and_help():
 
 def test_flags_are_derived_from_the_fields():
     help_text = get_args_parser().format_help()
-    for f in dataclasses.fields(Config):
+    for f in settings():
         assert "--" + f.name.replace("_", "-") in help_text
 
 
 def test_precedence_defaults_preset_file_flags(tmp_path):
-    assert parse_config([]).max_steps == Config().max_steps
-    assert parse_config(["--preset", "debug"]).max_steps == PRESETS["debug"]["max_steps"]
+    assert parse_config([]).run.max_steps == Config().run.max_steps
+    assert parse_config(["--preset", "debug"]).run.max_steps == PRESETS["debug"]["max_steps"]
     file = tmp_path / "c.json"
     file.write_text(json.dumps({"preset": "debug", "max_steps": 77, "lr": 1}))
     cfg = parse_config(["--config", str(file)])
-    assert (cfg.max_steps, cfg.lr, cfg.width) == (77, 1.0, PRESETS["debug"]["width"])
-    assert isinstance(cfg.lr, float)
-    assert parse_config(["--config", str(file), "--max-steps", "5"]).max_steps == 5
+    assert (cfg.run.max_steps, cfg.optimisation.lr, cfg.model.width) == (77, 1.0, PRESETS["debug"]["width"])
+    assert isinstance(cfg.optimisation.lr, float)
+    assert parse_config(["--config", str(file), "--max-steps", "5"]).run.max_steps == 5
 
 
 def test_toml_config_file(tmp_path):
     file = tmp_path / "c.toml"
     file.write_text('batch-size = 8\ndeterministic = true\nmodel = "resnet18"\n')
     cfg = parse_config(["--config", str(file)])
-    assert (cfg.batch_size, cfg.deterministic, cfg.model) == (8, True, "resnet18")
+    assert (cfg.optimisation.batch_size, cfg.run.deterministic, cfg.model.model) == (8, True, "resnet18")
 
 
 def test_boolean_flags_both_ways():
-    assert parse_config(["--deterministic"]).deterministic is True
-    assert parse_config(["--no-tensorboard"]).tensorboard is False
+    assert parse_config(["--deterministic"]).run.deterministic is True
+    assert parse_config(["--no-tensorboard"]).checkpoints.tensorboard is False
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -158,7 +158,44 @@ def test_the_same_settings_where_they_act_are_accepted(argv):
 def test_the_config_cannot_change_under_a_run():
     cfg = parse_config(["--preset", "debug"])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.max_steps = 3  # what a run derives goes into its plan (train/plan.py), never back into the config
+        cfg.run.max_steps = 3  # what a run derives goes into its plan (train/plan.py), never back into the config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run = cfg.run  # nor a section swapped
+
+
+def test_the_config_is_in_sections_inside_and_flat_outside():
+    """Each setting lives in one section; the command line, config files and config.json name it alone."""
+    from train.config import SECTIONS
+
+    names = [f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
+    assert len(names) == len(set(names)) == len(SECTION_OF)  # no two sections share a name
+    assert [f.name for f in dataclasses.fields(Config)] == list(SECTIONS)
+    cfg = parse_config(["--preset", "debug", "--lr", "0.5", "--model-ema"])
+    flat = cfg.to_dict()
+    assert list(flat) == names and flat["lr"] == cfg.optimisation.lr == 0.5 and flat["model_ema"] is True
+    assert Config.from_dict(flat) == cfg
+    assert cfg.replace(lr=0.25).optimisation == dataclasses.replace(cfg.optimisation, lr=0.25)
+    assert cfg.replace(lr=0.25).model == cfg.model  # the other sections as they were
+    with pytest.raises(ConfigError, match="unknown key 'learning_rate'"):
+        Config.from_dict({**flat, "learning_rate": 1.0})
+
+
+def test_modules_of_one_concern_take_their_section():
+    """docs/development.md: a module that reads one concern takes its section, not the whole config."""
+    import inspect
+
+    from train import augment, ema, models, optim, tracking, weights
+
+    takes = {models.build_model: "Model", models.check_model_spec: "Model", weights.read_weights: "Model",
+             weights.fitted: "Model", weights.frozen_names: "Model", weights.resolve: "Model",
+             optim.build_optimizer: "Optimisation", optim.decay_groups: "Optimisation",
+             optim.build_scheduler: "Schedule", augment.BatchAugment: "Augmentation",
+             augment.BatchAugment.wanted: "Augmentation", ema.adjusted_decay: "Regularisation",
+             tracking.start_tracking: "Tracking", tracking.tracking_uri: "Tracking",
+             tracking.experiment_name: "Tracking"}
+    for function, section in takes.items():
+        first = next(p for p in inspect.signature(function).parameters.values() if p.name != "self")
+        assert first.annotation == section, (function.__qualname__, first.annotation)
 
 
 def test_help_groups_the_flags_by_the_section_each_field_declares():
@@ -171,8 +208,8 @@ def test_help_groups_the_flags_by_the_section_each_field_declares():
     assert headings == list(SECTIONS)
     starts = {name: text.index(f"\n{name}:\n") for name in SECTIONS}
     ends = dict(zip(SECTIONS, [*list(starts.values())[1:], len(text)], strict=True))
-    for f in dataclasses.fields(Config):
-        section = f.metadata["section"]
+    for f in settings():
+        section = SECTION_OF[f.name]
         assert section in SECTIONS, f.name
         flag = "--" + f.name.replace("_", "-")
         assert starts[section] < text.index(f"  {flag}") < ends[section], (f.name, section)

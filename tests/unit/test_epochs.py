@@ -27,7 +27,7 @@ def test_without_epochs_the_steps_are_as_given():
 
 def test_a_preset_length_gives_way_to_epochs():
     cfg = parse_config(["--preset", "debug", "--epochs", "2"])  # the preset's max_steps is a default, not a choice
-    assert cfg.epochs == 2
+    assert cfg.run.epochs == 2
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -108,7 +108,7 @@ def test_a_recipe_plans_what_the_published_command_means(name, images):
     assert (plan.world_size, plan.global_batch, plan.epochs) == (workers, workers * ref.batch_size, ref.epochs)
     # Every parameter's weight decay, by name: the reference's groups for the command's decay flags.
     with torch.device("meta"):
-        model = build_model(parse_config(["--model", ref.model]), plan.num_classes)
+        model = build_model(parse_config(["--model", ref.model]).model, plan.num_classes)
     expected = reference_groups(model, ref.weight_decay, ref.norm_weight_decay, ref.bias_weight_decay,
                                 ref.transformer_embedding_decay)
     assert [(g["weight_decay"], g["params"]) for g in plan.param_groups] == expected

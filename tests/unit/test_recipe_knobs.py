@@ -13,7 +13,13 @@ from train.config import parse_config
 from train.errors import ConfigError
 from train.data import image_transforms, eval_steps
 from train.ema import ModelEma, adjusted_decay
-from train.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups
+from train.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups, schedule_lengths
+
+
+def scheduler_of(cfg, optimizer):
+    """The trainer's scheduler of cfg over the optimizer, for a run of --max-steps and --warmup-steps."""
+    lengths = schedule_lengths(cfg, cfg.run.max_steps, cfg.schedule.warmup_steps)
+    return build_scheduler(cfg.schedule, optimizer, *lengths)
 
 
 def lrs(scheduler, optimizer, n):
@@ -49,20 +55,20 @@ def reference_scheduler(optimizer, kind, total, warmup, method, decay, **kw):
 def test_every_schedule_is_torchs_own_sequence(flags, kind, kw, method, warmup):
     shape = ["--warmup-method", method, "--warmup-decay", "0.03"] if warmup else []  # no warm-up: refused
     cfg = parse_config([*flags, "--lr", "0.5", "--max-steps", "40", "--warmup-steps", str(warmup), *shape])
-    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
     expected = lrs(reference_scheduler(theirs, kind, 40, warmup, method, 0.03, **kw), theirs, 40)
-    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 40) == expected
+    assert lrs(scheduler_of(cfg, ours), ours, 40) == expected
     assert len(set(expected)) > (1 if kind == "constant" and warmup else 0)  # the schedule moves where it should
 
 
 def test_an_epoch_schedule_counts_in_epochs():
     cfg = parse_config(["--epochs", "12", "--warmup-epochs", "2", "--schedule-unit", "epoch", "--lr-scheduler",
                         "step", "--lr-step-size", "4", "--lr", "0.1"])
-    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
     expected = lrs(reference_scheduler(theirs, "step", 12, 2, "linear", 0.01, step_size=4, gamma=0.1), theirs, 12)
-    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 12) == expected
+    assert lrs(scheduler_of(cfg, ours), ours, 12) == expected
 
 
 @pytest.mark.parametrize("flags", [["--schedule-unit", "epoch"], ["--epochs", "3", "--warmup-epochs", "0.5",
@@ -72,7 +78,7 @@ def test_an_impossible_schedule_is_one_line(flags):
     from train.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         cfg = parse_config(flags)
-        cfg.milestones()
+        cfg.schedule.milestones()
     assert "\n" not in str(e.value) and ": " in str(e.value)
 
 
@@ -131,16 +137,16 @@ def test_weight_decay_groups_are_the_references_by_name(model_name, given):
     for key, value in given.items():
         cfg_args += [DECAY_FLAGS[key], str(value)]
     with torch.device("meta"):
-        model = build_model(parse_config(["--model", model_name]), 10)
+        model = build_model(parse_config(["--model", model_name]).model, 10)
     names = [n for n, _ in model.named_parameters()]
     model.get_parameter(names[len(names) // 2]).requires_grad_(False)  # frozen: in no group
     expected = reference_groups(model, 1e-4, **given)
     has_embedding = any(n.rsplit(".", 1)[-1] in EMBEDDING_KEYS for n, p in model.named_parameters() if p.requires_grad)
     if "transformer_embedding_decay" in given and not has_embedding:
         with pytest.raises(ConfigError, match="--transformer-embedding-decay has no effect"):
-            decay_groups(parse_config(cfg_args), model)
+            decay_groups(parse_config(cfg_args).optimisation, model, model_name)
         return
-    groups = decay_groups(parse_config(cfg_args), model)
+    groups = decay_groups(parse_config(cfg_args).optimisation, model, model_name)
     assert [(g["weight_decay"], g["params"]) for g in groups] == expected
     if given == {"norm_weight_decay": 0.0}:  # the norm rule alone: torchvision.ops' own split of the parameters
         by_id = {id(p): n for n, p in model.named_parameters()}
@@ -152,9 +158,10 @@ def test_weight_decay_groups_are_the_references_by_name(model_name, given):
             n.rsplit(".", 1)[-1] == k for n, _ in model.named_parameters()))
     # What the trainer builds carries them: every parameter once, with its group's decay.
     with torch.device("cpu"):
-        real = build_model(parse_config(["--model", "cnn"]), 10) if model_name == "cnn" else None
+        real = build_model(parse_config(["--model", "cnn"]).model, 10) if model_name == "cnn" else None
     if real is not None:
-        optimizer = build_optimizer(parse_config(cfg_args), real, decay_groups(parse_config(cfg_args), real))
+        opt = parse_config(cfg_args).optimisation
+        optimizer = build_optimizer(opt, real, decay_groups(opt, real, model_name))
         by_id = {id(p): n for n, p in real.named_parameters()}
         assert [(g["weight_decay"], [by_id[id(p)] for p in g["params"]]) for g in optimizer.param_groups] == \
             reference_groups(real, 1e-4, **given)
@@ -167,8 +174,8 @@ def test_the_published_resnet50_grouping_keeps_batchnorm_biases_out_of_decay():
 
     with torch.device("meta"):
         model = resnet50()
-    groups = decay_groups(parse_config(["--model", "resnet50", "--weight-decay", "2e-5", "--norm-weight-decay", "0"]),
-                          model)
+    groups = decay_groups(parse_config(["--weight-decay", "2e-5", "--norm-weight-decay", "0"]).optimisation, model,
+                          "resnet50")
     decay = {name: g["weight_decay"] for g in groups for name in g["params"]}
     assert len(decay) == 161 and sum(1 for n in decay if "bn" in n or "downsample.1" in n) == 106
     assert all(v == 0.0 for n, v in decay.items() if "bn" in n or "downsample.1" in n)
@@ -196,14 +203,14 @@ def test_the_ema_is_averaged_model_with_torchs_ema_function_without_reading_the_
             assert torch.equal(a, b)
     assert not torch.equal(ours.module[0].weight, model[0].weight)  # an average, not a copy
     cfg = parse_config(["--batch-size", "32", "--model-ema", "--model-ema-steps", "32", "--model-ema-decay", "0.99998"])
-    assert adjusted_decay(cfg, 8, 600) == 1 - min(1.0, (1 - 0.99998) * 8 * 32 * 32 / 600)
+    assert adjusted_decay(cfg.regularisation, 8 * 32, 600) == 1 - min(1.0, (1 - 0.99998) * 8 * 32 * 32 / 600)
 
 
 def test_mixup_cutmix_and_random_erasing_are_v2s_on_the_batch_seed():
     cfg = parse_config(["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--random-erase", "0.5"])
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
     before = torch.get_rng_state()
-    ours = BatchAugment(cfg, 10)(x, y, seed=1234)
+    ours = BatchAugment(cfg.augmentation, 10)(x, y, seed=1234)
     assert torch.equal(torch.get_rng_state(), before)  # the run's own streams untouched
     torch.manual_seed(1234)
     erase = v2.RandomErasing(p=0.5)
@@ -249,7 +256,7 @@ def test_the_evaluation_sizes_follow_the_crop_flags():
 def test_a_warm_up_as_long_as_the_run_is_a_schedule_too():
     """--preset debug warms up for 5 steps: a 5-step run is all warm-up (the cosine gets no step)."""
     cfg = parse_config(["--preset", "debug", "--max-steps", "5"])
-    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optimisation.lr)
     warmup = S.LinearLR(theirs, start_factor=0.01, total_iters=5)
-    assert lrs(build_scheduler(cfg, ours, cfg.max_steps, cfg.warmup_steps), ours, 5) == lrs(warmup, theirs, 5)
+    assert lrs(scheduler_of(cfg, ours), ours, 5) == lrs(warmup, theirs, 5)

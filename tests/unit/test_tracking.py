@@ -28,12 +28,12 @@ def test_other_uris_are_refused_in_one_line(uri, message):
 def test_the_flag_wins_over_the_environment_and_neither_means_off(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    assert tracking_uri(Config()) == "" and experiment_name(Config()) == "trainbox"
+    assert tracking_uri(Config().tracking) == "" and experiment_name(Config().tracking) == "trainbox"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://a:5000")
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "resnets")
-    assert tracking_uri(Config()) == "http://a:5000" and experiment_name(Config()) == "resnets"
-    assert tracking_uri(Config(mlflow_uri="http://b:5000")) == "http://b:5000"
-    assert experiment_name(Config(mlflow_experiment="mine")) == "mine"
+    assert tracking_uri(Config().tracking) == "http://a:5000" and experiment_name(Config().tracking) == "resnets"
+    assert tracking_uri(Config().replace(mlflow_uri="http://b:5000").tracking) == "http://b:5000"
+    assert experiment_name(Config().replace(mlflow_experiment="mine").tracking) == "mine"
 
 
 def test_a_restart_a_requeue_or_a_tracked_run_directory_continues(tmp_path):

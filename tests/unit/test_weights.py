@@ -38,14 +38,14 @@ def test_the_inputs_are_normalised_as_torchvision_normalize_does():
                                          ("vit_b_16", "heads.head"), ("efficientnet_b0", "classifier.1")])
 def test_the_classifier_head_is_found(model, head):
     with torch.device("meta"):
-        built = build_model(parse_config(["--model", model]), 37)
+        built = build_model(parse_config(["--model", model]).model, 37)
     assert head_name(built, 37) == head
 
 
 def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
     cfg = parse_config(["--freeze", "backbone", "--width", "8"])
-    model = build_model(cfg, 10)
-    names = frozen_names(cfg, model, 10)
+    model = build_model(cfg.model, 10)
+    names = frozen_names(cfg.model, model, 10)
     assert names and not any(n.startswith("head.2.") for n in names)
     freeze(model, names)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -54,7 +54,7 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # running stats untouched by a training forward
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"head.2.weight", "head.2.bias"}
-    unfrozen = build_model(cfg, 10)
+    unfrozen = build_model(cfg.model, 10)
     unfrozen.train()
     unfrozen(torch.randn(8, 3, 16, 16))  # the control: without --freeze a training forward moves them
     assert not torch.equal(unfrozen.features[0][1].running_mean, torch.zeros(8))
@@ -62,11 +62,11 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
 
 def test_freeze_prefixes_and_their_mistakes():
     cfg = parse_config(["--freeze", "features.0,features.1", "--width", "8"])
-    names = frozen_names(cfg, build_model(cfg, 10), 10)
+    names = frozen_names(cfg.model, build_model(cfg.model, 10), 10)
     assert names and all(n.startswith(("features.0.", "features.1.")) for n in names)
     with pytest.raises(ConfigError, match="--freeze head.9: no parameter of --model cnn is named so"):
         bad = parse_config(["--freeze", "head.9"])
-        frozen_names(bad, build_model(bad, 10), 10)
+        frozen_names(bad.model, build_model(bad.model, 10), 10)
 
 
 def test_named_weights_bring_their_own_evaluation_transforms():
@@ -121,7 +121,7 @@ def test_named_weights_bring_their_own_statistics_and_sizes(model, weights):
     preset = models.get_weight(weights).transforms()
     cfg = parse_config(["--dataset", "imagefolder", "--model", model, "--weights", weights])
     assert normalisation(cfg) == (tuple(preset.mean), tuple(preset.std))
-    assert cfg.image_size == preset.crop_size[0]
+    assert cfg.data.image_size == preset.crop_size[0]
     assert eval_steps(cfg) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value)
     exported = preprocessing(cfg, ["a"], *normalisation(cfg))  # what model.pt2.json tells a caller
     assert (exported["resize"], exported["center_crop"], exported["interpolation"], exported["mean"],
@@ -143,10 +143,10 @@ def test_sizes_the_user_gives_win_over_the_weights_defaults(argv, expected):
     dataset = [] if "--dataset" in argv else ["--dataset", "imagefolder"]
     cfg = parse_config([*dataset, "--model", "resnet50", "--weights", "ResNet50_Weights.IMAGENET1K_V2", *argv])
     resize, crop, interpolation = eval_steps(cfg)
-    if cfg.dataset == "shapes":
-        assert (cfg.image_size, crop) == (expected[0], expected[2])
+    if cfg.data.dataset == "shapes":
+        assert (cfg.data.image_size, crop) == (expected[0], expected[2])
         return
-    assert (cfg.image_size, resize, crop, interpolation) == expected
+    assert (cfg.data.image_size, resize, crop, interpolation) == expected
 
 
 def test_a_cifar_run_from_named_weights_trains_and_evaluates_at_one_size():

@@ -47,21 +47,21 @@ def class_names(dataset) -> list[str]:
 def build_datasets(cfg: Config, train: bool = True):
     """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device).
     train=False: the validation set alone (train is None; an ImageFolder needs no train/ then)."""
-    root = Path(cfg.data_dir)
+    root = Path(cfg.data.data_dir)
     if not train:
         val = validation_set(cfg, root)
         return None, val, len(class_names(val))
-    if cfg.dataset in ("shapes", "synthetic"):
-        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
-        train_set = kind(cfg.train_samples, cfg.image_size, seed=cfg.seed * 2 + 1)
-    elif cfg.dataset == "cifar10":
-        train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.download)
-    elif cfg.dataset == "shards":
+    if cfg.data.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
+        train_set = kind(cfg.data.train_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 1)
+    elif cfg.data.dataset == "cifar10":
+        train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.data.download)
+    elif cfg.data.dataset == "shards":
         split = ShardSplit(root, "train")
-        train_set = (FileBytes if cfg.decode == "gpu" else Decoded)(split, image_transforms(cfg, True), split.name)
+        train_set = (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, True), split.name)
     else:
         check_imagefolder(root)
-        if cfg.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
+        if cfg.data.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
             split = imagefolder_split(root, "train", loader=read_bytes)
             train_set = FileBytes(split, image_transforms(cfg, True), partial(path_of, split))
         else:
@@ -72,16 +72,16 @@ def build_datasets(cfg: Config, train: bool = True):
 
 def validation_set(cfg: Config, root: Path):
     """The validation set, with the evaluation's transforms."""
-    if cfg.dataset in ("shapes", "synthetic"):
-        kind = ShapesDataset if cfg.dataset == "shapes" else SyntheticDataset
-        return kind(cfg.val_samples, cfg.image_size, seed=cfg.seed * 2 + 2)
-    if cfg.dataset == "cifar10":
+    if cfg.data.dataset in ("shapes", "synthetic"):
+        kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
+        return kind(cfg.data.val_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 2)
+    if cfg.data.dataset == "cifar10":
         return cifar_split(root, False, image_transforms(cfg, False))
-    if cfg.dataset == "shards":
+    if cfg.data.dataset == "shards":
         split = ShardSplit(root, "val")
-        return (FileBytes if cfg.decode == "gpu" else Decoded)(split, image_transforms(cfg, False), split.name)
+        return (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, False), split.name)
     check_imagefolder(root, ("val",))
-    if cfg.decode == "gpu":
+    if cfg.data.decode == "gpu":
         split = imagefolder_split(root, "val", loader=read_bytes)
         return FileBytes(split, image_transforms(cfg, False), partial(path_of, split))
     split = imagefolder_split(root, "val")
@@ -90,9 +90,9 @@ def validation_set(cfg: Config, root: Path):
 
 
 def default_num_workers(cfg: Config) -> int:
-    if cfg.num_workers >= 0:
-        return cfg.num_workers
-    if cfg.dataset in ("shapes", "synthetic"):
+    if cfg.data.num_workers >= 0:
+        return cfg.data.num_workers
+    if cfg.data.dataset in ("shapes", "synthetic"):
         return 0
     # Every core of this process's share but one (the one that runs the training loop itself), no cap:
     # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).
@@ -109,17 +109,18 @@ def ignore_stop_signals(_worker_id: int) -> None:
 def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
                        device: torch.device | None = None, persistent: bool = True):
     if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
-        sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=False, reps=cfg.ra_reps)
-        return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.batch_size), sampler
-    sampler = ShardSampler(len(dataset), rank, world_size, cfg.seed, with_seeds=True, reps=cfg.ra_reps)
+        sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=False,
+                               reps=cfg.augmentation.ra_reps)
+        return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.optimisation.batch_size), sampler
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=True, reps=cfg.augmentation.ra_reps)
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
-    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.batch_size, sampler=sampler,
-                        drop_last=True, num_workers=workers, pin_memory=pin_memory and not files,
+    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.optimisation.batch_size,
+                        sampler=sampler, drop_last=True, num_workers=workers, pin_memory=pin_memory and not files,
                         persistent_workers=persistent and workers > 0,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
                         prefetch_factor=4 if workers > 0 else None, collate_fn=collate_files if files else None,
-                        generator=torch.Generator().manual_seed(cfg.seed))  # iter() must not draw global RNG
+                        generator=torch.Generator().manual_seed(cfg.run.seed))  # iter() must not draw global RNG
     return (DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader), sampler
 
 
@@ -133,7 +134,7 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
         return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
-    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.batch_size * 2,
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.optimisation.batch_size * 2,
                         num_workers=workers, pin_memory=pin_memory and not files,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
                         collate_fn=collate_files if files else None)

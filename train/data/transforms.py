@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from train import vision
-from train.config import Config, recipe
+from train.config import Augmentation, Config, recipe
 from train.weights import MEAN, STD
 
 
@@ -24,16 +24,17 @@ def image_transforms(cfg: Config, train: bool):
     cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
     training device (train/augment.py), as the reference's preset has it after Normalize."""
     v2 = vision.v2
-    size, mode = cfg.image_size, v2.InterpolationMode(cfg.interpolation)
+    size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
     if recipe(cfg) == "imagenet" and train:
-        return CropFlip(cfg.train_crop_size or size, mode, auto_augment(cfg))
+        return CropFlip(cfg.augmentation.train_crop_size or size, mode, auto_augment(cfg.augmentation))
     elif recipe(cfg) == "imagenet":
         resize, crop, _ = eval_steps(cfg)
         steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
     else:
         steps = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         if train:
-            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(), *auto_augment(cfg)]
+            steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(),
+                      *auto_augment(cfg.augmentation)]
     return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
 
 
@@ -66,26 +67,26 @@ class CropFlip:
         return repr(self.reference)
 
 
-def auto_augment(cfg: Config) -> list:
+def auto_augment(aug: Augmentation) -> list:
     """--auto-augment as torchvision's reference preset builds it, on uint8 images. Their rotations and shears
     on tensors take nearest or bilinear only: with --interpolation bicubic they resample bilinearly."""
     v2 = vision.v2
     mode = v2.InterpolationMode.BILINEAR
     return {"none": [], "ta_wide": [v2.TrivialAugmentWide(interpolation=mode)],
-            "ra": [v2.RandAugment(interpolation=mode, magnitude=cfg.ra_magnitude)],
-            "augmix": [v2.AugMix(interpolation=mode, severity=cfg.augmix_severity)],
-            "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[cfg.auto_augment]
+            "ra": [v2.RandAugment(interpolation=mode, magnitude=aug.ra_magnitude)],
+            "augmix": [v2.AugMix(interpolation=mode, severity=aug.augmix_severity)],
+            "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[aug.auto_augment]
 
 
 def eval_steps(cfg: Config) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
     / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
     (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
-    files = cfg.dataset not in ("shapes", "synthetic")
+    files = cfg.data.dataset not in ("shapes", "synthetic")
     if not files or recipe(cfg) != "imagenet":
-        return cfg.image_size, cfg.image_size, "bilinear"
-    crop = cfg.val_crop_size or cfg.image_size
-    return cfg.val_resize_size or eval_resize(crop), crop, cfg.interpolation
+        return cfg.data.image_size, cfg.data.image_size, "bilinear"
+    crop = cfg.augmentation.val_crop_size or cfg.data.image_size
+    return cfg.augmentation.val_resize_size or eval_resize(crop), crop, cfg.augmentation.interpolation
 
 
 def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> dict:
