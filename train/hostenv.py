@@ -241,7 +241,7 @@ def warn_if_stale(image: str, docker: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="make env", description=__doc__)
     parser.add_argument("--data-dir", default="", help="datasets on the NAS (mounted read-only)")
     parser.add_argument("--runs-dir", default="", help="runs and checkpoints on the NAS (read-write)")
@@ -263,7 +263,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--for", dest="for_image", default="the image", help="the image built on BASE (--fetch-base)")
     parser.add_argument("--knob", default="BASE_IMAGE", help="the make knob that names BASE (--fetch-base)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     if args.warn_stale:
         return warn_if_stale(args.warn_stale, args.docker)
     if args.fetch_base:
@@ -278,8 +282,12 @@ def main(argv: list[str]) -> int:
     if args.check_writable:
         trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
         return check_writable(Path(args.file), trainer_args)
+    return write_env(Path(args.file), args)
 
-    path = Path(args.file)
+
+def write_env(path: Path, args: argparse.Namespace) -> int:
+    """make env: .env with the container user's ids, the NAS folders (which must exist when named), the image, the
+    tracking server and the compose file of this host (GPU or CPU); keys other than these are kept."""
     values = read_env(path)
     uid, gid = container_ids()
     values["HOST_UID"] = os.environ.get("HOST_UID") or str(uid)

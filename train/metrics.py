@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from train.config import process_start_time  # noqa: F401 - the trainer imports it from here
 from train.distributed import identity, is_main
 from train.runfiles import MetricsFile
 

@@ -25,14 +25,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import checkpoint as ckpt
 from train import runfiles
 from train.checks import check_same_model, not_writable
-from train.config import Config, launch_run_dir
+from train.config import Config, launch_run_dir, process_start_time
 from train.data import (build_datasets, build_train_loader, build_val_loader, class_names, packed_with,
                         prepare_inputs, relayout)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
 from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
 from train.memory import is_out_of_memory, out_of_memory
-from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, process_start_time, setup_logging
+from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
 from train.ema import ModelEma

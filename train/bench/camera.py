@@ -59,8 +59,13 @@ def camera_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             packed[workers].append((len(paths) + 2) / (time.perf_counter() - start))
     shards = ShardSplit(out / f"camera-{MAX_SIDE}-1", "train")
     transform = image_transforms(parse_config(["--dataset", "imagefolder", "--image-size", "224"]), True)
-    loose = lambda path: transform(load_image(str(path)))  # noqa: E731
-    small = lambda i: transform(decode(shards[i][0], shards.name(i)))  # noqa: E731
+
+    def loose(path):
+        return transform(load_image(str(path)))
+
+    def small(i):
+        return transform(decode(shards[i][0], shards.name(i)))
+
     for path in paths:  # into the page cache: the rows time decoding, not the disk
         path.read_bytes()
     threads = torch.get_num_threads()

@@ -186,7 +186,10 @@ def comm_rows(out: Path, size: dict) -> list[dict]:
     compute = [n / s for n, s in zip(two["no_sync"], two["ddp"], strict=True)]
     static = [d / g for d, g in zip(two["ddp"], two["static"], strict=True)]
     exposed = [max(0.0, s - n) / a for s, n, a in zip(two["ddp"], two["no_sync"], two["allreduce"], strict=True)]
-    ms = lambda v: 1000 * median(v)  # noqa: E731
+
+    def ms(v):
+        return 1000 * median(v)
+
     params = sum(p.numel() for p in SmallCNN(10, size["width"]).parameters())
     return [
         row("DDP wrapper: plain module step / 1-rank DDP step (CPU, 2 threads)", wrapper,

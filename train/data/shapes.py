@@ -28,7 +28,10 @@ SHAPE_CLASSES = ("disk", "square", "ring", "plus", "triangle", "diamond",
 def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n images (uint8, n x 3 x size x size) of 10 classes, a pure function of (n, size, seed)."""
     g = torch.Generator().manual_seed(seed)
-    u = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+
+    def u(*shape):
+        return torch.rand(*shape, generator=g)
+
     labels = torch.randint(0, NUM_SHAPE_CLASSES, (n,), generator=g)
     coords = (torch.arange(size, dtype=torch.float32) + 0.5) / size  # pixel centres in [0, 1]
     y, x = coords.view(1, size, 1), coords.view(1, 1, size)
@@ -39,7 +42,10 @@ def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     dist = torch.sqrt(dx**2 + dy**2)
     period = (0.12 + 0.12 * u(n)).view(n, 1, 1)
     phase = u(n).view(n, 1, 1) * 2 * math.pi
-    wave = lambda t: torch.sin(2 * math.pi * t / period + phase) > 0  # noqa: E731
+
+    def wave(t):
+        return torch.sin(2 * math.pi * t / period + phase) > 0
+
     masks = torch.stack([
         dist < r,                                                           # disk
         (dx.abs() < r * 0.85) & (dy.abs() < r * 0.85),                      # square
