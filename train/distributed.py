@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.cluster import expand_hostlist, master_port
 from train.errors import ConfigError, note_process_group
@@ -82,6 +84,7 @@ def resolve_identity(env=None) -> Identity:
 _identity: Identity | None = None
 _control_group = None  # gloo group for small host-side agreements (stop flag) without device syncs
 _session_store = None  # this attempt's namespace in the rendezvous store (see init)
+_wrappers: list[weakref.ref] = []  # the DistributedDataParallel wrappers `wrap` made (see teardown)
 
 
 def identity() -> Identity:
@@ -209,11 +212,30 @@ def _count_up(store, key: str, world: int, deadline: float) -> int:
     return arrived
 
 
+def wrap(model: torch.nn.Module, device: torch.device, **options) -> DDP:
+    """DistributedDataParallel(model), on the device's GPU if it has one. After a clean run, teardown
+    refuses to leave the group while the wrapper lives: its owner drops it first, with every peer still
+    there."""
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
+    _wrappers.append(weakref.ref(ddp))
+    return ddp
+
+
+def wrappers_alive() -> int:
+    """How many of the DistributedDataParallel wrappers that `wrap` made are still alive."""
+    return sum(ref() is not None for ref in _wrappers)
+
+
 def teardown(clean: bool, timeout_s: float) -> None:
     """Leave the process group; after a clean run wait for every rank first, so none exits while a
     peer still talks to it. After an error, do not wait: the peers may never arrive."""
     global _control_group, _session_store
     if dist.is_initialized() and clean:
+        if wrappers_alive():
+            # Its reducer (and under --compile the graphs compiled for it) would be freed after the peers
+            # left, when the frame that holds it ends: a finished run's last rank has hung there.
+            raise RuntimeError(f"{wrappers_alive()} DistributedDataParallel wrapper(s) still alive at the end of "
+                               f"the run: drop them before leaving the group (Trainer.release)")
         watchdog.enter("the end of the run (leaving together)", watch_limit(timeout_s))
         dist.barrier(group=_control_group)
         destroy_and_leave_together(timeout_s)
@@ -221,6 +243,7 @@ def teardown(clean: bool, timeout_s: float) -> None:
     # After an error the group is left to the process's exit: destroying it with a collective still in
     # flight (a peer gone, a timeout) can abort the process before it has reported the error.
     _control_group = _session_store = None
+    _wrappers.clear()
 
 
 def announce_unrecoverable(message: str) -> bool | None:

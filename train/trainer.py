@@ -29,7 +29,8 @@ from train.config import Config, launch_run_dir, process_start_time
 from train.data import (build_datasets, build_train_loader, build_val_loader, class_names, packed_with,
                         prepare_inputs, relayout)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
-                               is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit)
+                               is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit,
+                               wrap)
 from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
 from train.memory import is_out_of_memory, out_of_memory
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
@@ -65,6 +66,7 @@ def run(cfg: Config) -> int:
             trainer = Trainer(cfg, run_dir, device, stop)
             tracker = trainer.tracker
             code = trainer.train()
+            trainer.release()
         clean = True
         return code
     except Exception as e:
@@ -128,6 +130,15 @@ class Trainer:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
         aug = cfg.augmentation
         self.augment = BatchAugment(aug, self.num_classes) if BatchAugment.wanted(aug) else None
+
+    def release(self) -> None:
+        """The end of a clean run (done or stopped): drop the DDP wrapper, its reducer and, under --compile,
+        the graphs compiled for it, while every peer is still in the group. Freed only when run()'s frame
+        ends, after the peers have left, they were torn down without them, and a finished run's last rank
+        hung there (distributed.teardown now refuses to leave before they are gone)."""
+        watchdog.enter("the end of the run (freeing the DDP wrapper)", self.limit)
+        self.model = self.raw_model
+        watchdog.pause()
 
     # ------------------------------------------------------------ the loop
 
@@ -529,9 +540,8 @@ class Trainer:
         if cfg.model.compile:
             model = torch.compile(model)
         if dist.is_initialized():
-            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True, bucket_cap_mb=cfg.model.bucket_cap_mb,
-                        static_graph=cfg.model.static_graph)
+            model = wrap(model, self.device, gradient_as_bucket_view=True, bucket_cap_mb=cfg.model.bucket_cap_mb,
+                         static_graph=cfg.model.static_graph)
             if cfg.run.deterministic and self.world > 1:
                 model.register_comm_hook(None, ordered_allreduce_hook)
         return model

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from train.checkpoint import finished
 from train.runfiles import status_record
 from train.metrics import LogWindow
 from train.data import relayout
+from train.distributed import teardown, wrap, wrappers_alive
 
 
 @pytest.mark.parametrize("position, saved, now, expected", [
@@ -113,3 +115,24 @@ def test_when_rank_0_is_gone_without_recording_an_error_this_run_the_peer_says_i
     assert _end(tmp_path) is True
     (tmp_path / "status.json").unlink()
     assert _end(tmp_path) is True
+
+
+def test_a_clean_end_refuses_to_leave_the_group_while_a_ddp_wrapper_lives():
+    """A finished run frees its DDP wrapper (Trainer.release) before the ranks leave together: a real
+    one-rank gloo group, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        ddp = wrap(model, torch.device("cpu"))
+        ddp(torch.randn(3, 4)).sum().backward()
+        assert wrappers_alive() == 1
+        with pytest.raises(RuntimeError, match="1 DistributedDataParallel wrapper.* still alive .*Trainer.release"):
+            teardown(clean=True, timeout_s=30)
+        assert dist.is_initialized()  # it did not leave
+        del ddp  # what Trainer.release does: the wrapper goes, the model stays
+        assert wrappers_alive() == 0
+        teardown(clean=True, timeout_s=30)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

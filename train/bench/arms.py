@@ -63,6 +63,7 @@ def _bare_worker(rank: int, spec: dict) -> None:
             window = time.perf_counter()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
+    del model, optimizer  # the reducer goes while every peer is still in the group (Trainer.release)
     destroy_and_leave_together()
 
 
@@ -98,6 +99,7 @@ def _bare_gpu(spec: dict) -> None:
             times.append((time.perf_counter() - window) / spec["window"])
             window = time.perf_counter()
     Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
+    del model, optimizer  # the reducer goes while the group is still there (Trainer.release)
     destroy_and_leave_together()  # a rank exiting while a peer's gloo group lives can abort that peer
 
 
