@@ -1,4 +1,5 @@
-"""The Trainer's pure parts: the resume re-layout, the logging window, status records, a finished run."""
+"""The Trainer's parts: the resume re-layout, the logging window, status records, a finished run, the end of a
+clean run (no DDP wrapper left when the ranks leave the group)."""
 
 import pytest
 import torch
