@@ -232,7 +232,7 @@ def teardown(clean: bool, timeout_s: float) -> None:
     global _control_group, _session_store
     if dist.is_initialized() and clean:
         if wrappers_alive():
-            # Its reducer (and under --compile the graphs compiled for it) would be freed after the peers
+            # Its reducer (and under --compile the compiled module it wraps) would be freed after the peers
             # left, when the frame that holds it ends: a finished run's last rank has hung there.
             raise RuntimeError(f"{wrappers_alive()} DistributedDataParallel wrapper(s) still alive at the end of "
                                f"the run: drop them before leaving the group (Trainer.release)")

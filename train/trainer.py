@@ -133,7 +133,7 @@ class Trainer:
 
     def release(self) -> None:
         """The end of a clean run (done or stopped): drop the DDP wrapper, its reducer and, under --compile,
-        the graphs compiled for it, while every peer is still in the group. Freed only when run()'s frame
+        the compiled module it wraps, while every peer is still in the group. Freed only when run()'s frame
         ends, after the peers have left, they were torn down without them, and a finished run's last rank
         hung there (distributed.teardown now refuses to leave before they are gone)."""
         watchdog.enter("the end of the run (freeing the DDP wrapper)", self.limit)
