@@ -15,7 +15,7 @@ import pynvml
 import torch
 
 from train import checkpoint
-from train.config import MODEL_KEYS, Config
+from train.config import Config
 from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
 from train.distributed import resolve_identity
 from train.errors import ConfigError
@@ -23,7 +23,8 @@ from train.metrics import nvml
 from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.optim import decay_groups
-from train.runfiles import read_config
+from train.resume import Layout, changed_settings, continue_layout, refusal
+from train.runfiles import read_config, read_json
 from train.weights import fitted, freeze, frozen_names, read_weights, resolve
 
 
@@ -54,7 +55,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.launch.spawn else
                    "set MASTER_PORT to a free port")
     if cfg.run.run_dir:
-        check_run_dir(cfg, Path(cfg.run.run_dir))
+        check_run_dir(cfg, Path(cfg.run.run_dir), world or cfg.launch.spawn or ident.world_size)
     if not cfg.run.dry_run:
         check_tracking(cfg, ident.global_rank)
 
@@ -130,24 +131,34 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 
 
-def check_steps(train_samples: int, world: int, cfg: Config) -> int:
-    """The optimizer steps in one epoch, which must be at least one."""
-    opt = cfg.optimisation
-    steps = samples_per_rank(train_samples, world, cfg.augmentation.ra_reps) // opt.batch_size // opt.grad_accum
+def check_steps(train_samples: int, world: int, cfg: Config, grad_accum: int | None = None) -> int:
+    """The optimizer steps in one epoch, which must be at least one; world and grad_accum (default --grad-accum): the
+    layout the samples are laid out for."""
+    opt, accum = cfg.optimisation, grad_accum or cfg.optimisation.grad_accum
+    steps = samples_per_rank(train_samples, world, cfg.augmentation.ra_reps) // opt.batch_size // accum
     if steps == 0:
         cut = " (--ra-reps takes a multiple of 256 of them)" if cfg.augmentation.ra_reps else ""
         raise ConfigError(f"{train_samples} training samples{cut} are fewer than one step needs "
-                          f"({world} workers x {cfg.optimisation.batch_size} x {cfg.optimisation.grad_accum}): "
+                          f"({world} workers x {cfg.optimisation.batch_size} x {accum}): "
                           f"lower --batch-size or --grad-accum")
     return steps
 
 
-def check_same_model(saved: dict, cfg: Config, source: Path | str) -> None:
-    """A run directory or checkpoint (`source`) made with other MODEL_KEYS cannot be resumed by this config."""
-    for key in MODEL_KEYS:
-        if key in saved and saved[key] != cfg.setting(key):
-            raise ConfigError(f"{source} was made with {key}={saved[key]!r}, this run has {key}={cfg.setting(key)!r}: "
-                              f"use a new --run-dir or the same {key}")
+def check_resume(cfg: Config, run_dir: Path, world: int) -> None:
+    """A run folder with a checkpoint is resumed: refused in one line, before any worker starts, when the command
+    changes a setting the checkpoint fixes, or asks for a number of workers that cannot keep the run's global batch
+    (train/resume.py; config.json and plan.json say what the run is). Each worker checks again against the
+    checkpoint itself."""
+    if not run_dir.is_dir() or not checkpoint.list_checkpoints(run_dir):
+        return
+    changes = changed_settings(read_config(run_dir), cfg.to_dict())
+    if changes:
+        raise ConfigError(refusal(run_dir, changes, checkpoint.list_checkpoints(run_dir)[-1]))
+    plan = read_json(run_dir / "plan.json")
+    if "layout" in plan:
+        layout = Layout(**plan["layout"])
+        continue_layout(layout, world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum,
+                        cfg.optimisation.grad_accum != layout.grad_accum, run_dir)
 
 
 def check_port(port: str, fix: str) -> None:
@@ -165,13 +176,13 @@ def port_free(port: int) -> bool:
     return True
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
+def check_run_dir(cfg: Config, run_dir: Path, world: int = 1) -> None:
     if run_dir.is_absolute() and not run_dir.parent.exists():
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
     if not _writable_or_creatable(run_dir):
         raise ConfigError(not_writable(run_dir))
-    check_same_model(read_config(run_dir), cfg, run_dir)
+    check_resume(cfg, run_dir, world)
     problem = checkpoint.space_problem(run_dir)
     if problem:
         raise ConfigError(problem)

@@ -343,8 +343,6 @@ PRESETS: dict[str, dict] = {
                   warmup_steps=5, save_every=20, eval_every=20, log_every=10, lr=1e-2),
 }
 
-# Keys that define what the weights are; a checkpoint made with other values cannot be resumed.
-MODEL_KEYS = ("model", "width", "image_size", "dataset")
 BUILT_IN = ("shapes", "synthetic")  # in memory, made at --image-size: no files to resize, crop or augment
 IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
 

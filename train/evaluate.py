@@ -23,7 +23,6 @@ imports neither the trainer nor its launcher, nor matplotlib but in the command'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -39,7 +38,7 @@ from train.distributed import identity, init, is_main, teardown
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
 from train.progress import Progress
-from train.runfiles import atomic_write, read_classes, read_config
+from train.runfiles import atomic_write, read_classes, read_config, to_json
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
@@ -186,7 +185,7 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
               "dataset": cfg.data.dataset, "world_size": identity().world_size, **scores,
               "per_class_accuracy": per_class, "confused_pairs": figures.confused_pairs(result["confusion"], classes),
               "classes": classes, "confusion": result["confusion"]}
-    atomic_write(job.out, (json.dumps(record, indent=1) + "\n").encode())
+    atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())
     picture = job.out.with_suffix(".png")
     fig = figures.figure(record)
     pixels = figures.save(fig, picture)

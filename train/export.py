@@ -27,7 +27,6 @@ is written.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from train.runfiles import atomic_write
+from train.runfiles import atomic_write, to_json
 from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail
 from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
@@ -81,7 +80,7 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
         shape = {"format": "pt2", "max_batch": MAX_BATCH}
     record = {"weights": str(source), "model": cfg.model.model, "image_size": size, **shape,
               **preprocessing(cfg, classes, *normalisation(cfg))}
-    atomic_write(out.with_name(out.name + ".json"), (json.dumps(record, indent=2) + "\n").encode())
+    atomic_write(out.with_name(out.name + ".json"), (to_json(record, indent=2) + "\n").encode())
     return out
 
 

@@ -14,7 +14,6 @@ import argparse
 import atexit
 import faulthandler
 import functools
-import json
 import os
 import re
 import signal
@@ -30,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from train import trainer
 from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
-from train.runfiles import read_status
+from train.runfiles import read_status, to_json
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
 from train.distributed import identity, is_main
@@ -59,7 +58,7 @@ def print_plan(cfg: Config, world: int) -> int:
     the same), and nothing else."""
     plan = dry_run(cfg, world)
     if is_main():
-        print(json.dumps(plan.to_dict(), indent=1), flush=True)
+        print(to_json(plan.to_dict(), indent=1), flush=True)
     return 0
 
 

@@ -3,6 +3,8 @@ reference forms them, and torch's own schedulers (warm-up, then cosine, step, mu
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from train.config import Config, Optimisation, Schedule
@@ -110,3 +112,18 @@ def build_scheduler(schedule: Schedule, optimizer: torch.optim.Optimizer, total:
     kind = sched.LinearLR if schedule.warmup_method == "linear" else sched.ConstantLR
     first = kind(optimizer, schedule.warmup_decay, total_iters=warmup)  # LinearLR: start_factor; ConstantLR: factor
     return sched.SequentialLR(optimizer, schedulers=[first, main], milestones=[warmup])
+
+
+def schedule_at(schedule: Schedule, optimizer: torch.optim.Optimizer, total: int, warmup: int,
+                steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The schedule of `total` (and `warmup`) as an uninterrupted run of that length has it after `steps` of its own
+    steps: built anew from the optimizer's initial rates and stepped there (a resume that changed the run's length;
+    the optimizer's own steps were taken before it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group.get("initial_lr", group["lr"])
+    scheduler = build_scheduler(schedule, optimizer, total, warmup)
+    with warnings.catch_warnings():  # stepped without optimizer steps: those were taken before
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(steps):
+            scheduler.step()
+    return scheduler

@@ -26,6 +26,7 @@ from train.ema import adjusted_decay
 from train.errors import ConfigError
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
+from train.resume import Layout
 from train.weights import cached_file, freeze, frozen_names, normalisation, resolve
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
@@ -57,16 +58,21 @@ class Plan:
     lr: dict  # per: epoch or step; values: the learning rate of each epoch's (or step's) optimizer steps
     ema: dict | None  # decay per update (after the reference's adjustment), every_steps, restarted in the warm-up
     weights: dict | None  # the starting weights
+    layout: dict  # the workers x batch x accumulation the sample order is laid out for (its first start: a resume on
+    # other workers keeps it, with the --grad-accum that keeps the global batch)
+    resumes: list  # each resume that changed something: its step and the changes, [before, after] (train/resume.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, val_set, num_classes: int,
-              model: torch.nn.Module, run_dir: str) -> Plan:
+              model: torch.nn.Module, run_dir: str, layout: Layout | None = None) -> Plan:
     """The plan of cfg on `world` workers, from the datasets and the model (frozen where --freeze says) the run
-    trains; a setting that has no effect on them is one line (ConfigError)."""
-    steps_per_epoch = check_steps(len(train_set), world, cfg)
+    trains; a setting that has no effect on them is one line (ConfigError). layout: the one a resumed run's samples
+    are laid out for, else this start's."""
+    layout = layout or Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
+    steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg, layout.grad_accum)
     max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
     epochs = cfg.run.epochs or max_steps / steps_per_epoch
     mean, std = normalisation(cfg)
@@ -76,13 +82,13 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         run_dir=run_dir, world_size=world, device=device, precision=precision, train_samples=len(train_set),
         val_samples=len(val_set), num_classes=num_classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
-        sampler=describe_sampler(cfg.augmentation.ra_reps, world), normalize={"mean": list(mean), "std": list(std)},
+        sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size), normalize={"mean": list(mean), "std": list(std)},
         train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
         eval_transform=_transform_of(val_set, cfg),
         loss=f"CrossEntropyLoss(label_smoothing={cfg.regularisation.label_smoothing})", optimizer=_optimizer(cfg),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
-        ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg))
+        ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
 
 
 def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:

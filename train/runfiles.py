@@ -8,16 +8,36 @@ and the host tools read them with the host's python3 too).
   config.json      the config as given; classes.json the class names in label order; plan.json what the run
                    derived from them (write_run_files, read_config, read_classes)
 
-Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder."""
+Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder. Every JSON file is strict JSON
+(to_json): a figure that is not finite (a diverged loss) is written as null, never as NaN or Infinity, which strict
+parsers reject."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import time
 from pathlib import Path
 
 STATES = ("starting", "running", "stopped", "failed", "done")
+
+
+def finite(value):
+    """value with every float that is not finite (NaN, +-Infinity) replaced by None, in dicts, lists and tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259): a figure that is not finite becomes null."""
+    return json.dumps(finite(value), indent=indent, allow_nan=False)
 
 
 def fsync_dir(path: Path) -> None:
@@ -57,7 +77,10 @@ def status_record(state: str, step: int, env, **extra) -> dict:
 
 
 def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
-    atomic_write(run_dir / "status.json", (json.dumps(status_record(state, step, os.environ, **extra)) + "\n").encode())
+    """status.json, stamped with the time it was written ("updated", ISO 8601 with the UTC offset): a live run writes
+    it at every log line, so a script tells a run that trains from one that died."""
+    record = {**status_record(state, step, os.environ, **extra), "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write(run_dir / "status.json", (to_json(record) + "\n").encode())
 
 
 def read_json(path: Path) -> dict:
@@ -100,14 +123,14 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
     path = run_dir / "manifest.json"
     old = read_json(path)
     previous = old.pop("previous", []) + [old] if old else []
-    atomic_write(path, (json.dumps({**manifest, "previous": previous}, indent=2) + "\n").encode())
+    atomic_write(path, (to_json({**manifest, "previous": previous}, indent=2) + "\n").encode())
 
 
 def write_run_files(run_dir: Path, config: dict, classes: list[str], plan: dict) -> None:
     """config.json (the config as given), classes.json (label i is name i) and plan.json (what the run derived)."""
-    atomic_write(run_dir / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write(run_dir / "classes.json", (json.dumps(classes) + "\n").encode())
-    atomic_write(run_dir / "plan.json", (json.dumps(plan, indent=1) + "\n").encode())
+    atomic_write(run_dir / "config.json", (to_json(config, indent=2) + "\n").encode())
+    atomic_write(run_dir / "classes.json", (to_json(classes) + "\n").encode())
+    atomic_write(run_dir / "plan.json", (to_json(plan, indent=1) + "\n").encode())
 
 
 def read_config(run_dir: Path) -> dict:
@@ -136,7 +159,7 @@ class MetricsFile:
         self._file = open(path, "a", buffering=1)
 
     def append(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(to_json(record) + "\n")
 
     def close(self) -> None:
         self._file.close()

@@ -32,7 +32,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from train.checkpoint import list_checkpoints, sidecar_of
-from train.runfiles import atomic_write, read_config, read_json, read_metrics, read_status
+from train.runfiles import atomic_write, read_config, read_json, read_metrics, read_status, to_json
 from train.distributed import is_main
 from train.metrics import setup_logging
 from train.config import Config, Tracking
@@ -253,7 +253,7 @@ class Tracker:
             return
         self.client.log_artifact(self.run_id, str(path), folder)
         record.setdefault("artifacts", {})[name] = digest
-        atomic_write(self.run_dir / RECORD, (json.dumps(record, indent=2) + "\n").encode())
+        atomic_write(self.run_dir / RECORD, (to_json(record, indent=2) + "\n").encode())
 
     def _open(self) -> None:
         """The run this run directory is tracked in (created on its first start), its params and tags, the
@@ -301,7 +301,7 @@ class Tracker:
             record = {**record, "tracking_uri": self.uri}
         else:
             return record
-        atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+        atomic_write(path, (to_json(record, indent=2) + "\n").encode())
         return record
 
     def _find_or_create_run(self):
@@ -336,7 +336,7 @@ class Tracker:
         # A new MLflow run (the noted one deleted, or the server's store made anew) has none of the artifacts
         # the record says were sent: they go again.
         kept = {k: v for k, v in record.items() if k != "artifacts" or record.get("run_id") == run.info.run_id}
-        atomic_write(self.run_dir / RECORD, (json.dumps({**kept, "run_id": run.info.run_id}, indent=2) + "\n")
+        atomic_write(self.run_dir / RECORD, (to_json({**kept, "run_id": run.info.run_id}, indent=2) + "\n")
                      .encode())
         log.info("mlflow: tracking in run %s of experiment %r at %s", run.info.run_id, self.experiment, self.uri)
         return run

@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train import runfiles
-from train.checks import check_same_model, not_writable
+from train.checks import not_writable
 from train.config import Config, launch_run_dir, process_start_time
 from train.data import (build_datasets, build_train_loader, build_val_loader, class_names, packed_with,
-                        prepare_inputs, relayout)
+                        origin, prepare_inputs)
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit,
                                wrap)
@@ -37,8 +37,11 @@ from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest
 from train.models import build_model
 from train.augment import BatchAugment, batch_seed
 from train.ema import ModelEma
-from train.optim import build_optimizer, build_scheduler, schedule_lengths
+from train.health import Diverged, DivergenceGuard
+from train.optim import build_optimizer, build_scheduler, schedule_at, schedule_lengths
 from train.plan import make_plan, precision_name
+from train.resume import (Layout, changed_settings, continue_layout, refusal, relayout_line, resume_record,
+                          saved_length, spliced_lr)
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.evaluate import evaluate
 from train.tracking import catch_up_tracking, start_tracking
@@ -92,9 +95,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, device: torch.device, stop: StopSignal):
         ident = identity()
-        self.cfg, self.run_dir, self.device, self.stop = cfg, run_dir, device, stop
+        self.run_dir, self.device, self.stop = run_dir, device, stop
         self.rank, self.world, self.launcher = ident.global_rank, ident.world_size, ident.launcher
-        self.autocast_dtype = resolve_precision(cfg, device)
         self.limit = watch_limit(cfg.launch.timeout_s)
         self.step = self.epoch = self.step_in_epoch = 0
         self.resumed_from: int | None = None
@@ -103,8 +105,17 @@ class Trainer:
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
         self.weights: dict = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
+        # The newest checkpoint that verifies, read before anything is written: a resume that would change what the
+        # run is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
+        state, self.source = self._newest_checkpoint()
+        self.layout = Layout(self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
+        self.relaid = ""  # said once logging is up: how a resume on other workers keeps the run
+        if state is not None:
+            cfg = self._continue(cfg, state)
+        self.cfg = cfg
+        self.autocast_dtype = resolve_precision(cfg, device)
         # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
-        initial = read_weights(cfg.model) if cfg.model.weights and not self._has_checkpoint() else None
+        initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
         torch.manual_seed(cfg.run.seed)
@@ -113,12 +124,15 @@ class Trainer:
         self.raw_model = self._model()
         # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).
         self.plan = make_plan(cfg, self.world, device.type, precision_name(self.autocast_dtype), train_set, val_set,
-                              self.num_classes, self.raw_model, str(run_dir))
+                              self.num_classes, self.raw_model, str(run_dir), layout=self.layout)
+        if state is not None:
+            self._check_same_data()
         self.max_steps, self.steps_per_epoch = self.plan.max_steps, self.plan.steps_per_epoch
         self.norm = tuple(torch.tensor(self.plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
         self.train_loader, self.sampler, self.val_loader = self._loaders(train_set, val_set)
         self.optimizer, self.scheduler, self.scaler, self.ema = self._optimisation(self.raw_model)
-        self._resume(initial)
+        self.guard = DivergenceGuard(device, fp16=self.scaler.is_enabled())
+        self._resume(state, initial)
         self.model = self._wrap(self.raw_model)
         self._write_run_files()
         self.last_saved = self.step if self.resumed_from is not None else -1
@@ -155,7 +169,9 @@ class Trainer:
             self.settle_s = self.settle_buckets()
             batches = self.batches()
             while self.step < self.max_steps:
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains at
                 losses = self.train_step(batches)
+                self.guard.observe(self.step, losses, lr)
                 self.after_step(losses)
                 if self.stop.agreed() or self.step == cfg.run.stop_at:
                     return self.stop_here("--stop-at" if self.step == cfg.run.stop_at else
@@ -176,7 +192,8 @@ class Trainer:
         for micro in range(cfg.optimisation.grad_accum):
             x, y = next(batches)
             if self.augment is not None:  # random erasing, Mixup/CutMix: seeded by the position, not the stream
-                x, y = self.augment(x, y, batch_seed(cfg.run.seed, self.step, micro, self.rank))
+                rank0, micro0 = origin(self.rank, micro, self.world, self.sampler.layout)  # the laid-out run's
+                x, y = self.augment(x, y, batch_seed(cfg.run.seed, self.step, micro0, rank0))
                 x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
             last = micro == cfg.optimisation.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
@@ -277,6 +294,7 @@ class Trainer:
                                                          "settle_s": self.settle_s})
         if self.step % self.cfg.checkpoints.log_every == 0 or self.step == self.max_steps:
             self.log_window()
+            self.check_health()
 
     def log_window(self) -> None:
         """One log line and metrics record: the window's means over every rank, with GPU telemetry."""
@@ -291,12 +309,30 @@ class Trainer:
         log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.max_steps,
                  values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
         self.metrics.write(self.step, "train", values)
+        self.write_status("running")  # alive: the step and the time, at every log line
+
+    def check_health(self, models: tuple = ()) -> None:
+        """Every rank at once: stop a diverged run (train/health.py) before it writes anything; models: weights about
+        to be written, checked too. Exit code 2 and one line: what happened, what to try, where to start again."""
+        why = self.guard.check(self.step, self.scaler, models)
+        if why is None:
+            return
+        newest = ckpt.list_checkpoints(self.run_dir)[-1:] if is_main() else []
+        kept = broadcast_from_main(str(newest[0]) if newest else None)
+        opt, precision = self.cfg.optimisation, precision_name(self.autocast_dtype)
+        clip = "--grad-clip 1.0" if not opt.grad_clip else f"a --grad-clip below {opt.grad_clip:g}"
+        other = {"fp16": ", --precision bf16 or fp32", "bf16": ", --precision fp32"}.get(precision, "")
+        start = (f"--weights {kept} starts it from this run's newest checkpoint, which is finite" if kept else
+                 "this run saved no checkpoint")
+        raise Diverged(f"{why}; a restart cannot mend that: try a lower --lr, {clip}{other}, in a new --run-dir "
+                       f"({start})")
 
     def is_eval_step(self, step: int) -> bool:
         every = self.cfg.checkpoints.eval_every
         return bool(every) and step % every == 0 and step < self.max_steps
 
     def evaluate(self) -> dict:
+        self.check_health()  # a diverged model is neither evaluated nor kept as best.pt
         watchdog.enter(f"evaluation at step {self.step}", self.limit)
         self.last_eval = self.step
         models = {"": self.raw_model, **({"EMA ": self.ema.module} if self.ema is not None else {})}
@@ -353,6 +389,7 @@ class Trainer:
         if self.last_saved != self.step:
             self.save("end of run")
         final = self.evaluate()
+        self.check_health((self.raw_model, *([self.ema.module] if self.ema is not None else [])))
         if is_main():
             runfiles.atomic_write(self.run_dir / "model.pt", ckpt.serialise(self.raw_model.state_dict()))
             if self.ema is not None:  # the average's weights, as model.pt's: make evaluate/export WEIGHTS=ema
@@ -376,6 +413,7 @@ class Trainer:
 
     def save(self, reason: str) -> None:
         """Every rank's RNG state to rank 0, which writes the checkpoint; every rank learns if that failed."""
+        self.check_health((self.raw_model, *([self.ema.module] if self.ema is not None else [])))
         watchdog.enter(f"the checkpoint save of step {self.step}", self.limit)
         rng = gather({"cpu": torch.get_rng_state(),
                       "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None})
@@ -409,49 +447,43 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "world_size": self.world, "batch_size": cfg.optimisation.batch_size,
-                "grad_accum": cfg.optimisation.grad_accum, "rng": rng,
+                "grad_accum": cfg.optimisation.grad_accum, "layout": self.layout.to_dict(),
+                "max_steps": self.max_steps, "rng": rng,
                 "config": cfg.to_dict(), "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step,
                 "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None,
                 "best_ema": self.best_ema}
 
     def load_state_dict(self, state: dict, source: Path) -> None:
-        """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included."""
+        """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included. A run made longer
+        or shorter (another --max-steps or --epochs) continues on the schedule of its new length, as plan.json shows
+        it: the schedule is that of the new length, stepped to this step."""
         cfg = self.cfg
-        if not isinstance(state, dict) or not {"model", "optimizer", "step", "config"} <= state.keys():
-            raise ConfigError(f"{source} is not a trainbox checkpoint (no model/optimizer/step/config): "
-                              f"move it out of the run directory")
-        check_same_model(state["config"], cfg, source)
         try:
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(f"{source} does not fit this model ({str(e).splitlines()[0][:160]}): "
                               f"use a new --run-dir, or the code that made the checkpoint") from None
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        if self.step > self.max_steps:
+            longer = f"--epochs above {cfg.run.epochs}" if cfg.run.epochs else f"--max-steps of {self.step} or more"
+            raise ConfigError(f"{source} is at step {self.step}, past this run's {self.max_steps} steps: give "
+                              f"{longer}, or start a new --run-dir")
+        self.resumed["max_steps"] = saved_length(state, self.steps_per_epoch)
+        if self.resumed["max_steps"] == self.max_steps:
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:
+            self.scheduler = schedule_at(cfg.schedule, self.optimizer,
+                                         *schedule_lengths(cfg, self.plan.max_steps, self.plan.warmup_steps),
+                                         self.step if cfg.schedule.schedule_unit == "step" else self.epoch)
         if self.ema is not None:
-            if not state.get("ema"):
-                raise ConfigError(f"{source} was saved without --model-ema: resume without it, or start a new "
-                                  f"--run-dir")
             self.ema.load_state_dict(state["ema"])
         if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch = state["step"], state["epoch"]
         self.eval_owed = state.get("eval_owed", False) and self.step < self.max_steps  # older checkpoints: none
         self.best, self.best_ema = state.get("best"), state.get("best_ema")
-        saved = (state["world_size"], state["batch_size"], state["grad_accum"])
-        layout = (self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
-        if cfg.run.epochs and saved != layout:
-            raise ConfigError(f"{source} is a run of --epochs {cfg.run.epochs} with {saved[0]} workers x batch "
-                              f"{saved[1]} x accumulation {saved[2]}; with {layout[0]} x {layout[1]} x {layout[2]} "
-                              f"its steps, schedule and position would change: resume with the same workers, "
-                              f"--batch-size and --grad-accum, or start a new --run-dir")
-        self.step_in_epoch = relayout(state["step_in_epoch"], saved, layout)
         if self.step_in_epoch >= self.steps_per_epoch:  # saved at an epoch's end: the next one's start
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        if saved != (self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum):
-            log.warning("resuming a checkpoint of %d workers x batch %d x accumulation %d with %d x %d x %d: "
-                        "same data order, but results will differ from an uninterrupted run",
-                        *saved, self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
         if state["world_size"] != self.world:  # per-rank RNG streams cannot carry over
             torch.manual_seed(cfg.run.seed * 7919 + self.rank + self.step)
         else:
@@ -478,7 +510,8 @@ class Trainer:
     def _loaders(self, train_set, val_set) -> tuple:
         """(train loader, its sampler, validation loader)."""
         cfg, plan, pin = self.cfg, self.plan, self.device.type == "cuda"
-        train_loader, sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device)
+        train_loader, sampler = build_train_loader(cfg, train_set, self.rank, self.world, pin, self.device,
+                                                   layout=(self.layout.world_size, self.layout.grad_accum))
         val_loader = build_val_loader(cfg, val_set, self.rank, self.world, pin, self.device)
         if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
             log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
@@ -509,31 +542,67 @@ class Trainer:
         scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
         return optimizer, scheduler, scaler, ema
 
-    def _has_checkpoint(self) -> bool:
-        """Whether the run directory holds a checkpoint to resume from (rank 0 looks; every rank learns)."""
+    def _newest_checkpoint(self) -> tuple[dict | None, Path | None]:
+        """The newest checkpoint that verifies (rank 0 looks; every rank loads it), or (None, None) for a new run."""
         run_dir = self.run_dir
-        found = on_main(lambda: run_dir.is_dir() and bool(ckpt.list_checkpoints(run_dir)),
-                        lambda e: f"cannot read {run_dir} ({e.strerror or e}): check the disk and permissions")
-        return bool(broadcast_from_main(found))
-
-    def _resume(self, initial: tuple[dict, dict] | None) -> None:
-        """Rank 0 picks the newest checkpoint that verifies; every rank loads it. Without one, the starting
-        --weights (initial: read before, or now when every checkpoint was damaged) and a fresh per-rank random
-        stream (dropout and the like)."""
-        newest = on_main(lambda: ckpt.newest_valid(self.run_dir),
-                         lambda e: f"cannot read the checkpoints in {self.run_dir} ({e.strerror or e}): check the "
-                                   f"disk and permissions")
+        newest = on_main(lambda: ckpt.newest_valid(run_dir) if run_dir.is_dir() else None,
+                         lambda e: f"cannot read the checkpoints in {run_dir} ({e.strerror or e}): check the disk and "
+                                   f"permissions")
         newest = broadcast_from_main(str(newest) if newest else None)
         if newest is None:
+            return None, None
+        state = ckpt.load_checkpoint(Path(newest), self.device)
+        if not isinstance(state, dict) or not {"model", "optimizer", "step", "config"} <= state.keys():
+            raise ConfigError(f"{newest} is not a trainbox checkpoint (no model/optimizer/step/config): move it out "
+                              f"of the run directory")
+        return state, Path(newest)
+
+    def _continue(self, cfg: Config, state: dict) -> Config:
+        """The config that continues the checkpoint `state`: the settings it fixes unchanged (else one line), and on
+        another number of workers the --grad-accum that keeps the run's global batch and its steps' samples."""
+        changes = changed_settings(state["config"], cfg.to_dict())
+        self.resumed = {"config": state["config"], "world_size": state["world_size"]}
+        if changes:
+            raise ConfigError(refusal(self.run_dir, changes, self.source))
+        self.layout = Layout(**state["layout"]) if "layout" in state else \
+            Layout(state["world_size"], state["batch_size"], state["grad_accum"])
+        accum = continue_layout(self.layout, self.world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum,
+                                cfg.optimisation.grad_accum != self.layout.grad_accum, self.run_dir)
+        if self.world != self.layout.world_size:
+            self.relaid = relayout_line(self.layout, self.world, accum)
+        return cfg.replace(grad_accum=accum) if accum != cfg.optimisation.grad_accum else cfg
+
+    def _check_same_data(self) -> None:
+        """A resume trains on the data the run trained on, wherever --data-dir now points: the same number of images
+        in each split and the same classes as plan.json and classes.json say (rank 0 reads them; all learn)."""
+        def differences() -> list[str]:
+            saved, classes = runfiles.read_json(self.run_dir / "plan.json"), runfiles.read_classes(self.run_dir)
+            found = [f"{what} {saved[key]} -> {getattr(self.plan, key)}" for key, what in
+                     (("train_samples", "training images"), ("val_samples", "validation images"),
+                      ("num_classes", "classes")) if key in saved and saved[key] != getattr(self.plan, key)]
+            if classes is not None and len(classes) == len(self.class_names) and classes != self.class_names:
+                found.append("the class names differ")
+            return found
+
+        found = broadcast_from_main(differences() if is_main() else None)
+        if found:
+            raise ConfigError(f"{self.cfg.data.data_dir} is not the data {self.run_dir} trained on ({', '.join(found)}):"
+                              f" point --data-dir at that data, or start a new --run-dir")
+
+    def _resume(self, state: dict | None, initial: tuple[dict, dict] | None) -> None:
+        """Back to the checkpoint `state` (the newest that verifies). Without one, the starting --weights (initial:
+        read before anything was written) and a fresh per-rank random stream (dropout and the like)."""
+        if state is None:
             if self.cfg.model.weights:  # a new run: its starting weights (a resume has them in its checkpoint)
-                state, self.weights = initial or read_weights(self.cfg.model)
+                state, self.weights = initial
                 self.raw_model.load_state_dict(fitted(self.cfg.model, state, self.raw_model, self.num_classes))
             torch.manual_seed(self.cfg.run.seed * 7919 + self.rank)
             return
-        state = ckpt.load_checkpoint(Path(newest), self.device)
-        self.load_state_dict(state, Path(newest))
+        self.load_state_dict(state, self.source)
         self.resumed_from = self.step
-        log.info("resumed from %s (step %d of %d)", newest, self.step, self.max_steps)
+        log.info("resumed from %s (step %d of %d)", self.source, self.step, self.max_steps)
+        if self.relaid:
+            log.info("%s", self.relaid)
 
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         cfg = self.cfg
@@ -546,12 +615,28 @@ class Trainer:
                 model.register_comm_hook(None, ordered_allreduce_hook)
         return model
 
+    def plan_as_trained(self) -> dict:
+        """plan.json: this start's plan, with the run's resumes that changed something (at which step, what) and, for a
+        run made longer or shorter, the learning rates each step trained at: the earlier length's before the resume."""
+        plan = self.plan.to_dict()
+        if self.resumed_from is None:
+            return plan
+        before = runfiles.read_json(self.run_dir / "plan.json")
+        record = resume_record(self.step, self.resumed["config"], self.cfg.to_dict(), self.resumed["world_size"],
+                               self.world)
+        plan["resumes"] = before.get("resumes", []) + ([record] if record else [])
+        if self.resumed["max_steps"] != self.max_steps:
+            plan["lr"] = spliced_lr(before.get("lr"), plan["lr"], self.step, self.steps_per_epoch)
+        elif before.get("lr"):  # the same length: the rates as trained so far, and on from there as planned
+            plan["lr"] = before["lr"]
+        return plan
+
     def _write_run_files(self) -> None:
         cfg, run_dir = self.cfg, self.run_dir
         hostnames = gather(socket.gethostname())
 
         def write() -> None:
-            runfiles.write_run_files(run_dir, cfg.to_dict(), self.class_names, self.plan.to_dict())
+            runfiles.write_run_files(run_dir, cfg.to_dict(), self.class_names, self.plan_as_trained())
             manifest = build_manifest(cfg, identity(), self.device, hostnames, self.resumed_from)
             runfiles.write_manifest(run_dir, {**manifest, **self.weights})
             self.write_status("running")

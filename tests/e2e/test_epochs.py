@@ -20,13 +20,14 @@ def test_epochs_set_the_steps_for_the_layout_and_a_resume_keeps_it(tmp_path):
     run(python_cmd(*DEBUG, "--epochs", 2, "--spawn", 2, "--stop-at", 10, "--run-dir", two), expect=75)
     saved = json.loads((two / "plan.json").read_text())
     assert (saved["max_steps"], saved["warmup_steps"]) == (32, 5)  # the preset's warm-up, in steps, as given
-    # Resuming on another layout would change the steps, the schedule and the position: refused, nothing changed
+    # Resumed on one worker: the global batch (2 x 16) kept by accumulating 2 micro-batches, so the steps, the schedule
+    # and the position stay; another --batch-size would change them, and is refused before anything is written
     before = snapshot(two)
-    refused = run(python_cmd(*DEBUG, "--epochs", 2, "--run-dir", two), expect=2)
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "is a run of --epochs 2 with 2 workers x batch 16 x accumulation 1; with 1 x 16 x 1"\
-        in errors[0] and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert {k: v for k, v in snapshot(two).items() if k not in ("train.log", "status.json")} == \
-        {k: v for k, v in before.items() if k not in ("train.log", "status.json")}
-    resumed = run(python_cmd(*DEBUG, "--epochs", 2, "--spawn", 2, "--run-dir", two))
-    assert "resumed from" in resumed.stderr and status(two)["step"] == 32
+    refused = run(python_cmd(*DEBUG, "--epochs", 2, "--batch-size", 8, "--run-dir", two), expect=2)
+    assert refused.stderr.count("\n") == 1 and "(--batch-size 16 -> 8)" in refused.stderr, refused.stderr[-3000:]
+    assert snapshot(two) == before
+    resumed = run(python_cmd(*DEBUG, "--epochs", 2, "--run-dir", two))
+    assert "resuming a run laid out for 2 workers x batch 16 x accumulation 1 on 1 worker: accumulation 2 keeps " \
+           "the global batch of 32" in resumed.stderr
+    assert status(two)["step"] == 32 and json.loads((two / "plan.json").read_text())["resumes"] == [
+        {"step": 10, "changed": {"grad_accum": [1, 2], "spawn": [2, 0], "world_size": [2, 1]}}]

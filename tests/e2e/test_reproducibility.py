@@ -106,6 +106,34 @@ def test_a_stopped_and_resumed_run_is_bit_identical_at_any_world_size(reference_
     assert_same_final_figures(straight, resumed)
 
 
+def test_a_run_resumed_on_half_its_workers_trains_the_same_steps(reference_run, tmp_path):
+    """4 workers stopped mid-epoch, resumed on 2: accumulation 2 keeps the global batch, and every step trains the
+    laid-out run's micro-batches (the same samples, the same seeds) at the same learning rate. Only the sums' order
+    differs, so the losses agree to rounding; 3 workers cannot share 4 micro-batches and are refused at once."""
+    straight = reference_run(*DEBUG, workers=4)  # shared with the 4-worker stop-and-resume test
+    resumed = tmp_path / "resumed"
+    run(python_cmd(*DEBUG, "--spawn", 4, "--run-dir", resumed, "--stop-at", 13), expect=75)
+    refused = run(python_cmd(*DEBUG, "--spawn", 3, "--run-dir", resumed), expect=2)
+    assert refused.stderr.count("\n") == 1 and "which 3 workers cannot share evenly: resume on 1, 2, 4 workers" in \
+        refused.stderr, refused.stderr
+    two = run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", resumed))
+    assert "on 2 workers: accumulation 2 keeps the global batch of 64" in two.stderr
+    plan, reference_plan = (json.loads((d / "plan.json").read_text()) for d in (resumed, straight))
+    assert plan["lr"] == reference_plan["lr"] and plan["layout"] == reference_plan["layout"]
+    assert plan["resumes"] == [{"step": 13, "changed": {"grad_accum": [1, 2], "spawn": [4, 2], "world_size": [4, 2]}}]
+    logged, reference_logged = ({m["step"]: m for m in metrics(d, "train")} for d in (resumed, straight))
+    after = [step for step in logged if step > 20]  # windows wholly after the resume (a log line every 10 steps)
+    assert after == [30, 40]
+    for step in [10, *after]:
+        assert logged[step]["lr"] == reference_logged[step]["lr"]
+        assert logged[step]["loss"] == pytest.approx(reference_logged[step]["loss"], rel=1e-5)
+    weights, reference_weights = (dict(torch.load(d / "checkpoints" / "step_00000040.pt", weights_only=True)["model"])
+                                  for d in (resumed, straight))
+    for name, value in reference_weights.items():
+        if "running_" not in name and "num_batches" not in name:  # BatchNorm's statistics follow rank 0's batches
+            assert torch.allclose(weights[name], value, rtol=1e-4, atol=1e-6), name
+
+
 def test_deterministic_reduction_does_not_depend_on_the_bucket_size(tmp_path):
     """--deterministic sums every gradient in rank order: the bucket size changes nothing. The control,
     without it: DDP's all-reduce of 3 ranks over 5 buckets of 1 MB or one of 25 MB gives other bits."""

@@ -1,4 +1,4 @@
-"""The Trainer's parts: the resume re-layout, the logging window, status records, a finished run, the end of a
+"""The Trainer's parts: the logging window, status records, a finished run, the end of a
 clean run (no DDP wrapper left when the ranks leave the group)."""
 
 import pytest
@@ -8,20 +8,7 @@ import torch.distributed as dist
 from train.checkpoint import finished
 from train.runfiles import status_record
 from train.metrics import LogWindow
-from train.data import relayout
 from train.distributed import teardown, wrap, wrappers_alive
-
-
-@pytest.mark.parametrize("position, saved, now, expected", [
-    (7, (2, 16, 1), (2, 16, 1), 7),  # the same layout: the same position
-    (7, (2, 16, 1), (4, 16, 1), 3),  # 224 samples seen, 64 per step: 3 whole steps
-    (7, (2, 16, 1), (1, 16, 2), 7),  # 224 samples, 32 per step
-    (5, (4, 8, 2), (2, 8, 1), 20),
-    (0, (2, 16, 1), (3, 5, 7), 0),
-])
-def test_a_resume_with_another_layout_keeps_the_samples_seen_rounded_down_to_a_whole_step(position, saved, now,
-                                                                                          expected):
-    assert relayout(position, saved, now) == expected
 
 
 def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch):

@@ -14,7 +14,7 @@ from train.data.decode import DeviceDecoder, load_image
 from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packed_with, read_idx, read_index
 from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names,
                                 default_num_workers)
-from train.data.samplers import SeededSample, ShardSampler, describe_sampler, relayout, samples_per_rank
+from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapesDataset, make_shapes
 from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs
 
@@ -22,4 +22,4 @@ __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "S
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
            "class_names", "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms",
            "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
-           "relayout", "samples_per_rank"]
+           "origin", "samples_per_rank"]

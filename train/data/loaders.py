@@ -107,12 +107,17 @@ def ignore_stop_signals(_worker_id: int) -> None:
 
 
 def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
-                       device: torch.device | None = None, persistent: bool = True):
+                       device: torch.device | None = None, persistent: bool = True,
+                       layout: tuple[int, int] | None = None):
+    """layout: the (workers, --grad-accum) the run's sample order is laid out for (a resume on other workers keeps
+    it); default: this one."""
+    opt = cfg.optimisation
+    in_memory = isinstance(dataset, ShapesDataset)
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=not in_memory,
+                           reps=cfg.augmentation.ra_reps, batch_size=opt.batch_size, grad_accum=opt.grad_accum,
+                           layout=layout)
     if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
-        sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=False,
-                               reps=cfg.augmentation.ra_reps)
         return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.optimisation.batch_size), sampler
-    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=True, reps=cfg.augmentation.ra_reps)
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
     loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.optimisation.batch_size,

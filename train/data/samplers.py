@@ -58,57 +58,70 @@ def describe_sampler(reps: int, world: int) -> str:
 class ShardSampler(Sampler):
     """Like DistributedSampler (shared per-epoch permutation, rank r takes every world-th index),
     plus: a start position inside the epoch for resuming, and a per-sample augmentation seed.
-    The epoch is cut to a multiple of world_size so every rank yields the same number of indices.
+    The epoch is cut to whole optimizer steps, so every rank yields the same number of indices.
     reps > 0 on more than one worker: torchvision's repeated-augmentation sampler (RASampler) instead (one worker
     samples plainly, as the reference outside distributed runs): the epoch's permutation (seeded
     with seed + epoch, as the reference's) with each index repeated `reps` times in a row, padded from its
     start to a multiple of the world size, rank r taking every world-th entry from r, cut to
-    samples_per_rank. Each entry has a seed of its own, so the repetitions of an image are augmented apart."""
+    samples_per_rank. Each entry has a seed of its own, so the repetitions of an image are augmented apart.
 
-    def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool, reps: int = 0):
-        if length < world_size:
-            raise ConfigError(f"dataset has {length} samples but there are {world_size} workers: use more data")
+    layout: the (workers, --grad-accum) the run's order was laid out for, at its first start; a resume on another
+    number of workers keeps it (train/resume.py). Each optimizer step is then made of the same micro-batches as in
+    the laid-out run, dealt to this run's ranks (see origin): the same samples in the same micro-batches, with the
+    same seeds."""
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool, reps: int = 0,
+                 batch_size: int = 1, grad_accum: int = 1, layout: tuple[int, int] | None = None):
+        self.layout = layout or (world_size, grad_accum)
+        if length < self.layout[0]:
+            raise ConfigError(f"dataset has {length} samples but there are {self.layout[0]} workers: use more data")
         self.length, self.rank, self.world_size, self.seed = length, rank, world_size, seed
-        self.with_seeds, self.reps = with_seeds, reps if world_size > 1 else 0  # one worker: plain (the reference)
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.with_seeds = with_seeds
+        self.reps = reps if self.layout[0] > 1 else 0  # laid out for one worker: plain (the reference)
         self.epoch = 0
         self.start = 0  # indices of this rank to skip in the current epoch (resume)
+        self.positions = self._positions()
+
+    def _positions(self) -> torch.Tensor:
+        """This rank's places in the epoch's order, micro-batch by micro-batch of each whole optimizer step: the
+        micro-batch (rank r0, micro m0) of the laid-out run takes places r0 + W0 * (k + i) for its b images
+        i, k counting the micro-batches of b before it on its rank."""
+        world0, accum0 = self.layout
+        per_rank = samples_per_rank(self.length, world0, self.reps)
+        steps = per_rank // self.batch_size // accum0
+        r0, m0 = origin(self.rank, torch.arange(self.grad_accum), self.world_size, self.layout)
+        s = torch.arange(steps).view(-1, 1, 1)
+        i = torch.arange(self.batch_size).view(1, 1, -1)
+        places = r0.view(1, -1, 1) + world0 * ((s * accum0 + m0.view(1, -1, 1)) * self.batch_size + i)
+        return places.flatten()
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return samples_per_rank(self.length, self.world_size, self.reps) - self.start
+        return len(self.positions) - self.start
 
     def __iter__(self):
+        places = self.positions[self.start:]
         if self.reps:
-            return self._repeated()
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.length, generator=g)
-        usable = self.length - self.length % self.world_size
-        mine = order[self.rank:usable:self.world_size][self.start:].tolist()
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=g).repeat_interleave(self.reps)
+            mine = order[places].tolist()  # every place lies within the first samples_per_rank x workers entries
+            seeds_by = places.tolist()  # a seed per entry of the epoch, not per image
+        else:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            mine = torch.randperm(self.length, generator=g)[places].tolist()
+            seeds_by = mine  # one seed per (run seed, epoch, sample): the same wherever and whenever it is loaded
         if not self.with_seeds:
             return iter(mine)
-        # One seed per (run seed, epoch, sample): the same wherever and whenever the sample is loaded.
         base = (self.seed * 1_000_003 + self.epoch) * 10_000_019
-        return iter([(i, (base + i) % (2**63 - 1)) for i in mine])
-
-    def _repeated(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.length, generator=g).repeat_interleave(self.reps)
-        total = -(-self.length * self.reps // self.world_size) * self.world_size
-        order = torch.cat([order, order[:total - len(order)]])
-        positions = torch.arange(self.rank, total, self.world_size)[:samples_per_rank(self.length, self.world_size,
-                                                                                       self.reps)][self.start:]
-        mine = order[positions].tolist()
-        if not self.with_seeds:
-            return iter(mine)
-        base = (self.seed * 1_000_003 + self.epoch) * 10_000_019  # a seed per entry of the epoch, not per image
-        return iter([(i, (base + p) % (2**63 - 1)) for i, p in zip(mine, positions.tolist(), strict=True)])
+        return iter([(i, (base + k) % (2**63 - 1)) for i, k in zip(mine, seeds_by, strict=True)])
 
 
-def relayout(step_in_epoch: int, saved: tuple[int, int, int], now: tuple[int, int, int]) -> int:
-    """A position inside the epoch saved with (workers, batch, accumulation) `saved`, in steps of `now`:
-    the samples seen, rounded down to a whole step of the new layout (the data order is kept)."""
-    if saved == now:
-        return step_in_epoch
-    return step_in_epoch * saved[0] * saved[1] * saved[2] // (now[0] * now[1] * now[2])
+def origin(rank: int, micro, world_size: int, layout: tuple[int, int]):
+    """The micro-batch of the laid-out run (its rank r0, its micro-batch m0) that this run's rank `rank` trains as
+    its micro-batch `micro` of a step: slot micro x world + rank of this run is slot m0 x W0 + r0 of that one. On the
+    layout itself, (rank, micro)."""
+    slot = micro * world_size + rank
+    return slot % layout[0], slot // layout[0]

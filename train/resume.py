@@ -1,0 +1,153 @@
+"""What a resume may change. A run folder is one run: its checkpoint fixes what the run is (the data, the model, the
+optimizer and its settings, the schedule, the augmentation, the seed, the precision), and a resume that asks for
+something else is refused in one line before anything is written. What may change is how and how long it runs:
+
+  FIXED            settings a checkpoint fixes; another value is refused (`changed_settings`, `refusal`)
+  MAY_CHANGE       settings a resume may change (cadences, workers, timeouts, tracking, a longer run); each change is
+                   recorded in plan.json's "resumes" (`resume_record`)
+  Layout           the workers x --batch-size x --grad-accum the run's sample order was laid out for (its first
+                   start); a resume on another number of workers keeps the global batch by raising or lowering
+                   --grad-accum where it divides (`continue_layout`), and the samples of every step stay the same
+
+Standard library only: the checks run before any worker starts (train/checks.py), and again in each worker against
+the checkpoint itself (train/trainer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from train.errors import ConfigError
+
+# What the run is. A setting added to the config must be placed in FIXED or MAY_CHANGE (tests/unit/test_resume.py).
+FIXED = frozenset({
+    "seed", "dataset", "image_size", "train_samples", "val_samples", "normalize",
+    "augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment", "ra_magnitude",
+    "augmix_severity", "ra_reps", "random_erase", "mixup_alpha", "cutmix_alpha",
+    "model", "weights", "freeze", "width", "sync_bn", "precision",
+    "batch_size", "optimizer", "lr", "weight_decay", "momentum", "nesterov", "norm_weight_decay", "bias_weight_decay",
+    "transformer_embedding_decay", "grad_clip",
+    "warmup_steps", "warmup_epochs", "lr_scheduler", "min_lr_ratio", "lr_step_size", "lr_gamma", "lr_milestones",
+    "warmup_method", "warmup_decay", "schedule_unit",
+    "label_smoothing", "model_ema", "model_ema_steps", "model_ema_decay",
+})
+# How and how long it runs. --grad-accum follows the workers (continue_layout); --data-dir may move (a container
+# mounts the NAS elsewhere) while the worker checks the data itself is the same (same_data).
+MAY_CHANGE = frozenset({
+    "run_dir", "preset", "max_steps", "epochs", "stop_at", "dry_run", "deterministic",
+    "spawn", "device", "timeout_s", "threads",
+    "data_dir", "download", "num_workers", "decode",
+    "channels_last", "compile", "bucket_cap_mb", "static_graph",
+    "grad_accum",
+    "save_every", "keep_checkpoints", "eval_every", "log_every", "tensorboard",
+    "mlflow_uri", "mlflow_experiment", "mlflow_checkpoints",
+})
+# Not part of what a run did: never recorded as a change.
+UNRECORDED = frozenset({"run_dir", "preset", "dry_run", "stop_at"})
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == "":
+        return "unset"
+    return str(value)
+
+
+def changed_settings(saved: dict, current: dict, names=FIXED) -> list[tuple[str, object, object]]:
+    """(name, saved value, current value) of each of `names` whose value differs; a name the saved config lacks (an
+    older run's) is not compared."""
+    return [(name, saved[name], current.get(name)) for name in sorted(names)
+            if name in saved and saved[name] != current.get(name)]
+
+
+def refusal(run_dir: Path | str, changes: list[tuple[str, object, object]], checkpoint: Path | str | None) -> str:
+    """The one line that refuses a resume asking for other FIXED settings: each difference as --flag old -> new, and
+    the two ways on."""
+    listed = ", ".join(f"--{name.replace('_', '-')} {_shown(old)} -> {_shown(new)}" for name, old, new in changes)
+    start_from = f" --weights {checkpoint}" if checkpoint else ""
+    return (f"{run_dir} is a run of other settings, which its checkpoint fixes ({listed}): resume it with the "
+            f"settings it was started with, or start a new run from its weights with a new --run-dir{start_from}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The workers x --batch-size x --grad-accum a run's sample order is laid out for: those of its first start. The
+    global batch (workers x batch x accumulation) is the images of one optimizer step."""
+
+    world_size: int
+    batch_size: int
+    grad_accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size * self.grad_accum
+
+    def __str__(self) -> str:
+        return f"{self.world_size} workers x batch {self.batch_size} x accumulation {self.grad_accum}"
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "batch_size": self.batch_size, "grad_accum": self.grad_accum}
+
+
+def continue_layout(layout: Layout, world: int, batch_size: int, grad_accum: int, given_accum: bool,
+                    run_dir: Path | str) -> int:
+    """The --grad-accum that continues a run laid out as `layout` on `world` workers at the same global batch.
+    given_accum: the command gives a --grad-accum of its own (other than the run's), which must then keep the global
+    batch itself. A global batch the workers cannot share evenly is one line with the choices."""
+    if world * batch_size * grad_accum == layout.global_batch:
+        return grad_accum
+    if given_accum:
+        raise ConfigError(f"{run_dir} trains at a global batch of {layout.global_batch} ({layout}); {world} workers "
+                          f"x batch {batch_size} x accumulation {grad_accum} make {world * batch_size * grad_accum}: "
+                          f"drop --grad-accum (the workers then share the run's batch), or start a new --run-dir")
+    micro_batches = layout.world_size * layout.grad_accum  # per optimizer step, of --batch-size images each
+    if micro_batches % world:
+        fits = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
+        raise ConfigError(f"{run_dir} trains at a global batch of {layout.global_batch} ({layout}), "
+                          f"{micro_batches} micro-batches of {layout.batch_size} a step, which {world} workers "
+                          f"cannot share evenly: resume on {', '.join(map(str, fits))} workers, or start a new "
+                          f"--run-dir")
+    return micro_batches // world
+
+
+def relayout_line(layout: Layout, world: int, grad_accum: int) -> str:
+    """What a resume on another number of workers does, said once at its start."""
+    return (f"resuming a run laid out for {layout} on {world} worker{'s' if world > 1 else ''}: accumulation "
+            f"{grad_accum} keeps the global batch of {layout.global_batch}, every step's samples, the schedule and the "
+            f"epoch position")
+
+
+def resume_record(step: int, saved: dict, current: dict, saved_world: int | None, world: int) -> dict | None:
+    """plan.json's record of a resume that changed something: the step it resumed at and each change as
+    [before, after] (the workers among them); None when nothing changed."""
+    changed = {name: [old, new] for name, old, new in changed_settings(saved, current, MAY_CHANGE - UNRECORDED)}
+    if saved_world is not None and saved_world != world:
+        changed["world_size"] = [saved_world, world]
+    return {"step": step, "changed": changed} if changed else None
+
+
+def spliced_lr(before: dict | None, after: dict, step: int, steps_per_epoch: int) -> dict:
+    """The learning rate of each step (or each epoch's first step) as a run that changed its length at `step` trained
+    it: the earlier schedule's (`before`, plan.json's "lr") before that step, the new one's (`after`) from there.
+    A table of each step stays one when both are; otherwise the epochs'."""
+    if not before:
+        return after
+    if before["per"] == after["per"] == "step":
+        return {"per": "step", "values": before["values"][:step] + after["values"][step:]}
+
+    def at_epochs(table: dict) -> list:
+        return table["values"] if table["per"] == "epoch" else table["values"][::steps_per_epoch]
+
+    old, new = at_epochs(before), at_epochs(after)
+    first_new = -(-step // steps_per_epoch)  # the epochs whose first step comes at or after `step`
+    return {"per": "epoch", "values": old[:first_new] + new[first_new:]}
+
+
+def saved_length(state: dict, steps_per_epoch: int) -> int:
+    """The steps a checkpoint's run was to train for (checkpoints of older versions: from their config)."""
+    if "max_steps" in state:
+        return state["max_steps"]
+    config = state["config"]
+    return config["epochs"] * steps_per_epoch if config.get("epochs") else config["max_steps"]
