@@ -37,6 +37,41 @@ LONG = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-eve
 SLURM_LONG = [*DEBUG, "--max-steps", 160, "--log-every", 5, "--eval-every", 0]  # the default path, exact too
 CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
 CLUSTER_HOST = "10.231.77.1"  # this machine, as the nodes reach it
+# Slurm hostlists and their hosts as `scontrol show hostnames` on the test cluster (Slurm 22.05) gives them:
+# tests/unit/test_identity.py holds train.cluster's own parser to this table, tests/e2e/test_slurm.py the table to
+# scontrol. Several brackets in one name go round in hostlist.c's order: the last fastest, then the first, ...
+HOSTLISTS = [
+    ("n1", ["n1"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("gpu[01-03,7]", ["gpu01", "gpu02", "gpu03", "gpu7"]),
+    ("a[1-2],b5,c[09-10]", ["a1", "a2", "b5", "c09", "c10"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("a[1,3,5-7]", ["a1", "a3", "a5", "a6", "a7"]),
+    ("a[01-10]", ["a01", "a02", "a03", "a04", "a05", "a06", "a07", "a08", "a09", "a10"]),
+    ("a[001-100]", [f"a{n:03d}" for n in range(1, 101)]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),  # as wide as the first number
+    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
+    ("a[1-03]", ["a1", "a2", "a3"]),
+    ("a[1-3,2]", ["a1", "a2", "a3", "a2"]),  # repeats stay
+    ("a[1-2]-ib[3-4]", ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]),
+    ("a[1-2][3-4]", ["a13", "a14", "a23", "a24"]),
+    ("a[1-2]b[3-4]c[5-6]", ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"]),
+    ("a[1-2,4-5]-b[1,3]", ["a1-b1", "a1-b3", "a2-b1", "a2-b3", "a4-b1", "a4-b3", "a5-b1", "a5-b3"]),
+    ("dc1.rack-7.r[1-2]-n[08-09]",
+     ["dc1.rack-7.r1-n08", "dc1.rack-7.r1-n09", "dc1.rack-7.r2-n08", "dc1.rack-7.r2-n09"]),
+    ("gpu-a100-[1-2],login-1.x", ["gpu-a100-1", "gpu-a100-2", "login-1.x"]),
+    ("a[1-2],,b c", ["a1", "a2", "b", "c"]),  # commas or white space; empty entries skipped
+    ("n1-3", ["n1-3"]),  # no bracket, no range
+]
+# Text after the last bracket: Slurm reads it since 23.02.5 ("Extend hostlist to support suffix"); 22.05 says
+# `Invalid hostlist` (and then the parser answers).
+SUFFIXED_HOSTLISTS = [
+    ("rack1-n[3-4]-ib", ["rack1-n3-ib", "rack1-n4-ib"]),
+    ("node-1.dc[1-2].x,b", ["node-1.dc1.x", "node-1.dc2.x", "b"]),
+    ("r[1-2]-g[7,9].ib", ["r1-g7.ib", "r1-g9.ib", "r2-g7.ib", "r2-g9.ib"]),
+]
+# scontrol: `Invalid hostlist` (a range backwards, empty, not numbers, negative, nested, unbalanced, over 65536 hosts)
+MALFORMED_HOSTLISTS = ["a[3-1]", "a[]", "a[x-y]", "a[-2]", "a[1--2]", "a[1-2-3]", "a[[1-2]]", "a[1-2]]", "a[0-65536]"]
 
 
 def env_for_tests(**extra) -> dict:
