@@ -6,16 +6,22 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import http.server
 import importlib.util
+import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
@@ -255,6 +261,81 @@ def assert_mlflow_run_complete(client, tracked, run_dir: Path, tmp_path: Path, m
     assert tracked.info.status == "FINISHED"
     downloaded = client.download_artifacts(run_id, "model.pt", str(tmp_path))
     assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
+
+
+class FileServer:
+    """Files served over HTTP on 127.0.0.1 from a thread of this process (python's http.server), by name, in
+    64 KiB writes with `delay` seconds after each (slow enough for several clients to overlap); `requests`
+    records each GET as (name, start, end, whole) on time.monotonic()."""
+
+    def __init__(self, files: dict[str, bytes], delay: float = 0.0):
+        self.files, self.delay, self.requests = files, delay, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # http.server calls it by this name
+                name, start = self.path.lstrip("/"), time.monotonic()
+                body = server.files.get(name)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    for offset in range(0, len(body), 1 << 16):
+                        self.wfile.write(body[offset:offset + (1 << 16)])
+                        time.sleep(server.delay)
+                except (BrokenPipeError, ConnectionResetError):  # a client that read the headers alone
+                    server.requests.append((name, start, time.monotonic(), False))
+                    return
+                server.requests.append((name, start, time.monotonic(), True))
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def __enter__(self) -> FileServer:
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def whole(self, name: str) -> list[tuple[float, float]]:
+        """(start, end) of each whole transfer of `name`."""
+        return [(start, end) for n, start, end, whole in self.requests if n == name and whole]
+
+
+def small_cifar(images: int) -> tuple[bytes, dict, dict]:
+    """A small CIFAR-10 in its own layout (cifar-10-batches-py/: five training batches, a test batch, the
+    meta file; random pixels, so the archive is as large as its files): the .tar.gz, the checksums a CIFAR10
+    class carries, and each file's bytes."""
+    rng = np.random.default_rng(0)
+    files = {f"data_batch_{i}": {"data": rng.integers(0, 256, (images, 3072), dtype=np.uint8),
+                                 "labels": rng.integers(0, 10, images).tolist()} for i in range(1, 6)}
+    files["test_batch"] = {"data": rng.integers(0, 256, (images, 3072), dtype=np.uint8),
+                           "labels": rng.integers(0, 10, images).tolist()}
+    files["batches.meta"] = {"label_names": [f"class{c}" for c in range(10)]}
+    contents = {name: pickle.dumps(value, protocol=2) for name, value in files.items()}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        folder = tarfile.TarInfo("cifar-10-batches-py")
+        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(folder)
+        for name, data in contents.items():
+            member = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            member.size, member.mode = len(data), 0o644
+            tar.addfile(member, io.BytesIO(data))
+    md5 = {name: hashlib.md5(data).hexdigest() for name, data in contents.items()}
+    checksums = {"train_list": [[f"data_batch_{i}", md5[f"data_batch_{i}"]] for i in range(1, 6)],
+                 "test_list": [["test_batch", md5["test_batch"]]],
+                 "meta": {"filename": "batches.meta", "key": "label_names", "md5": md5["batches.meta"]},
+                 "tgz_md5": hashlib.md5(buffer.getvalue()).hexdigest()}
+    return buffer.getvalue(), checksums, contents
 
 
 class MlflowServer:
