@@ -6,16 +6,22 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import http.server
 import importlib.util
+import io
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
@@ -37,6 +43,41 @@ LONG = [*DEBUG, "--max-steps", 240, "--width", 16, "--log-every", 5, "--save-eve
 SLURM_LONG = [*DEBUG, "--max-steps", 160, "--log-every", 5, "--eval-every", 0]  # the default path, exact too
 CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
 CLUSTER_HOST = "10.231.77.1"  # this machine, as the nodes reach it
+# Slurm hostlists and their hosts as `scontrol show hostnames` on the test cluster (Slurm 22.05) gives them:
+# tests/unit/test_identity.py holds train.cluster's own parser to this table, tests/e2e/test_slurm.py the table to
+# scontrol. Several brackets in one name go round in hostlist.c's order: the last fastest, then the first, ...
+HOSTLISTS = [
+    ("n1", ["n1"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("gpu[01-03,7]", ["gpu01", "gpu02", "gpu03", "gpu7"]),
+    ("a[1-2],b5,c[09-10]", ["a1", "a2", "b5", "c09", "c10"]),
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("a[1,3,5-7]", ["a1", "a3", "a5", "a6", "a7"]),
+    ("a[01-10]", ["a01", "a02", "a03", "a04", "a05", "a06", "a07", "a08", "a09", "a10"]),
+    ("a[001-100]", [f"a{n:03d}" for n in range(1, 101)]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),  # as wide as the first number
+    ("a[098-101]", ["a098", "a099", "a100", "a101"]),
+    ("a[1-03]", ["a1", "a2", "a3"]),
+    ("a[1-3,2]", ["a1", "a2", "a3", "a2"]),  # repeats stay
+    ("a[1-2]-ib[3-4]", ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]),
+    ("a[1-2][3-4]", ["a13", "a14", "a23", "a24"]),
+    ("a[1-2]b[3-4]c[5-6]", ["a1b3c5", "a1b3c6", "a2b3c5", "a2b3c6", "a1b4c5", "a1b4c6", "a2b4c5", "a2b4c6"]),
+    ("a[1-2,4-5]-b[1,3]", ["a1-b1", "a1-b3", "a2-b1", "a2-b3", "a4-b1", "a4-b3", "a5-b1", "a5-b3"]),
+    ("dc1.rack-7.r[1-2]-n[08-09]",
+     ["dc1.rack-7.r1-n08", "dc1.rack-7.r1-n09", "dc1.rack-7.r2-n08", "dc1.rack-7.r2-n09"]),
+    ("gpu-a100-[1-2],login-1.x", ["gpu-a100-1", "gpu-a100-2", "login-1.x"]),
+    ("a[1-2],,b c", ["a1", "a2", "b", "c"]),  # commas or white space; empty entries skipped
+    ("n1-3", ["n1-3"]),  # no bracket, no range
+]
+# Text after the last bracket: Slurm reads it since 23.02.5 ("Extend hostlist to support suffix"); 22.05 says
+# `Invalid hostlist` (and then the parser answers).
+SUFFIXED_HOSTLISTS = [
+    ("rack1-n[3-4]-ib", ["rack1-n3-ib", "rack1-n4-ib"]),
+    ("node-1.dc[1-2].x,b", ["node-1.dc1.x", "node-1.dc2.x", "b"]),
+    ("r[1-2]-g[7,9].ib", ["r1-g7.ib", "r1-g9.ib", "r2-g7.ib", "r2-g9.ib"]),
+]
+# scontrol: `Invalid hostlist` (a range backwards, empty, not numbers, negative, nested, unbalanced, over 65536 hosts)
+MALFORMED_HOSTLISTS = ["a[3-1]", "a[]", "a[x-y]", "a[-2]", "a[1--2]", "a[1-2-3]", "a[[1-2]]", "a[1-2]]", "a[0-65536]"]
 
 
 def env_for_tests(**extra) -> dict:
@@ -220,6 +261,81 @@ def assert_mlflow_run_complete(client, tracked, run_dir: Path, tmp_path: Path, m
     assert tracked.info.status == "FINISHED"
     downloaded = client.download_artifacts(run_id, "model.pt", str(tmp_path))
     assert open(downloaded, "rb").read() == (run_dir / "model.pt").read_bytes()
+
+
+class FileServer:
+    """Files served over HTTP on 127.0.0.1 from a thread of this process (python's http.server), by name, in
+    64 KiB writes with `delay` seconds after each (slow enough for several clients to overlap); `requests`
+    records each GET as (name, start, end, whole) on time.monotonic()."""
+
+    def __init__(self, files: dict[str, bytes], delay: float = 0.0):
+        self.files, self.delay, self.requests = files, delay, []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # http.server calls it by this name
+                name, start = self.path.lstrip("/"), time.monotonic()
+                body = server.files.get(name)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    for offset in range(0, len(body), 1 << 16):
+                        self.wfile.write(body[offset:offset + (1 << 16)])
+                        time.sleep(server.delay)
+                except (BrokenPipeError, ConnectionResetError):  # a client that read the headers alone
+                    server.requests.append((name, start, time.monotonic(), False))
+                    return
+                server.requests.append((name, start, time.monotonic(), True))
+
+            def log_message(self, *args):
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def __enter__(self) -> FileServer:
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def whole(self, name: str) -> list[tuple[float, float]]:
+        """(start, end) of each whole transfer of `name`."""
+        return [(start, end) for n, start, end, whole in self.requests if n == name and whole]
+
+
+def small_cifar(images: int) -> tuple[bytes, dict, dict]:
+    """A small CIFAR-10 in its own layout (cifar-10-batches-py/: five training batches, a test batch, the
+    meta file; random pixels, so the archive is as large as its files): the .tar.gz, the checksums a CIFAR10
+    class carries, and each file's bytes."""
+    rng = np.random.default_rng(0)
+    files = {f"data_batch_{i}": {"data": rng.integers(0, 256, (images, 3072), dtype=np.uint8),
+                                 "labels": rng.integers(0, 10, images).tolist()} for i in range(1, 6)}
+    files["test_batch"] = {"data": rng.integers(0, 256, (images, 3072), dtype=np.uint8),
+                           "labels": rng.integers(0, 10, images).tolist()}
+    files["batches.meta"] = {"label_names": [f"class{c}" for c in range(10)]}
+    contents = {name: pickle.dumps(value, protocol=2) for name, value in files.items()}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        folder = tarfile.TarInfo("cifar-10-batches-py")
+        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(folder)
+        for name, data in contents.items():
+            member = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            member.size, member.mode = len(data), 0o644
+            tar.addfile(member, io.BytesIO(data))
+    md5 = {name: hashlib.md5(data).hexdigest() for name, data in contents.items()}
+    checksums = {"train_list": [[f"data_batch_{i}", md5[f"data_batch_{i}"]] for i in range(1, 6)],
+                 "test_list": [["test_batch", md5["test_batch"]]],
+                 "meta": {"filename": "batches.meta", "key": "label_names", "md5": md5["batches.meta"]},
+                 "tgz_md5": hashlib.md5(buffer.getvalue()).hexdigest()}
+    return buffer.getvalue(), checksums, contents
 
 
 class MlflowServer:

@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.cluster import expand_hostlist, master_port
+from train.cluster import PlanError, expand_hostlist, master_port
 from train.errors import ConfigError, note_process_group
 from train.watchdog import watchdog
 
@@ -54,12 +54,22 @@ def _int(env, key: str) -> int:
         raise ConfigError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
 
 
+def _first_node(env) -> str:
+    """The step's first node, which hosts the store when the launcher set no MASTER_ADDR."""
+    hostlist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
+    try:
+        return expand_hostlist(hostlist, env)[0]
+    except PlanError as e:
+        raise ConfigError(f"{e}, or set MASTER_ADDR") from None
+
+
 class PeersTimedOut(RuntimeError):
     """Other ranks did not arrive at a rendezvous of this process's own (start-up, the end of the run)."""
 
 
 def resolve_identity(env=None) -> Identity:
-    """Turn the launcher's environment into an Identity. Pure: reads `env` (default os.environ) only."""
+    """Turn the launcher's environment into an Identity from `env` (default os.environ) alone; a Slurm step
+    without MASTER_ADDR names its first node (`expand_hostlist`: scontrol where it answers)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = env.get("TRAINBOX_LAUNCHER", "torchrun")
@@ -71,12 +81,11 @@ def resolve_identity(env=None) -> Identity:
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500)
     # srun sets SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 too but is not a step of N tasks.
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost"))
         tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
         return Identity(
             global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID"),
             world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
-            launcher="slurm", master_addr=env.get("MASTER_ADDR", nodes[0]),
+            launcher="slurm", master_addr=env.get("MASTER_ADDR") or _first_node(env),
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port(env["SLURM_JOB_ID"]))
     return Identity(0, 0, 1, 1, "single", "127.0.0.1", 0)
 

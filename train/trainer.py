@@ -303,9 +303,8 @@ class Trainer:
                   **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
                   "epoch": self.epoch - (self.step_in_epoch == 0)}  # the epoch of the step just taken
         for r, reading in enumerate(gather(self.telemetry.read()) if self.device.type == "cuda" else []):
-            # A rank without NVML reads []: it adds nothing.
-            names = ("util", "mem_mib", "power_w")
-            values.update({f"gpu{r}_{k}": v for k, v in zip(names, reading, strict=False)})
+            # A rank without NVML reads {}: it adds nothing; a MIG slice has no utilisation.
+            values.update({f"gpu{r}_{k}": v for k, v in reading.items()})
         log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.max_steps,
                  values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
         self.metrics.write(self.step, "train", values)

@@ -27,6 +27,7 @@ from torch import nn
 
 from train.config import Config, Model
 from train.distributed import gather, identity
+from train.downloads import private_name, publish
 from train.errors import ConfigError
 from train.progress import Progress
 from train.vision import named_weights
@@ -120,10 +121,11 @@ def fetch(entry) -> Path:
     error = None
     if identity().local_rank == 0:
         try:
+            placed = False
             if not path.is_file():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                download(entry.url, path, prefix.group(1) if prefix else None)
-            elif prefix and not _sha256(path).startswith(prefix.group(1)):
+                placed = download(entry.url, path, prefix.group(1) if prefix else None)
+            if not placed and prefix and not _sha256(path).startswith(prefix.group(1)):
                 error = (f"{path} is damaged (its SHA-256 does not start with {prefix.group(1)}), refused: delete it "
                          f"and run again, or place the file from {entry.url} there")
         except DamagedDownload as e:
@@ -142,14 +144,19 @@ class DamagedDownload(ValueError):
     """A download whose bytes are not the file its name promises."""
 
 
-def download(url: str, path: Path, sha256_prefix: str | None) -> None:
+def download(url: str, path: Path, sha256_prefix: str | None) -> bool:
     """url to path, its progress shown (train/progress.py), checked against the SHA-256 prefix before it takes
-    the file's name: a cut or damaged download leaves nothing behind."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    the file's name: a cut or damaged download leaves nothing behind. Safe when several nodes fetch into one
+    shared TORCH_HOME at once: each writes a file of its own (a name no other process, on any node, holds),
+    and the first checked copy takes the name; a later one is discarded. Whether this copy took it (False:
+    another process's had, and the caller checks that one)."""
+    partial = private_name(path)
     digest = hashlib.sha256()
     request = urllib.request.Request(url, headers={"User-Agent": "torch.hub"})  # what torch.hub sends
     try:
-        with urllib.request.urlopen(request, timeout=60) as response, open(partial, "wb") as f:
+        # O_EXCL: no other process can hold this name, even on another node of an NFS share (v3 and later)
+        with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f, \
+                urllib.request.urlopen(request, timeout=60) as response:
             progress = Progress(f"fetching {path.name}", total=int(response.headers.get("Content-Length") or 0) / 1e6,
                                 unit="MB", last=None).start()
             try:
@@ -159,9 +166,11 @@ def download(url: str, path: Path, sha256_prefix: str | None) -> None:
                     progress.update(len(chunk) / 1e6)
             finally:
                 progress.close()
+            f.flush()
+            os.fsync(f.fileno())  # whole on the disk (or the NAS) before any process can open it by its name
         if sha256_prefix and not digest.hexdigest().startswith(sha256_prefix):
             raise DamagedDownload(f"its SHA-256 does not start with {sha256_prefix}")
-        os.replace(partial, path)
+        return publish(partial, path)
     finally:
         partial.unlink(missing_ok=True)
 

@@ -2,17 +2,22 @@
 the `cluster` fixture in tests/conftest.py).
 
 Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
-The decisions of train/cluster.py are unit-tested in tests/unit/test_slurm_plan.py.
+The decisions of train/cluster.py are unit-tested in tests/unit/test_cluster.py, its hostlist parser in
+tests/unit/test_identity.py against the table that the first test here holds to this cluster's scontrol.
 """
 
 import json
 import re
+import subprocess
 import time
 from datetime import datetime
 
-from tests.helpers import (CLUSTER_HOST, DEBUG, RECIPE, REPO, SLURM_LONG, assert_bit_identical,
-                           assert_mlflow_run_complete, metrics, reached_step, run, the_one_mlflow_run, tracked_env,
-                           wait_for)
+import pytest
+
+import train.cluster as cluster_module
+from tests.helpers import (CLUSTER_HOST, DEBUG, HOSTLISTS, MALFORMED_HOSTLISTS, RECIPE, REPO, SLURM_LONG,
+                           SUFFIXED_HOSTLISTS, assert_bit_identical, assert_mlflow_run_complete, metrics, reached_step,
+                           run, the_one_mlflow_run, tracked_env, wait_for)
 
 
 def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
@@ -40,6 +45,33 @@ def nas(tmp_path):
     runs = tmp_path / "nas" / "runs"
     runs.mkdir(parents=True)
     return {"RUNS_DIR": str(runs), "PYTHON": str(REPO / ".venv" / "bin" / "python")}, runs
+
+
+def test_hostlists_expand_as_this_clusters_scontrol_expands_them(cluster, tmp_path):
+    """The hostlist table is scontrol's own answer here; expand_hostlist takes scontrol's answer where it
+    gives one and the parser's where it cannot (text after the last bracket before Slurm 23.02.5, a
+    SLURM_CONF that names no file: scontrol would retry that for 60 s)."""
+    def scontrol(hostlist, env=cluster):
+        out = subprocess.run(["scontrol", "show", "hostnames", hostlist], env=env, capture_output=True, text=True,
+                             timeout=30)
+        return None if "Invalid hostlist" in out.stderr else out.stdout.split()
+
+    version = tuple(map(int, re.search(r"(\d+)\.(\d+)\.(\d+)", run(["scontrol", "--version"]).stdout).groups()))
+    reads_suffixes = version >= (23, 2, 5)
+    for hostlist, hosts in HOSTLISTS + SUFFIXED_HOSTLISTS:
+        answer = hosts if (hostlist, hosts) in HOSTLISTS or reads_suffixes else None
+        assert scontrol(hostlist) == answer, hostlist
+        assert cluster_module.scontrol_hostnames(hostlist, cluster) == answer
+        assert cluster_module.expand_hostlist(hostlist, cluster) == cluster_module.parse_hostlist(hostlist) == hosts
+    for hostlist in MALFORMED_HOSTLISTS:
+        assert scontrol(hostlist) is None, hostlist
+        with pytest.raises(cluster_module.PlanError, match="write ranges as"):
+            cluster_module.expand_hostlist(hostlist, cluster)
+    no_config = {**cluster, "SLURM_CONF": str(tmp_path / "slurm.conf")}
+    started = time.monotonic()
+    assert cluster_module.scontrol_hostnames("a[1-2]-ib[3-4]", no_config) is None
+    assert cluster_module.expand_hostlist("a[1-2]-ib[3-4]", no_config) == ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]
+    assert time.monotonic() - started < 1
 
 
 def test_multinode_2x2_equals_local_torchrun_4(cluster, tmp_path, reference_run):

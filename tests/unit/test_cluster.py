@@ -64,6 +64,7 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
     ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS='abc' is not a number: use 0, 1, 3, ..."),
     ({"MAX_REQUEUES": "x"}, "MAX_REQUEUES='x' is not a number: use 0, 1, 3, ..."),
+    ({"SLURM_JOB_NODELIST": "gpu[3-1]"}, "hostlist 'gpu[3-1]': '3-1' in [3-1] is not a number or a range"),
 ])
 def test_plan_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(cluster.PlanError) as e:

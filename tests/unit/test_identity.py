@@ -2,7 +2,8 @@
 
 import pytest
 
-from train.cluster import expand_hostlist
+from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
+from train.cluster import PlanError, expand_hostlist, parse_hostlist
 from train.cluster import master_port as slurm_master_port
 from train.distributed import resolve_identity
 from train.errors import ConfigError
@@ -48,15 +49,26 @@ def test_slurm_ports_differ_between_jobs():
     assert 20000 <= slurm_master_port("987654321") < 40000
 
 
-@pytest.mark.parametrize("hostlist, hosts", [
-    ("n1", ["n1"]),
-    ("n[1-3]", ["n1", "n2", "n3"]),
-    ("gpu[01-03,7]", ["gpu01", "gpu02", "gpu03", "gpu7"]),
-    ("a[1-2],b5,c[09-10]", ["a1", "a2", "b5", "c09", "c10"]),
-    ("rack1-n[3-4]-ib", ["rack1-n3-ib", "rack1-n4-ib"]),
-])
-def test_expand_hostlist(hostlist, hosts):
-    assert expand_hostlist(hostlist) == hosts
+@pytest.mark.parametrize("hostlist, hosts", HOSTLISTS + SUFFIXED_HOSTLISTS)
+def test_hostlists_parse_as_scontrol_expands_them(hostlist, hosts):
+    assert parse_hostlist(hostlist) == hosts
+
+
+# Slurm 22.05 reads the last three leniently ('a]', 'a1-2]', 'a1'); its newer releases refuse the first.
+@pytest.mark.parametrize("hostlist", [*MALFORMED_HOSTLISTS, "a[1-2", "a1-2]", "a[1-]"])
+def test_a_malformed_hostlist_is_one_line(hostlist):
+    with pytest.raises(PlanError, match=r"write ranges as name\[1-4,7\]$"):
+        parse_hostlist(hostlist)
+
+
+def test_a_hostlist_without_hosts_is_refused_and_a_step_names_it_in_one_line():
+    with pytest.raises(PlanError, match="names no host"):
+        expand_hostlist(" , ")
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+           "SLURM_JOB_ID": "9", "SLURM_STEP_NODELIST": "n[2-1]", "SLURM_CONF": "/nonexistent"}
+    with pytest.raises(ConfigError, match=r"'2-1' in \[2-1\] is not .* or set MASTER_ADDR$"):
+        resolve_identity(env)
+    assert resolve_identity({**env, "MASTER_ADDR": "n2"}).master_addr == "n2"
 
 
 def test_bad_rank_variable_is_one_clear_error():

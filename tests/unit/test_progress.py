@@ -3,18 +3,17 @@ elsewhere, never one per item, nothing for a short wait where the caller asks so
 weights (train/weights.py) showing it, from a real HTTP server on 127.0.0.1."""
 
 import hashlib
-import http.server
 import io
 import os
 import pty
 import re
 import select
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import FileServer
 from train.errors import ConfigError
 from train.progress import Progress, duration
 from train.weights import fetch
@@ -118,34 +117,10 @@ def test_every_zero_is_a_line_at_every_update_on_a_real_terminal_redrawn_in_plac
     assert re.fullmatch(r"copying: 10/10 files \(100\.0%\), [\d.,]+ files/s, 0 s\x1b\[K", draws[-1]), draws[-1]
 
 
-class _Files(http.server.BaseHTTPRequestHandler):
-    """Serves the bytes of `files` by name, in 64 KiB writes."""
-
-    files: dict = {}
-
-    def do_GET(self):  # http.server calls it by this name
-        body = self.files.get(self.path.lstrip("/"))
-        if body is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        for start in range(0, len(body), 1 << 16):
-            self.wfile.write(body[start:start + (1 << 16)])
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def weights_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with FileServer({}) as server:
+        yield server, server.url
 
 
 def test_the_first_fetch_of_named_weights_shows_its_progress(weights_server, tmp_path, monkeypatch, capsys):
@@ -155,7 +130,7 @@ def test_the_first_fetch_of_named_weights_shows_its_progress(weights_server, tmp
     server, url = weights_server
     body = os.urandom(5 * (1 << 20) + 12345)
     name = f"net-{hashlib.sha256(body).hexdigest()[:8]}.pth"
-    _Files.files = {name: body, "other-0123abcd.pth": body}
+    server.files.update({name: body, "other-0123abcd.pth": body})
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     monkeypatch.setenv("TRAINBOX_PROGRESS_EVERY", "0")
     path = fetch(SimpleNamespace(url=f"{url}/{name}"))

@@ -1,12 +1,13 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
 a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10 (torchvision's, downloaded
-only with --download, by local rank 0 of each node).
+only with --download, by local rank 0 of each node, safely into a --data-dir that several nodes share).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 from train import vision
 from train.data.decode import load_image
 from train.distributed import gather, identity
+from train.downloads import private_name, publish
 from train.errors import ConfigError, DataError
 
 
@@ -128,15 +130,17 @@ def check_cifar(root: Path, download: bool) -> None:
 
 def cifar_split(root: Path, train: bool, transform, download: bool = False):
     """CIFAR-10's training or validation split under root, downloaded first with --download (local rank 0 of
-    each node; every rank learns whether that worked, and none waits)."""
+    each node, `download_cifar`; every rank learns whether that worked, and none waits)."""
     check_cifar(root, download)
     if download:
         error = None
         if identity().local_rank == 0:  # once per node
             try:
-                vision.datasets.CIFAR10(str(root), train=True, download=True)
+                download_cifar(root)
             except (OSError, RuntimeError) as e:
                 error = f"downloading CIFAR-10 into {root} failed ({e}): check the network or download it by hand"
+            except DamagedFolder as e:
+                error = str(e)
         failed = [e for e in gather(error) if e]
         if failed:
             raise ConfigError(failed[0])
@@ -145,3 +149,48 @@ def cifar_split(root: Path, train: bool, transform, download: bool = False):
     except RuntimeError as e:  # torchvision's checksum test failed
         raise ConfigError(f"CIFAR-10 under {root} is incomplete or corrupted ({e}): delete "
                           f"{root / 'cifar-10-batches-py'} and pass --download") from None
+
+
+class DamagedFolder(ValueError):
+    """A dataset folder already in place whose files fail their checksums."""
+
+
+def download_cifar(root: Path, dataset=None) -> bool:
+    """CIFAR-10 into root/cifar-10-batches-py as torchvision's own download puts it there (its URL, the archive's
+    MD5 and every file's, checked by torchvision), safe when several nodes download into one --data-dir at once:
+    each process downloads and extracts into a private folder inside root, checks it, and renames it into
+    place; the first complete copy wins, a later one is discarded (train/downloads.py). An archive placed in
+    root by hand (cifar-10-python.tar.gz) is used instead of the network; no archive is kept. Whether this
+    process's copy was placed (False: a complete copy was there). dataset: torchvision's CIFAR10 class, or a
+    class with its attributes (the tests')."""
+    dataset = dataset or vision.datasets.CIFAR10
+    utils = vision.datasets.utils
+    checksums = {**dict(dataset.train_list), **dict(dataset.test_list), dataset.meta["filename"]: dataset.meta["md5"]}
+
+    def complete(folder: Path) -> bool:
+        return all(utils.check_integrity(folder / name, md5) for name, md5 in checksums.items())
+
+    final = root / dataset.base_folder
+    if final.exists():
+        if complete(final):
+            return False
+        raise DamagedFolder(f"CIFAR-10 under {root} is incomplete or corrupted (a file fails its MD5): delete {final} "
+                            "and pass --download")
+    root.mkdir(parents=True, exist_ok=True)
+    private = private_name(final)
+    private.mkdir()
+    try:
+        archive = root / dataset.filename
+        if not utils.check_integrity(archive, dataset.tgz_md5):
+            utils.download_url(dataset.url, private, dataset.filename, dataset.tgz_md5)  # checks the archive's MD5
+            archive = private / dataset.filename
+        utils.extract_archive(archive, private)
+        if not complete(private / dataset.base_folder):
+            raise RuntimeError(f"the files of {dataset.url} fail their MD5")
+        placed = publish(private / dataset.base_folder, final)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    if not placed and not complete(final):
+        raise DamagedFolder(f"CIFAR-10 under {root}, placed there by another process, is incomplete or corrupted: "
+                            f"delete {final} and pass --download")
+    return placed
