@@ -15,7 +15,7 @@ import pynvml
 import torch
 
 from train import checkpoint
-from train.config import MODEL_KEYS, Config
+from train.config import MODEL_KEYS, Config, launch_run_dir
 from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
 from train.distributed import resolve_identity
 from train.errors import ConfigError
@@ -23,7 +23,7 @@ from train.metrics import nvml
 from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.optim import decay_groups
-from train.runfiles import read_config
+from train.runfiles import read_config, run_dir_problem
 from train.weights import fitted, freeze, frozen_names, read_weights, resolve
 
 
@@ -55,6 +55,10 @@ def preflight(cfg: Config, world: int | None = None) -> None:
                    "set MASTER_PORT to a free port")
     if cfg.run.run_dir:
         check_run_dir(cfg, Path(cfg.run.run_dir))
+    elif not cfg.run.dry_run:  # runs/<start time>, a new folder: the one it is made in must take it
+        problem = run_dir_problem(Path(launch_run_dir(cfg)))
+        if problem:
+            raise ConfigError(problem)
     if not cfg.run.dry_run:
         check_tracking(cfg, ident.global_rank)
 
@@ -169,36 +173,13 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     if run_dir.is_absolute() and not run_dir.parent.exists():
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
-    if not _writable_or_creatable(run_dir):
-        raise ConfigError(not_writable(run_dir))
+    problem = run_dir_problem(run_dir)  # a file in the way, a read-only or full disk, another user's folder
+    if problem:
+        raise ConfigError(problem)
     check_same_model(read_config(run_dir), cfg, run_dir)
     problem = checkpoint.space_problem(run_dir)
     if problem:
         raise ConfigError(problem)
-
-
-def not_writable(run_dir: Path, reason: str = "") -> str:
-    """The line for a run directory this process cannot write: the folder that stops it, its owner, this
-    process's user, and the fix."""
-    folder = run_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    uid, gid = os.getuid(), os.getgid()
-    try:
-        owner = f"belongs to uid {folder.stat().st_uid}"
-    except OSError:
-        owner = "cannot be read"
-    where = "" if folder == run_dir else f" ({folder} {owner})"
-    where = where or f" (it {owner})"
-    hint = " (from the host: `make env`, then the container runs as you)" if Path("/.dockerenv").exists() else ""
-    return (f"run directory {run_dir} is not writable by uid {uid}{' (' + reason + ')' if reason else ''}{where}: "
-            f"give uid {uid} write access (chown -R {uid}:{gid} {folder}){hint} or pass a writable --run-dir")
-
-
-def _writable_or_creatable(path: Path) -> bool:
-    while not path.exists():
-        path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
 def host_gpu_count() -> int | None:
