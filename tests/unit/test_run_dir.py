@@ -193,3 +193,18 @@ def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
     with pytest.raises(ConfigError) as e:
         Trainer._prepare_run_dir(SimpleNamespace(run_dir=run_dir))
     assert str(e.value) == run_dir_problem(run_dir) == meet(run_dir)["met"]
+
+
+def test_without_run_dir_the_checks_look_at_the_folder_runs_is_made_in(tmp_path, monkeypatch):
+    """runs/<start time>, made by the run: a file named runs in the working folder stops it before any worker."""
+    from train.checks import preflight
+    from train.config import parse_config
+    from train.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("x")
+    with pytest.raises(ConfigError) as e:
+        preflight(parse_config(["--preset", "debug"]))
+    assert " cannot be made: runs is a file, not a folder: pass a --run-dir" in str(e.value)
+    assert str(e.value).startswith("run directory runs/")
+    preflight(parse_config(["--preset", "debug", "--dry-run"]))  # a dry run makes no folder: not asked
