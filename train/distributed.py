@@ -54,8 +54,27 @@ def _int(env, key: str) -> int:
         raise ConfigError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
 
 
-class PeersTimedOut(RuntimeError):
-    """Other ranks did not arrive at a rendezvous of this process's own (start-up, the end of the run)."""
+class PeersTimedOut(dist.DistStoreError):
+    """Other ranks did not arrive at a rendezvous of this process's own (start-up, the end of the run): a wait on
+    the store that timed out, as torch's own (DistStoreError)."""
+
+
+# gloo's collectives raise a plain RuntimeError, without a type of torch.distributed's: checked with torch 2.13.0
+# (tests/unit/test_lost_peer.py): a dead peer "[.../gloo/transport/tcp/pair.cc:N] Connection closed by peer ...",
+# a silent one "[.../gloo/transport/tcp/unbound_buffer.cc:N] Timed out waiting Nms for recv operation ...", the
+# next collective on a pair such a timeout closed "Application timeout caused pair closure". Everything else is
+# typed: the store (DistNetworkError: its host is gone or cannot be reached; DistStoreError: a wait timed out, a
+# rendezvous host waiting for its clients) and NCCL (DistBackendError, C10D_NCCL_CHECK in torch's NCCLUtils.hpp).
+GLOO_LOST_PEER = ("/gloo/transport/", "caused pair closure")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """A failure to reach the other ranks (one died, hung, or cannot be reached), by torch.distributed's exception
+    types (DistError and its subclasses, PeersTimedOut among them), and for gloo's untyped errors by where they
+    come from (GLOO_LOST_PEER); not just any error whose text says "timeout" or "connection"."""
+    if isinstance(error, dist.DistError):
+        return True
+    return type(error) is RuntimeError and any(mark in str(error) for mark in GLOO_LOST_PEER)
 
 
 def resolve_identity(env=None) -> Identity:

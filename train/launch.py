@@ -23,7 +23,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -33,7 +32,7 @@ from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import identity, is_main
+from train.distributed import identity, is_main, lost_peer
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
@@ -89,7 +88,7 @@ def run_worker(cfg: Config) -> int:
                 print(f"error: {_last_line(e)}", file=sys.stderr)
         if isinstance(e, ConfigError):
             return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
-        if not _lost_peer(e):
+        if not lost_peer(e):
             raise
         _report_lost_peer(rank, e)
         return EXIT_FAILED
@@ -118,13 +117,6 @@ def _last_line(error: Exception) -> str:
     if "Original Traceback" in text:
         text = text.splitlines()[-1].split(": ", 1)[-1]
     return text
-
-
-def _lost_peer(error: BaseException) -> bool:
-    """A failed collective: a peer died (connection reset/closed) or stopped answering (timeout)."""
-    text = str(error).lower()
-    return isinstance(error, getattr(dist, "DistError", ())) or (isinstance(error, RuntimeError) and any(
-        k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure", "by peer")))
 
 
 def _report_lost_peer(rank: int, error: Exception) -> None:
