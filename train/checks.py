@@ -17,7 +17,7 @@ import torch
 from train import checkpoint
 from train.config import MODEL_KEYS, Config, launch_run_dir
 from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
-from train.distributed import resolve_identity
+from train.distributed import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import build_model, check_model_spec
@@ -32,8 +32,13 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
+    if cfg.launch.spawn and ident.launcher == "env":
+        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
+                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
     if cfg.launch.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if ident.launcher == "env" and not cfg.run.dry_run:
+        check_rendezvous_variables()
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
     if cfg.data.dataset == "cifar10":
@@ -152,6 +157,18 @@ def check_same_model(saved: dict, cfg: Config, source: Path | str) -> None:
         if key in saved and saved[key] != cfg.setting(key):
             raise ConfigError(f"{source} was made with {key}={saved[key]!r}, this run has {key}={cfg.setting(key)!r}: "
                               f"use a new --run-dir or the same {key}")
+
+
+def check_rendezvous_variables(env=None) -> None:
+    """RANK and WORLD_SIZE set by something other than torchrun or --spawn: the env:// rendezvous needs
+    MASTER_ADDR and MASTER_PORT as well."""
+    env = os.environ if env is None else env
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in env]
+    fixes = {"MASTER_ADDR": "MASTER_ADDR to rank 0's host", "MASTER_PORT": "MASTER_PORT to a free port there"}
+    if missing:
+        raise ConfigError(f"{launch_variables(env)} are set in the environment (by neither torchrun nor --spawn) but "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: set "
+                          f"{' and '.join(fixes[key] for key in missing)}, or {alone_fix(env)} to train alone")
 
 
 def check_port(port: str, fix: str) -> None:

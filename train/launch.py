@@ -16,7 +16,6 @@ import faulthandler
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import traceback
@@ -32,7 +31,7 @@ from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import identity, is_main, lost_peer
+from train.distributed import PeersNeverCame, first_line, identity, is_main, lost_peer
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
@@ -88,6 +87,9 @@ def run_worker(cfg: Config) -> int:
                 print(f"error: {_last_line(e)}", file=sys.stderr)
         if isinstance(e, ConfigError):
             return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
+        if isinstance(e, PeersNeverCame):  # a rank from the environment alone: the line names its variables
+            print(f"error: [rank {rank}] {e}", file=sys.stderr)
+            return EXIT_FAILED
         if not lost_peer(e):
             raise
         _report_lost_peer(rank, e)
@@ -120,10 +122,8 @@ def _last_line(error: Exception) -> str:
 
 
 def _report_lost_peer(rank: int, error: Exception) -> None:
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    first = re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0]
     print(f"error: [rank {rank}] lost contact with the other workers during {watchdog.phase} "
-          f"({first.strip()[:200]}): another worker died, hung or was stopped (its output says which), or "
+          f"({first_line(error)}): another worker died, hung or was stopped (its output says which), or "
           f"cannot be reached; run the same command to resume from the newest checkpoint. This rank's stack "
           f"at the failure:", file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)

@@ -249,8 +249,8 @@ def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):
 
 
 def test_spawn_inside_torchrun_is_refused(finished_run):
-    env = env_for_tests(RANK="0", WORLD_SIZE="1")
-    proc = run([PY, "-m", "train", "--spawn", "2", "--run-dir", str(finished_run)], expect=2, env=env)
-    assert "would start workers twice" in proc.stderr
+    env = env_for_tests(RANK="0", WORLD_SIZE="1", TORCHELASTIC_RUN_ID="L1")  # a torchrun worker's (the variables
+    proc = run([PY, "-m", "train", "--spawn", "2", "--run-dir", str(finished_run)], expect=2, env=env)  # alone:
+    assert "--spawn inside torchrun or srun would start workers twice" in proc.stderr  # tests/unit/test_identity.py)
 
 
