@@ -36,6 +36,13 @@ def meet(run_dir: Path) -> dict:
     return {"preflight": found, "errno": None, "met": None}
 
 
+def meet_all(cases_file: str) -> None:
+    """meet() every case of cases_file ({name: [uid, run_dir]}) as its user; prints {name: what was met} as JSON."""
+    cases = json.loads(Path(cases_file).read_text())
+    print(json.dumps({name: meet(Path(run_dir)) if uid == 0 else meet_as(uid, Path(run_dir))
+                      for name, (uid, run_dir) in cases.items()}))
+
+
 def meet_as(uid: int, run_dir: Path) -> dict:
     """meet() with this process's effective user uid (its group too, no other groups), as that user would."""
     os.setgroups([])
@@ -99,9 +106,10 @@ def mounted():
     (root / "nas" / "run" / "status.json").write_text('{"state": "stopped", "step": 20}\n')
     os.chown(root / "own", NOBODY, NOBODY)
     (root / "own").chmod(0o555)
-    cases = {"read-only": ("/", root / "nas" / "run"), "read-only-new": ("/", root / "ro" / "run"),
-             "full": ("/", root / "full" / "run"), "theirs": (NOBODY, root / "theirs" / "run"),
-             "own-read-only": (NOBODY, root / "own" / "run"), "immutable": ("/", root / "immutable" / "run")}
+    cases = {"read-only": (0, root / "nas" / "run"), "read-only-new": (0, root / "ro" / "run"),
+             "full": (0, root / "full" / "run"), "theirs": (NOBODY, root / "theirs" / "run"),
+             "own-read-only": (NOBODY, root / "own" / "run"), "immutable": (0, root / "immutable" / "run")}
+    (root / "cases.json").write_text(json.dumps({name: [uid, str(path)] for name, (uid, path) in cases.items()}))
     script = f"""
         set -eu
         mount --bind {root}/nas {root}/nas && mount -o remount,bind,ro {root}/nas
@@ -110,13 +118,7 @@ def mounted():
         dd if=/dev/zero of={root}/full/filler bs=4k 2>/dev/null || true
         chattr +i {root}/immutable
         trap 'chattr -i {root}/immutable' EXIT
-        {sys.executable} -c '
-import json, sys
-from pathlib import Path
-from tests.unit.test_run_dir import meet, meet_as
-cases = json.loads(sys.argv[1])
-print(json.dumps({{name: meet(Path(path)) if who == "/" else meet_as(who, Path(path))
-                  for name, (who, path) in cases.items()}}))' '{json.dumps({k: [w, str(p)] for k, (w, p) in cases.items()})}'
+        {sys.executable} -c 'from tests.unit.test_run_dir import meet_all; meet_all("{root}/cases.json")'
     """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
