@@ -190,11 +190,11 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     if run_dir.is_absolute() and not run_dir.parent.exists():
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
-    problem = run_dir_problem(run_dir)  # a file in the way, a read-only or full disk, another user's folder
+    problem = run_dir_problem(run_dir, room=False)  # a file in the way, a read-only file system, another's folder
     if problem:
         raise ConfigError(problem)
     check_same_model(read_config(run_dir), cfg, run_dir)
-    problem = checkpoint.space_problem(run_dir)
+    problem = checkpoint.space_problem(run_dir) or run_dir_problem(run_dir)  # room for its checkpoint, or to start
     if problem:
         raise ConfigError(problem)
 

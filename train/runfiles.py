@@ -184,9 +184,11 @@ def read_metrics(run_dir: Path, kind: str | None = None, strict: bool = False) -
 FULL_BYTES = 1 << 20  # less free than this and a new run could not write its first files
 
 
-def run_dir_problem(run_dir: Path) -> str | None:
+def run_dir_problem(run_dir: Path, room: bool = True) -> str | None:
     """Why this process could not make or write run_dir, from what the file system says, without writing
-    anything; None where nothing stands in the way. The line is write_problem's for the error a write would meet."""
+    anything; None where nothing stands in the way. The line is write_problem's for the error a write would meet.
+    room: also the free space a new run's first files need (a resumed run's checkpoint needs more: the checks
+    ask checkpoint.space_problem first)."""
     folder = _nearest_existing(run_dir)
     if not folder.is_dir():
         return write_problem(run_dir, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
@@ -194,7 +196,7 @@ def run_dir_problem(run_dir: Path) -> str | None:
         return write_problem(run_dir, OSError(errno.EROFS, os.strerror(errno.EROFS)))
     if not os.access(folder, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return write_problem(run_dir, OSError(errno.EACCES, os.strerror(errno.EACCES)))
-    if _free_bytes(folder) < FULL_BYTES:
+    if room and _free_bytes(folder) < FULL_BYTES:
         return write_problem(run_dir, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     return None
 
