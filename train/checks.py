@@ -15,16 +15,16 @@ import pynvml
 import torch
 
 from train import checkpoint
-from train.config import Config
+from train.config import Config, launch_run_dir
 from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
-from train.distributed import resolve_identity
+from train.distributed import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import build_model, check_model_spec
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.optim import decay_groups
 from train.resume import Layout, changed_settings, continue_layout, refusal
-from train.runfiles import read_config, read_json
+from train.runfiles import read_config, read_json, run_dir_problem
 from train.weights import fitted, freeze, frozen_names, read_weights, resolve
 
 
@@ -33,8 +33,13 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
     ident = resolve_identity()
+    if cfg.launch.spawn and ident.launcher == "env":
+        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
+                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
     if cfg.launch.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
         raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if ident.launcher == "env" and not cfg.run.dry_run:
+        check_rendezvous_variables()
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
     if cfg.data.dataset == "cifar10":
@@ -56,6 +61,10 @@ def preflight(cfg: Config, world: int | None = None) -> None:
                    "set MASTER_PORT to a free port")
     if cfg.run.run_dir:
         check_run_dir(cfg, Path(cfg.run.run_dir), world or cfg.launch.spawn or ident.world_size)
+    elif not cfg.run.dry_run:  # runs/<start time>, a new folder: the one it is made in must take it
+        problem = run_dir_problem(Path(launch_run_dir(cfg)))
+        if problem:
+            raise ConfigError(problem)
     if not cfg.run.dry_run:
         check_tracking(cfg, ident.global_rank)
 
@@ -161,6 +170,18 @@ def check_resume(cfg: Config, run_dir: Path, world: int) -> None:
                         cfg.optimisation.grad_accum != layout.grad_accum, run_dir)
 
 
+def check_rendezvous_variables(env=None) -> None:
+    """RANK and WORLD_SIZE set by something other than torchrun or --spawn: the env:// rendezvous needs
+    MASTER_ADDR and MASTER_PORT as well."""
+    env = os.environ if env is None else env
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in env]
+    fixes = {"MASTER_ADDR": "MASTER_ADDR to rank 0's host", "MASTER_PORT": "MASTER_PORT to a free port there"}
+    if missing:
+        raise ConfigError(f"{launch_variables(env)} are set in the environment (by neither torchrun nor --spawn) but "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: set "
+                          f"{' and '.join(fixes[key] for key in missing)}, or {alone_fix(env)} to train alone")
+
+
 def check_port(port: str, fix: str) -> None:
     if not port.isdigit() or not port_free(int(port)):
         raise ConfigError(f"rendezvous port {port} is in use on this host (or not a port number): {fix}, "
@@ -180,36 +201,13 @@ def check_run_dir(cfg: Config, run_dir: Path, world: int = 1) -> None:
     if run_dir.is_absolute() and not run_dir.parent.exists():
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
-    if not _writable_or_creatable(run_dir):
-        raise ConfigError(not_writable(run_dir))
-    check_resume(cfg, run_dir, world)
-    problem = checkpoint.space_problem(run_dir)
+    problem = run_dir_problem(run_dir, room=False)  # a file in the way, a read-only file system, another's folder
     if problem:
         raise ConfigError(problem)
-
-
-def not_writable(run_dir: Path, reason: str = "") -> str:
-    """The line for a run directory this process cannot write: the folder that stops it, its owner, this
-    process's user, and the fix."""
-    folder = run_dir
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    uid, gid = os.getuid(), os.getgid()
-    try:
-        owner = f"belongs to uid {folder.stat().st_uid}"
-    except OSError:
-        owner = "cannot be read"
-    where = "" if folder == run_dir else f" ({folder} {owner})"
-    where = where or f" (it {owner})"
-    hint = " (from the host: `make env`, then the container runs as you)" if Path("/.dockerenv").exists() else ""
-    return (f"run directory {run_dir} is not writable by uid {uid}{' (' + reason + ')' if reason else ''}{where}: "
-            f"give uid {uid} write access (chown -R {uid}:{gid} {folder}){hint} or pass a writable --run-dir")
-
-
-def _writable_or_creatable(path: Path) -> bool:
-    while not path.exists():
-        path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    check_resume(cfg, run_dir, world)
+    problem = checkpoint.space_problem(run_dir) or run_dir_problem(run_dir)  # room for its checkpoint, or to start
+    if problem:
+        raise ConfigError(problem)
 
 
 def host_gpu_count() -> int | None:

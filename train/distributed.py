@@ -2,6 +2,8 @@
 
 Launchers understood, in this order:
   torchrun / spawn  RANK, WORLD_SIZE, LOCAL_RANK (+ MASTER_ADDR/MASTER_PORT), env:// rendezvous
+  env               the same variables set by something else (Kubeflow's PyTorchJob, a script, or a shell
+                    they were left in): trains as one of several, and says so before it waits for the others
   srun per task     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID inside a job step; master = first node
   single            a plain `python -m train`: rank 0 of 1, no process group
 Every other module asks `identity()` or `is_main()`; nobody reads RANK on their own.
@@ -14,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 import uuid
 import weakref
@@ -38,7 +41,7 @@ class Identity:
     local_rank: int
     world_size: int
     local_world_size: int
-    launcher: str  # torchrun | spawn | slurm | single
+    launcher: str  # torchrun | spawn | env | slurm | single
     master_addr: str
     master_port: int
 
@@ -63,16 +66,96 @@ def _first_node(env) -> str:
         raise ConfigError(f"{e}, or set MASTER_ADDR") from None
 
 
-class PeersTimedOut(RuntimeError):
-    """Other ranks did not arrive at a rendezvous of this process's own (start-up, the end of the run)."""
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_variables(env=None) -> str:
+    """The launch variables set in env (default os.environ), as NAME=value."""
+    env = os.environ if env is None else env
+    return " ".join(f"{key}={env[key]}" for key in LAUNCH_VARIABLES if key in env)
+
+
+def alone_fix(env=None) -> str:
+    """How a process with the launch variables set trains alone."""
+    env = os.environ if env is None else env
+    return f"unset {' '.join(key for key in LAUNCH_VARIABLES if key in env)}"
+
+
+def from_environment(ident: Identity, timeout_s: float, env=None) -> str:
+    """The line a process whose rank comes from the environment alone (launcher 'env') says before it waits."""
+    where = f"{ident.master_addr}:{ident.master_port}"
+    if ident.world_size == 1:
+        wait = f"a process group of one at {where}"
+    else:
+        wait = f"waiting up to {timeout_s:g} s (--timeout-s) " + \
+            (f"for {_others(ident)} at {where}" if ident.global_rank == 0 else f"to reach rank 0 at {where}")
+    return (f"rank {ident.global_rank} of {ident.world_size} from the environment ({launch_variables(env)}; set by "
+            f"neither torchrun nor --spawn): {wait}; to train alone, {alone_fix(env)}")
+
+
+def _others(ident: Identity) -> str:
+    """The ranks rank 0 waits for."""
+    return "rank 1" if ident.world_size == 2 else f"ranks 1-{ident.world_size - 1}"
+
+
+class PeersNeverCame(RuntimeError):
+    """The start-up of a process whose rank and world size come from the environment alone (launcher 'env')
+    failed to meet the other ranks: its line names the variables, not a dead worker."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, without the C++ source location torch puts in front and gloo's advice behind."""
+    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0].strip()[:200]
+
+
+def peers_never_came(ident: Identity, timeout_s: float, error: BaseException, env=None) -> PeersNeverCame:
+    where = f"{ident.master_addr}:{ident.master_port}"
+    if ident.global_rank == 0:
+        what = f"{_others(ident)} did not join at {where} within {timeout_s:g} s"
+    else:
+        what = f"rank 0 could not be reached at {where} within {timeout_s:g} s"
+    return PeersNeverCame(f"{what} ({first_line(error)}): {_because(ident, env)}")
+
+
+def _because(ident: Identity, env=None) -> str:
+    """Why a rank from the environment alone waited for others, and the fix: said by the error that ends its
+    start-up, or by the watchdog where that start-up makes no progress first."""
+    return (f"this process is rank {ident.global_rank} of {ident.world_size} because {launch_variables(env)} are set "
+            f"in its environment (by neither torchrun nor --spawn); if they are left over from another job, "
+            f"{alone_fix(env)} and run the same command to train alone, else start the other ranks with the same "
+            f"MASTER_ADDR and MASTER_PORT")
+
+
+class PeersTimedOut(dist.DistStoreError):
+    """Other ranks did not arrive at a rendezvous of this process's own (start-up, the end of the run): a wait on
+    the store that timed out, as torch's own (DistStoreError)."""
+
+
+# gloo's collectives raise a plain RuntimeError, without a type of torch.distributed's: checked with torch 2.13.0
+# (tests/unit/test_lost_peer.py): a dead peer "[.../gloo/transport/tcp/pair.cc:N] Connection closed by peer ...",
+# a silent one "[.../gloo/transport/tcp/unbound_buffer.cc:N] Timed out waiting Nms for recv operation ...", the
+# next collective on a pair such a timeout closed "Application timeout caused pair closure". Everything else is
+# typed: the store (DistNetworkError: its host is gone or cannot be reached; DistStoreError: a wait timed out, a
+# rendezvous host waiting for its clients) and NCCL (DistBackendError, C10D_NCCL_CHECK in torch's NCCLUtils.hpp).
+GLOO_LOST_PEER = ("/gloo/transport/", "caused pair closure")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """A failure to reach the other ranks (one died, hung, or cannot be reached), by torch.distributed's exception
+    types (DistError and its subclasses, PeersTimedOut among them), and for gloo's untyped errors by where they
+    come from (GLOO_LOST_PEER); not just any error whose text says "timeout" or "connection"."""
+    if isinstance(error, dist.DistError):
+        return True
+    return type(error) is RuntimeError and any(mark in str(error) for mark in GLOO_LOST_PEER)
 
 
 def resolve_identity(env=None) -> Identity:
     """Turn the launcher's environment into an Identity from `env` (default os.environ) alone; a Slurm step
     without MASTER_ADDR names its first node (`expand_hostlist`: scontrol where it answers)."""
     env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = env.get("TRAINBOX_LAUNCHER", "torchrun")
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun always sets TORCHELASTIC_RUN_ID for its workers
+        launcher = env.get("TRAINBOX_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
         return Identity(
             global_rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
             world_size=_int(env, "WORLD_SIZE"),
@@ -133,12 +216,21 @@ def init(device: torch.device, timeout_s: int) -> Identity:
         return ident
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    if ident.launcher == "env":  # perhaps left over in a shell: said before the wait, with how to train alone
+        print(f"trainbox: {from_environment(ident, timeout_s)}", file=sys.stderr, flush=True)
+    # A client's connect under torch 2.13 gives up well after timeout_s (4.6 s for 2 s, 11 s for 5 s here), where
+    # the watchdog may end it first: for a rank from the environment its line then says what the error would.
     watchdog.enter(f"process-group set-up (rendezvous at {ident.master_addr}:{ident.master_port})",
-                   watch_limit(timeout_s))
+                   watch_limit(timeout_s), _because(ident) if ident.launcher == "env" else None)
     url = f"tcp://{ident.master_addr}:{ident.master_port}" if ident.launcher == "slurm" else "env://"
-    store, _, _ = next(rendezvous(url, ident.global_rank, ident.world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    session = agree_on_session(store, ident.global_rank, ident.world_size, timeout_s)
+    try:
+        store, _, _ = next(rendezvous(url, ident.global_rank, ident.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        session = agree_on_session(store, ident.global_rank, ident.world_size, timeout_s)
+    except Exception as e:
+        if ident.launcher == "env" and lost_peer(e):
+            raise peers_never_came(ident, timeout_s, e) from e
+        raise
     _session_store = dist.PrefixStore(f"trainbox/{session}/", store)
     kwargs = dict(backend=backend, store=_session_store, timeout=timeout, rank=ident.global_rank,
                   world_size=ident.world_size)

@@ -15,14 +15,12 @@ import atexit
 import faulthandler
 import functools
 import os
-import re
 import signal
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,7 +30,7 @@ from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status, to_json
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import identity, is_main
+from train.distributed import PeersNeverCame, first_line, identity, is_main, lost_peer
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
@@ -88,7 +86,10 @@ def run_worker(cfg: Config) -> int:
                 print(f"error: {_last_line(e)}", file=sys.stderr)
         if isinstance(e, ConfigError):
             return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
-        if not _lost_peer(e):
+        if isinstance(e, PeersNeverCame):  # a rank from the environment alone: the line names its variables
+            print(f"error: [rank {rank}] {e}", file=sys.stderr)
+            return EXIT_FAILED
+        if not lost_peer(e):
             raise
         _report_lost_peer(rank, e)
         return EXIT_FAILED
@@ -119,18 +120,9 @@ def _last_line(error: Exception) -> str:
     return text
 
 
-def _lost_peer(error: BaseException) -> bool:
-    """A failed collective: a peer died (connection reset/closed) or stopped answering (timeout)."""
-    text = str(error).lower()
-    return isinstance(error, getattr(dist, "DistError", ())) or (isinstance(error, RuntimeError) and any(
-        k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure", "by peer")))
-
-
 def _report_lost_peer(rank: int, error: Exception) -> None:
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    first = re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0]
     print(f"error: [rank {rank}] lost contact with the other workers during {watchdog.phase} "
-          f"({first.strip()[:200]}): another worker died, hung or was stopped (its output says which), or "
+          f"({first_line(error)}): another worker died, hung or was stopped (its output says which), or "
           f"cannot be reached; run the same command to resume from the newest checkpoint. This rank's stack "
           f"at the failure:", file=sys.stderr)
     traceback.print_exception(error, file=sys.stderr)

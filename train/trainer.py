@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train import runfiles
-from train.checks import not_writable
 from train.config import Config, launch_run_dir, process_start_time
 from train.data import (build_datasets, build_train_loader, build_val_loader, class_names, packed_with,
                         origin, prepare_inputs)
@@ -369,8 +368,7 @@ class Trainer:
             if self.tracker:
                 self.tracker.upload(path)
 
-        on_main(write, lambda e: f"could not write {path} ({e.strerror or e}): free space or fix permissions, then "
-                                 f"run the same command to resume")
+        on_main(write, lambda e: f"could not write {path.name}: {runfiles.write_problem(self.run_dir, e)}")
 
     def stop_here(self, reason: str, save: bool = True) -> int:
         """A stop signal (agreed by every rank), or --stop-at: checkpoint, status 'stopped', exit 75."""
@@ -503,7 +501,7 @@ class Trainer:
             if freed:
                 print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
 
-        on_main(prepare, lambda e: not_writable(self.run_dir, e.strerror or str(e)))
+        on_main(prepare, lambda e: runfiles.write_problem(self.run_dir, e))
         setup_logging(self.run_dir if is_main() else None)
 
     def _loaders(self, train_set, val_set) -> tuple:
@@ -640,8 +638,7 @@ class Trainer:
             runfiles.write_manifest(run_dir, {**manifest, **self.weights})
             self.write_status("running")
 
-        on_main(write, lambda e: f"could not write to {run_dir} ({e.strerror or e}): check the disk and its "
-                                 f"permissions")
+        on_main(write, lambda e: runfiles.write_problem(run_dir, e))
         if is_main():
             log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                      run_dir, self.world, self.launcher, self.device.type, self.max_steps, self.steps_per_epoch,

@@ -21,8 +21,11 @@ class Watchdog:
     """One per process (`watchdog` below): `enter(phase, limit_s)` starts a bounded phase,
     `progress()` re-arms it (cheap: the timers are re-armed at most once a second), `pause()` ends it."""
 
+    STUCK = "a peer died, hangs or cannot be reached (or this process is stuck)"
+
     def __init__(self):
         self.phase = "start-up"
+        self.cause = self.STUCK  # what the line says a phase without progress means
         self.label = "rank ?"
         self.limit = math.inf
         self.armed_at = -math.inf
@@ -37,8 +40,9 @@ class Watchdog:
         with self._report:
             self.label, self._reported = label, False
 
-    def enter(self, phase: str, limit_s: float) -> None:
-        self.phase, self.limit = phase, limit_s
+    def enter(self, phase: str, limit_s: float, cause: str | None = None) -> None:
+        """cause: what no progress in this phase means, where the caller knows better than STUCK."""
+        self.phase, self.limit, self.cause = phase, limit_s, cause or self.STUCK
         self._arm(time.monotonic())
 
     def progress(self) -> None:
@@ -75,7 +79,7 @@ class Watchdog:
     def _announce(self) -> None:
         """Print the phase line just before faulthandler prints the stacks and ends the process."""
         while True:
-            limit, armed_at = self.limit, self.armed_at
+            limit, armed_at, cause = self.limit, self.armed_at, self.cause
             due = armed_at + limit - 0.5
             now = time.monotonic()
             if limit == math.inf:
@@ -87,9 +91,8 @@ class Watchdog:
                     if self._reported:  # the caller reported the error first, and disarmed the timer
                         return
                     self._reported = True
-                print(f"error: [{self.label}] no progress for {limit:.0f} s during {self.phase}: a peer died, "
-                      f"hangs or cannot be reached (or this process is stuck); every thread's stack follows "
-                      f"and the process exits 1", file=sys.__stderr__, flush=True)
+                print(f"error: [{self.label}] no progress for {limit:.0f} s during {self.phase}: {cause}; every "
+                      f"thread's stack follows and the process exits 1", file=sys.__stderr__, flush=True)
                 while (self.limit, self.armed_at) == (limit, armed_at):
                     time.sleep(0.1)  # faulthandler ends the process; a re-arm meanwhile starts over
                 with self._report:  # a near miss: the work went on, so a later error has its line again

@@ -41,7 +41,7 @@ def _files(tmp_path):
 
 
 CASES = [
-    # (id, argv with {tmp} for the test folder, expected text)
+    # (id, argv with {tmp} for the test folder, expected text (with {tmp} too))
     ("unknown-flag", ["--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
     ("wrong-type", ["--batch-size", "big"], "invalid int value: 'big'"),
     ("zero-batch", ["--batch-size", "0"], "--batch-size must be > 0"),
@@ -73,7 +73,10 @@ CASES = [
     ("mismatched-classes", ["--dataset", "imagefolder", "--data-dir", "{tmp}/mismatch"],
      "train and val hold different classes (only in one: b, c)"),
     ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
-    ("run-dir-not-writable", ["--run-dir", "{tmp}/a_file/run"], "is not writable"),
+    ("run-dir-is-a-file", ["--run-dir", "{tmp}/a_file"], "a_file is a file, not a folder: pass a --run-dir that is a "
+                                                         "folder or a new path"),
+    ("run-dir-inside-a-file", ["--run-dir", "{tmp}/a_file/run"], "/run cannot be made: {tmp}/a_file is a file, not a "
+                                                                 "folder"),
     ("resume-other-model", ["--width", "16"], "which its checkpoint fixes (--width 8 -> 16)"),
     ("nas-not-mounted", ["--run-dir", "/nonexistent-nas/runs/exp1"],
      "/nonexistent-nas/runs does not exist (is the NAS mounted?)"),
@@ -108,7 +111,8 @@ def _refused(finished_run, capsys, argv, expected):
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
     _files(tmp_path)
-    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], expected)
+    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv],
+             expected.replace("{tmp}", str(tmp_path)))
 
 
 def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
@@ -244,8 +248,8 @@ def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):
 
 
 def test_spawn_inside_torchrun_is_refused(finished_run):
-    env = env_for_tests(RANK="0", WORLD_SIZE="1")
-    proc = run([PY, "-m", "train", "--spawn", "2", "--run-dir", str(finished_run)], expect=2, env=env)
-    assert "would start workers twice" in proc.stderr
+    env = env_for_tests(RANK="0", WORLD_SIZE="1", TORCHELASTIC_RUN_ID="L1")  # a torchrun worker's (the variables
+    proc = run([PY, "-m", "train", "--spawn", "2", "--run-dir", str(finished_run)], expect=2, env=env)  # alone:
+    assert "--spawn inside torchrun or srun would start workers twice" in proc.stderr  # tests/unit/test_identity.py)
 
 

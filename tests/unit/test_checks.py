@@ -26,7 +26,9 @@ def test_gpus_knob(gpus, visible, expected):
 @pytest.mark.parametrize("gpus, visible, message", [
     ("8", 2, "GPUS=8 but 2 GPU(s) visible: set GPUS<=2 or CUDA_VISIBLE_DEVICES"),
     ("four", 2, "GPUS='four' is not a number"),
-    ("-1", 2, "is not a number"),
+    ("-1", 2, "GPUS=-1: a count of workers cannot be negative: give 0 for the CPU or a positive count (GPUS=1"),
+    (" -4 ", 0, "GPUS=-4: a count of workers cannot be negative: give 0 for the CPU"),
+    ("-x", 2, "GPUS='-x' is not a number"),
 ])
 def test_gpus_knob_errors(gpus, visible, message):
     with pytest.raises(ConfigError) as e:

@@ -5,7 +5,8 @@ import pytest
 from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
 from train.cluster import PlanError, expand_hostlist, parse_hostlist
 from train.cluster import master_port as slurm_master_port
-from train.distributed import resolve_identity
+from train.checks import check_rendezvous_variables
+from train.distributed import from_environment, resolve_identity
 from train.errors import ConfigError
 
 
@@ -25,8 +26,61 @@ def test_torchrun_environment():
 
 def test_torchrun_wins_over_the_surrounding_slurm_step():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-           "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7"}
+           "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "7", "TORCHELASTIC_RUN_ID": "x"}
     assert resolve_identity(env).launcher == "torchrun"
+
+
+def test_rank_and_world_size_set_by_something_else_are_the_env_launcher():
+    """Kubeflow's PyTorchJob, a script of one's own, or a shell they were left in: no TORCHELASTIC_RUN_ID (torchrun
+    sets it for every worker), no TRAINBOX_LAUNCHER (--spawn's)."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "23456"}
+    ident = resolve_identity(env)
+    assert (ident.launcher, ident.global_rank, ident.world_size, ident.master_addr, ident.master_port) == \
+        ("env", 0, 2, "10.0.0.7", 23456)
+    assert ident.distributed
+    assert resolve_identity({**env, "TRAINBOX_LAUNCHER": "spawn"}).launcher == "spawn"
+
+
+def test_a_rank_from_the_environment_says_which_variables_made_it_and_how_to_train_alone():
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "head", "MASTER_PORT": "23456",
+           "PATH": "/bin"}
+    ident = resolve_identity(env)
+    assert from_environment(ident, 30, env) == (
+        "rank 2 of 4 from the environment (RANK=2 WORLD_SIZE=4 LOCAL_RANK=0 MASTER_ADDR=head MASTER_PORT=23456; set by "
+        "neither torchrun nor --spawn): waiting up to 30 s (--timeout-s) to reach rank 0 at head:23456; to train "
+        "alone, unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT")
+    main = resolve_identity({**env, "RANK": "0"})
+    assert "waiting up to 30 s (--timeout-s) for ranks 1-3 at head:23456" in from_environment(main, 30, env)
+    alone = resolve_identity({**env, "RANK": "0", "WORLD_SIZE": "1"})
+    assert "): a process group of one at head:23456; to train alone" in from_environment(alone, 30, env)
+
+
+def test_a_rank_from_the_environment_without_a_rendezvous_address_is_refused_in_one_line():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "23456"}
+    with pytest.raises(ConfigError) as e:
+        check_rendezvous_variables(env)
+    assert str(e.value) == (
+        "RANK=0 WORLD_SIZE=2 MASTER_PORT=23456 are set in the environment (by neither torchrun nor --spawn) but "
+        "MASTER_ADDR is not: set MASTER_ADDR to rank 0's host, or unset RANK WORLD_SIZE MASTER_PORT to train alone")
+    with pytest.raises(ConfigError, match="but MASTER_ADDR and MASTER_PORT are not: set MASTER_ADDR to rank 0's host "
+                                          "and MASTER_PORT to a free port there, or unset RANK WORLD_SIZE to train"):
+        check_rendezvous_variables({"RANK": "0", "WORLD_SIZE": "2"})
+    check_rendezvous_variables({**env, "MASTER_ADDR": "head"})
+
+
+def test_spawn_with_rank_variables_in_the_environment_is_refused_naming_them(monkeypatch):
+    from train.checks import preflight
+    from train.config import parse_config
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("TORCHELASTIC_RUN_ID", "TRAINBOX_LAUNCHER", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError) as e:
+        preflight(parse_config(["--preset", "debug", "--spawn", "2"]))
+    assert str(e.value) == ("--spawn with RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 set in the "
+                            "environment would start workers twice: drop --spawn, or unset RANK WORLD_SIZE MASTER_ADDR "
+                            "MASTER_PORT and let --spawn number its workers")
 
 
 def test_srun_task_environment():

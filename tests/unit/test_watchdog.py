@@ -73,3 +73,18 @@ def test_each_run_in_a_process_has_its_own_error_line():
     watchdog.begin("rank 0")
     assert watchdog.label == "rank 0" and watchdog.phase == "start-up"
     assert watchdog.claim_report()
+
+
+def test_a_phase_whose_caller_knows_what_no_progress_means_says_that(capfd):
+    """A rank from the environment alone, in its set-up (train/distributed.py): not 'a peer died'."""
+    watchdog = Watchdog()
+    watchdog.enter("process-group set-up", 1e6, "this process is rank 1 of 2 because RANK=1 ... are set")
+    _overdue(watchdog)
+    threading.Thread(target=watchdog._announce, daemon=True).start()
+    err = _wait_for_the_line(capfd, watchdog)
+    watchdog.pause()
+    assert err == ("error: [rank 1] no progress for 1 s during process-group set-up: this process is rank 1 of 2 "
+                   "because RANK=1 ... are set; every thread's stack follows and the process exits 1\n"), err
+    watchdog.enter("training", 1e6)  # the next phase says what it always says
+    assert watchdog.cause == Watchdog.STUCK
+    watchdog.pause()
