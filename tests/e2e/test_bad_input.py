@@ -32,12 +32,18 @@ def _files(tmp_path):
     for split in ("train", "val"):
         (tmp_path / "noimages" / split / "a").mkdir(parents=True)
         (tmp_path / "noimages" / split / "a" / "notes.txt").write_text("not an image")
+    from PIL import Image
+
     for split, classes in (("train", ("a", "b")), ("val", ("a", "c"))):
         for c in classes:
             (tmp_path / "mismatch" / split / c).mkdir(parents=True)
-            from PIL import Image
-
             Image.new("RGB", (8, 8)).save(tmp_path / "mismatch" / split / c / "0.png")
+    for folder in ("loop", "class-out"):
+        for split in ("train", "val"):
+            (tmp_path / folder / split / "a").mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / folder / split / "a" / "0.png")
+    (tmp_path / "loop" / "train" / "a" / "loop").symlink_to("..")  # 1 image would have become thousands
+    (tmp_path / "class-out" / "train" / "b").symlink_to(tmp_path / "mismatch" / "train" / "b")
 
 
 CASES = [
@@ -72,6 +78,10 @@ CASES = [
      "put images in"),
     ("mismatched-classes", ["--dataset", "imagefolder", "--data-dir", "{tmp}/mismatch"],
      "train and val hold different classes (only in one: b, c)"),
+    ("imagefolder-link-cycle", ["--dataset", "imagefolder", "--data-dir", "{tmp}/loop", "--run-dir", "{tmp}/r"],
+     "{tmp}/loop/train/a/loop is a link cycle: it leads back to"),
+    ("imagefolder-class-out-of-it", ["--dataset", "imagefolder", "--data-dir", "{tmp}/class-out"],
+     "{tmp}/class-out/train/b is a link out of the dataset's folder"),
     ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
     ("run-dir-not-writable", ["--run-dir", "{tmp}/a_file/run"], "is not writable"),
     ("resume-other-model", ["--width", "16"], "was made with width=8, this run has width=16"),
@@ -108,7 +118,8 @@ def _refused(finished_run, capsys, argv, expected):
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
     _files(tmp_path)
-    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], expected)
+    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], expected.replace("{tmp}",
+                                                                                                          str(tmp_path)))
 
 
 def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
