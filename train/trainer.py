@@ -576,8 +576,9 @@ class Trainer:
 def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device,
                   cfg: Config) -> ConfigError | None:
     """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, or a peer's
-    such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader worker re-raised
-    (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers and status.json."""
+    such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader worker
+    re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
+    and status.json."""
     if isinstance(error, ConfigError):
         return error if one_line(error) == str(error) else type(error)(one_line(error))
     if is_out_of_memory(error):

@@ -118,8 +118,8 @@ def _refused(finished_run, capsys, argv, expected):
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
     _files(tmp_path)
-    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], expected.replace("{tmp}",
-                                                                                                          str(tmp_path)))
+    _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv],
+             expected.replace("{tmp}", str(tmp_path)))
 
 
 def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):

@@ -129,16 +129,16 @@ def test_the_evaluations_set_decodes_every_kind_as_pil_converts_it(kinds, tmp_pa
             folder = tmp_path / split / f"class{i % 2}"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / path.name).write_bytes(path.read_bytes())
-    for decode in ("cpu", "gpu"):
+    for where in ("cpu", "gpu"):
         cfg = parse_config(["--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size", "16",
-                            "--decode", decode, "--num-workers", "0"])
+                            "--decode", where, "--num-workers", "0"])
         _, val_set, classes = build_datasets(cfg, train=False)
         steps = image_transforms(cfg, False)
-        source = val_set.source if decode == "gpu" else val_set
+        source = val_set.source if where == "gpu" else val_set
         assert classes == 2 and len(source.samples) == len(KINDS)
         for index, (path, _) in enumerate(source.samples):
             expected = steps(pil_rgb(Path(path).read_bytes()))
-            if decode == "cpu":
+            if where == "cpu":
                 assert torch.equal(val_set[index][0], expected), path
             else:
                 data, _, seed, _ = val_set[index]

@@ -134,8 +134,9 @@ class FolderScan:
         if error.errno == errno.ELOOP:
             return ConfigError(f"{link} is a link cycle (links that lead to each other, never to a file): remove it")
         if error.errno in (errno.ENOENT, errno.ENOTDIR):
-            return ConfigError(f"{link} is a broken link (it names {os.readlink(link) if os.path.islink(link) else link},"
-                               f" which does not exist): remove it, or replace it by the file it should name")
+            target = os.readlink(link) if os.path.islink(link) else link
+            return ConfigError(f"{link} is a broken link (it names {target}, which does not exist): remove it, or "
+                               f"replace it by the file it should name")
         return ConfigError(f"cannot follow the link {link} ({error.strerror}): check the permissions of what it names")
 
     @staticmethod
