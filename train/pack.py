@@ -97,6 +97,9 @@ def check_destination(src: Path, dst: Path) -> None:
                           f"made from: pick a DST outside SRC")
     if dst.exists() and not dst.is_dir():
         raise ConfigError(f"DST {dst} is a file: pick a folder (new, or empty) for the shards")
+    if dst.is_symlink() and not dst.exists():
+        raise ConfigError(f"DST {dst} is a broken link (it names {os.readlink(dst)}): create that folder, or pick "
+                          f"another DST")
     foreign = sorted(p.name for p in dst.iterdir() if not written_by_a_pack(p.name) and p.name not in
                      FILESYSTEMS_OWN) if dst.is_dir() else []
     if foreign:

@@ -332,7 +332,8 @@ def test_pack_refuses_a_dst_in_src_or_holding_files_it_did_not_write(folder, tmp
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("a user's")
     (tmp_path / "a-file").write_text("a user's")
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    (tmp_path / "dangling").symlink_to("gone")
+    before = {p: p.lstat().st_mtime_ns for p in tmp_path.rglob("*")}
     for dst, says in ((src, f"DST {src} is SRC {src}: the shards would be written into the folder they are made "
                             f"from: pick a DST outside SRC"),
                       (src / "shards", f"DST {src / 'shards'} is inside SRC {src}: "),
@@ -340,11 +341,12 @@ def test_pack_refuses_a_dst_in_src_or_holding_files_it_did_not_write(folder, tmp
                                                          f"({src / 'val' / 'shards'} in {src}): "),
                       (tmp_path / "mine", f"DST {tmp_path / 'mine'} holds 1 file(s) a pack did not write (notes.txt): "
                                           f"pick a new or empty DST, or move them out"),
-                      (tmp_path / "a-file", f"DST {tmp_path / 'a-file'} is a file: pick a folder")):
+                      (tmp_path / "a-file", f"DST {tmp_path / 'a-file'} is a file: pick a folder"),
+                      (tmp_path / "dangling", f"DST {tmp_path / 'dangling'} is a broken link (it names gone): create")):
         assert pack_main([str(src), str(dst)]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, nothing touched
+    assert {p: p.lstat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, nothing touched
     (tmp_path / "fresh-disk" / "lost+found").mkdir(parents=True)  # a new filesystem's top folder is no one's
     assert pack_main([str(folder), str(tmp_path / "fresh-disk")]) == 0
     assert verify(tmp_path / "fresh-disk") == []
