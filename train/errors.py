@@ -34,6 +34,14 @@ class PeerGaveUp(ConfigError):
     with the same exit code and says nothing more."""
 
 
+def one_line(error: Exception) -> str:
+    """The message itself, also when a DataLoader worker re-raised it with its whole traceback."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return text
+
+
 def fail(message: str) -> int:
     """A user's mistake, before anything started: one line on stderr, exit code 2. Under torchrun every worker
     meets it, and meets it again in every attempt torchrun restarts: the line is said once per node and launch."""

@@ -34,7 +34,7 @@ from train.distributed import PeersNeverCame, first_line, identity, is_main, los
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
-                          end_process, fail)
+                          end_process, fail, one_line)
 from train.watchdog import watchdog
 from train.workers import kill_loader_workers, spawn_workers, workers_for
 
@@ -80,10 +80,10 @@ def run_worker(cfg: Config) -> int:
             return EXIT_FAILED
         if isinstance(e, (DataError, OutOfMemory)):  # the rank that met it says so (the first, if several)
             if getattr(e, "first", True):
-                print(f"error: [rank {rank}] {_last_line(e)}", file=sys.stderr)
+                print(f"error: [rank {rank}] {one_line(e)}", file=sys.stderr)
         elif isinstance(e, ConfigError) and not isinstance(e, PeerGaveUp):  # every rank raised it; one says so
             if is_main():
-                print(f"error: {_last_line(e)}", file=sys.stderr)
+                print(f"error: {one_line(e)}", file=sys.stderr)
         if isinstance(e, ConfigError):
             return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
         if isinstance(e, PeersNeverCame):  # a rank from the environment alone: the line names its variables
@@ -112,12 +112,6 @@ def _interrupted(error: BaseException | None) -> bool:
     return False
 
 
-def _last_line(error: Exception) -> str:
-    """The message itself, also when a DataLoader worker re-raised it with its whole traceback."""
-    text = str(error).strip()
-    if "Original Traceback" in text:
-        text = text.splitlines()[-1].split(": ", 1)[-1]
-    return text
 
 
 def _report_lost_peer(rank: int, error: Exception) -> None:

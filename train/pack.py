@@ -12,6 +12,10 @@ other tools read as they are (webdataset, wids, tar):
 One file per shard instead of one per image: a NAS answers a few hundred opens instead of millions of
 metadata round trips, and the dataset's length comes from index.json without listing a folder.
 
+SRC is listed as training lists an ImageFolder (train/data/folders.py, scan_split: torchvision's ImageFolder's
+classes, images and order, its links held to the folder). DST is neither SRC nor inside it (both resolved), and
+holds nothing but a pack's own files: a new or empty folder, or a stopped pack's, which is continued.
+
 --workers N processes read the images (and resize them) while this process writes the shards in the
 folder's order, so the shards are the same bytes whatever N. --max-side N re-encodes (JPEG, --quality) every
 image whose longer side is over N, resized to N by torchvision's Resize (bilinear, antialiased); the others
@@ -52,14 +56,14 @@ from PIL import Image
 
 from train import vision
 from train.data import check_imagefolder, read_idx, read_index
-from train.data.decode import decode
+from train.data.decode import as_tensor, decode
+from train.data.scan import scan_split, within
 from train.distributed import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
 from train.runfiles import atomic_write, fsync_dir
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 SPLITS = ("train", "val")
 QUALITY = 90  # the JPEG quality of a resized image unless --quality says otherwise
 CHUNK = 8  # images per task handed to a worker: few round trips for small files, little memory for big ones
@@ -67,19 +71,40 @@ JOURNAL = ".pack-journal.jsonl"
 # What a pack writes in DST (and, with a leading dot and a .tmp ending, its temporary files)
 OURS = re.compile(rf"({'|'.join(SPLITS)})(-\d{{6}}\.tar(\.idx)?|\.json)|index\.json|{re.escape(JOURNAL)}")
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(\.\d+)?")
+FILESYSTEMS_OWN = {"lost+found"}  # in a fresh filesystem's top folder: a DST may be one
 
 
-def _files(split_dir: Path, progress: Progress) -> tuple[list[str], list[tuple[Path, int]]]:
-    """(classes, [(image, label)]) in ImageFolder's order."""
-    classes = sorted(d.name for d in split_dir.iterdir() if d.is_dir())
-    samples = []
-    for label, name in enumerate(classes):
-        paths = []
-        for path in (split_dir / name).rglob("*"):  # on a NAS, a few thousand a second: counted as they come
-            paths.append(path)
-            progress.advance()
-        samples += [(path, label) for path in sorted(paths) if path.suffix.lower() in IMAGE_SUFFIXES]
-    return classes, samples
+def _files(split_dir: Path, progress: Progress) -> tuple[list[str], list[tuple[str, int]]]:
+    """(classes, [(image, label)]) as training lists the split; on a NAS a few thousand files a second, counted
+    as they come."""
+    return scan_split(split_dir, counted=progress.advance)
+
+
+def written_by_a_pack(name: str) -> bool:
+    """Whether a file of DST is one a pack writes: its shards, indexes and journal, or their temporary files."""
+    match = TEMPORARY.fullmatch(name)
+    return bool(OURS.fullmatch(name) or match and OURS.fullmatch(match["name"]))
+
+
+def check_destination(src: Path, dst: Path) -> None:
+    """DST is not SRC nor inside it (both resolved, links too), and holds only what a pack writes: a new or empty
+    folder, or a stopped pack's (continued). Said before anything is listed or written."""
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if within(real_dst, real_src):
+        where = "is SRC" if real_dst == real_src else "is inside SRC"
+        resolved = "" if (str(src), str(dst)) == (real_src, real_dst) else f" ({real_dst} in {real_src})"
+        raise ConfigError(f"DST {dst} {where} {src}{resolved}: the shards would be written into the folder they are "
+                          f"made from: pick a DST outside SRC")
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"DST {dst} is a file: pick a folder (new, or empty) for the shards")
+    if dst.is_symlink() and not dst.exists():
+        raise ConfigError(f"DST {dst} is a broken link (it names {os.readlink(dst)}): create that folder, or pick "
+                          f"another DST")
+    foreign = sorted(p.name for p in dst.iterdir() if not written_by_a_pack(p.name) and p.name not in
+                     FILESYSTEMS_OWN) if dst.is_dir() else []
+    if foreign:
+        raise ConfigError(f"DST {dst} holds {len(foreign)} file(s) a pack did not write ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): pick a new or empty DST, or move them out")
 
 
 def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
@@ -112,25 +137,29 @@ def _longer_side(data: bytes, path: Path) -> int:
         with Image.open(io.BytesIO(data)) as image:
             return max(image.size)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return max(decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(path)).shape[1:])
+        return max(decode(as_tensor(data), str(path)).shape[1:])
 
 
-def prepared(path: Path, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
+def prepared(path: str | Path, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
     """The image as its shard holds it: (bytes, member suffix, whether it was resized). Without max_side, or
     with its longer side at most max_side, the file's own bytes; else decoded as training decodes it,
     shrunk and encoded as a JPEG."""
+    path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
                         f"same command to continue the pack") from None
+    if not data:  # a shard would hold an empty sample, which no decoder reads
+        raise DataError(f"cannot read image {path} (an empty file, 0 bytes): replace the file, then run the same "
+                        f"command to continue the pack")
     if max_side is None or _longer_side(data, path) <= max_side:
         return data, path.suffix.lower(), False
-    image = shrink(decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(path)), max_side)
+    image = shrink(decode(as_tensor(data), str(path)), max_side)
     return bytes(vision.io.encode_jpeg(image, quality=quality).numpy()), ".jpg", True
 
 
-def prepare_chunk(paths: list[Path], max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
+def prepare_chunk(paths: list[str], max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
     return [prepared(path, max_side, quality) for path in paths]
 
 
@@ -165,7 +194,7 @@ class Workers:
             self.pool.shutdown(cancel_futures=True)
         torch.set_num_threads(self.threads)
 
-    def prepared(self, paths: list[Path]) -> Iterator[tuple[bytes, str, bool]]:
+    def prepared(self, paths: list[str]) -> Iterator[tuple[bytes, str, bool]]:
         step = max(1, min(CHUNK, len(paths) // (4 * self.count)))  # a few chunks per worker, even for a few images
         chunks = (paths[i:i + step] for i in range(0, len(paths), step))
         if self.pool is None:
@@ -282,7 +311,7 @@ def write_shard(dst: Path, name: str, items: Iterator[tuple[bytes, str, bool, in
             "sha256": _sha256(dst / name), "resized": resized}
 
 
-def pack_split(dst: Path, split: str, samples: list[tuple[Path, int]], kept: list[dict], shard_bytes: int,
+def pack_split(dst: Path, split: str, samples: list[tuple[str, int]], kept: list[dict], shard_bytes: int,
                workers: Workers, journal: Journal, progress: Progress) -> list[dict]:
     """The split's shards after those kept from a stopped pack, cut at about shard_bytes each."""
     shards = [s for s in kept if s["name"].startswith(f"{split}-")]
@@ -310,9 +339,10 @@ def pack_split(dst: Path, split: str, samples: list[tuple[Path, int]], kept: lis
 
 def _listing_digest(src: Path, splits: dict) -> str:
     digest = hashlib.sha256()
+    inside = len(os.path.join(str(src), ""))  # every path the listing gives starts with SRC/
     for split, (_, samples) in splits.items():
         for path, label in samples:
-            digest.update(f"{split}\t{label}\t{path.relative_to(src).as_posix()}\n".encode())
+            digest.update(f"{split}\t{label}\t{path[inside:]}\n".encode())
     return digest.hexdigest()
 
 
@@ -329,6 +359,7 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1,
     progress line (None: none)."""
     if (dst / "index.json").exists():
         raise ConfigError(f"{dst} already holds a pack: pick a new DST or delete it first")
+    check_destination(src, dst)
     check_imagefolder(src)
     with Progress(f"listing {src}", unit="files", stream=progress_to, every=progress_every, last=False,
                   quiet=progress_to is None) as listing:

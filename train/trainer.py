@@ -30,7 +30,7 @@ from train.data import (build_datasets, build_train_loader, build_val_loader, cl
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, gather, identity, init,
                                is_main, on_main, peer_unrecoverable, ordered_allreduce_hook, teardown, watch_limit,
                                wrap)
-from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp
+from train.errors import EXIT_BAD_INPUT, EXIT_DONE, EXIT_STOPPED, ConfigError, PeerGaveUp, one_line
 from train.memory import is_out_of_memory, out_of_memory
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.models import build_model
@@ -657,9 +657,11 @@ class Trainer:
 def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device,
                   cfg: Config) -> ConfigError | None:
     """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, or a peer's
-    such error), or None: a crash or a lost peer, which a restart may mend."""
+    such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader worker
+    re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
+    and status.json."""
     if isinstance(error, ConfigError):
-        return error
+        return error if one_line(error) == str(error) else type(error)(one_line(error))
     if is_out_of_memory(error):
         if watchdog.phase == "training" and trainer is not None:
             where = f"training step {trainer.step + 1}"

@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run, snapshot
+from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run, snapshot, status
 from tests.processes import children, cmdline
 from train.__main__ import main as train_main
 from train.launch import launch_main
@@ -32,12 +32,18 @@ def _files(tmp_path):
     for split in ("train", "val"):
         (tmp_path / "noimages" / split / "a").mkdir(parents=True)
         (tmp_path / "noimages" / split / "a" / "notes.txt").write_text("not an image")
+    from PIL import Image
+
     for split, classes in (("train", ("a", "b")), ("val", ("a", "c"))):
         for c in classes:
             (tmp_path / "mismatch" / split / c).mkdir(parents=True)
-            from PIL import Image
-
             Image.new("RGB", (8, 8)).save(tmp_path / "mismatch" / split / c / "0.png")
+    for folder in ("loop", "class-out"):
+        for split in ("train", "val"):
+            (tmp_path / folder / split / "a").mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / folder / split / "a" / "0.png")
+    (tmp_path / "loop" / "train" / "a" / "loop").symlink_to("..")  # 1 image would have become thousands
+    (tmp_path / "class-out" / "train" / "b").symlink_to(tmp_path / "mismatch" / "train" / "b")
 
 
 CASES = [
@@ -72,6 +78,10 @@ CASES = [
      "put images in"),
     ("mismatched-classes", ["--dataset", "imagefolder", "--data-dir", "{tmp}/mismatch"],
      "train and val hold different classes (only in one: b, c)"),
+    ("imagefolder-link-cycle", ["--dataset", "imagefolder", "--data-dir", "{tmp}/loop", "--run-dir", "{tmp}/r"],
+     "{tmp}/loop/train/a/loop is a link cycle: it leads back to"),
+    ("imagefolder-class-out-of-it", ["--dataset", "imagefolder", "--data-dir", "{tmp}/class-out"],
+     "{tmp}/class-out/train/b is a link out of the dataset's folder"),
     ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
     ("run-dir-is-a-file", ["--run-dir", "{tmp}/a_file"], "a_file is a file, not a folder: pass a --run-dir that is a "
                                                          "folder or a new path"),
@@ -221,12 +231,17 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_p
     _trainer_refuses(run_dir, [*DEBUG, "--max-steps", MORE], "does not fit this model")
 
 
-# The broken file and the rank whose shard holds it: under --spawn 2, rank 1's error must be the run's exit
-# code, not the kill of rank 0 that the launcher sends when rank 1 ends.
-@pytest.mark.parametrize("broken, launch, rank", [("b/3", [], 0), ("a/0", ["--spawn", 2], 1)],
-                         ids=["one-process", "spawn-rank-1"])
-def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path, broken, launch, rank):
-    """Documented choice: a damaged image fails the run (skipping would silently change the dataset)."""
+# The broken file, what it holds, and the rank whose shard holds it: under --spawn 2, rank 1's error must be the
+# run's exit code, not the kill of rank 0 that the launcher sends when rank 1 ends.
+@pytest.mark.parametrize("broken, content, launch, rank", [("b/3", b"\x89PNG\r\n\x1a\n not really", [], 0),
+                                                           ("a/0", b"\x89PNG\r\n\x1a\n not really", ["--spawn", 2], 1),
+                                                           ("b/3", b"", [], 0)],
+                         ids=["one-process", "spawn-rank-1", "empty-file-replaced-then-resumed"])
+def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path, broken, content, launch, rank):
+    """Documented choice: a damaged image fails the run (skipping would silently change the dataset): one line,
+    exit 2, status.json "failed" with that line; once the file is replaced, the same command trains to the end.
+    The folder also holds a 16-bit grey PNG and a palette PNG with transparency: they train as PIL converts them."""
+    import numpy as np
     from PIL import Image
 
     for split in ("train", "val"):
@@ -234,11 +249,22 @@ def test_an_unreadable_image_stops_the_run_naming_the_file(tmp_path, broken, lau
             (tmp_path / "data" / split / c).mkdir(parents=True)
             for i in range(8):
                 Image.new("RGB", (12, 12), (i * 20, 0, 0)).save(tmp_path / "data" / split / c / f"{i}.png")
+        Image.fromarray(np.full((12, 12), 40000, np.uint16)).save(tmp_path / "data" / split / "a" / "0.png")
+        Image.new("P", (12, 12), 3).save(tmp_path / "data" / split / "b" / "0.png", transparency=3)
     broken = tmp_path / "data" / "train" / f"{broken}.png"
-    broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    _trainer_refuses(tmp_path / "run", [*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data",
-                                        "--image-size", 12, "--batch-size", 4, "--num-workers", 1, *launch],
-                     f"[rank {rank}] cannot read image {broken}")
+    broken.write_bytes(content)
+    args = [*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 12, "--batch-size", 4,
+            "--num-workers", 1, "--max-steps", 8, *launch]
+    line = f"cannot read image {broken} ("
+    _trainer_refuses(tmp_path / "run", args, f"[rank {rank}] {line}")
+    failed = status(tmp_path / "run")
+    assert failed["state"] == "failed" and failed["exit_code"] == 2, failed
+    assert failed["error"].startswith(line) and failed["error"].endswith("then run the same command to resume"), failed
+    if content:
+        return
+    Image.new("RGB", (12, 12)).save(broken)
+    run(python_cmd(*args, "--run-dir", tmp_path / "run"))
+    assert status(tmp_path / "run")["state"] == "done"
 
 
 def test_bad_input_from_the_command_line_prints_no_traceback(finished_run):

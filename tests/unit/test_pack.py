@@ -26,7 +26,8 @@ from train.data import ShardSplit, build_datasets, build_train_loader, build_val
 from train.data.decode import load_image
 from train.distributed import usable_cores
 from train.errors import ConfigError, DataError
-from train.pack import JOURNAL, pack, shrink, verify
+from train.data.folders import imagefolder_split
+from train.pack import JOURNAL, pack, shrink, verify, write_shard
 from train.pack import main as pack_main
 
 
@@ -213,11 +214,12 @@ def test_the_progress_line_comes_every_period_while_a_pack_runs(resized):
     assert len(lines) < 200  # a line per period, not per image
 
 
-def test_a_pack_stopped_by_a_bad_image_continues_where_it_stopped(folder, tmp_path, capsys):
+@pytest.mark.parametrize("content", [b"not an image", b""], ids=["not-an-image", "empty"])
+def test_a_pack_stopped_by_a_bad_image_continues_where_it_stopped(folder, tmp_path, capsys, content):
     src, dst = tmp_path / "src", tmp_path / "shards"
     shutil.copytree(folder, src)
     bad = src / "train" / "class1" / "zz.jpg"  # in the middle of the train split
-    bad.write_bytes(b"not an image")
+    bad.write_bytes(content)
     args = [str(src), str(dst), "--workers", "2", "--max-side", "256", "--shard-mb", str(SMALL_SHARDS / 2**20)]
     assert pack_main(args) == 2
     err = capsys.readouterr().err.splitlines()
@@ -293,3 +295,99 @@ def test_a_worker_killed_mid_pack_is_one_line_and_the_same_command_continues(fol
     whole = tmp_path / "whole"
     pack(folder, whole, 4_000, workers=1, max_side=64)
     assert files_of(dst) == files_of(whole)
+
+
+# ---------------------------------------------------------------- what SRC holds, and where DST may be
+
+def test_pack_lists_src_as_training_lists_the_imagefolder(tmp_path, capsys):
+    """Nested folders (a folder's own files before its subfolders', as os.walk gives them), names in any case,
+    files that are not images (a GIF among them: torchvision's ImageFolder reads none): the shards hold the
+    ImageFolder's samples, in its order, with its labels. A link cycle in SRC is refused in one line before
+    anything is written."""
+    src = tmp_path / "src"
+    for split in ("train", "val"):
+        for i, name in enumerate(["b/1.PNG", "b/a/2.png", "b/a-z/3.png", "b/0.png", "b/z.png", "b/x.gif",
+                                        "a/9.Jpg", "a/n.txt"]):
+            path = src / split / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), (i * 30, 0, 0)).save(path, "PNG" if "png" in name.lower() else "JPEG")
+    pack(src, tmp_path / "shards")
+    for split in ("train", "val"):
+        loose = imagefolder_split(src, split)
+        packed = ShardSplit(tmp_path / "shards", split)
+        assert packed.classes == loose.classes and len(packed) == len(loose.samples) == 6
+        for i, (path, label) in enumerate(loose.samples):
+            assert bytes(packed[i][0].numpy()) == Path(path).read_bytes() and packed[i][1] == label
+    (src / "train" / "b" / "a" / "loop").symlink_to("..")
+    assert pack_main([str(src), str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {src / 'train' / 'b' / 'a' / 'loop'} is a link cycle"), err
+    assert not (tmp_path / "again").exists()
+
+
+def test_pack_refuses_a_dst_in_src_or_holding_files_it_did_not_write(folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (tmp_path / "into-src").symlink_to(src / "val")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's")
+    (tmp_path / "a-file").write_text("a user's")
+    (tmp_path / "dangling").symlink_to("gone")
+    before = {p: p.lstat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for dst, says in ((src, f"DST {src} is SRC {src}: the shards would be written into the folder they are made "
+                            f"from: pick a DST outside SRC"),
+                      (src / "shards", f"DST {src / 'shards'} is inside SRC {src}: "),
+                      (tmp_path / "into-src" / "shards", f"DST {tmp_path / 'into-src' / 'shards'} is inside SRC {src} "
+                                                         f"({src / 'val' / 'shards'} in {src}): "),
+                      (tmp_path / "mine", f"DST {tmp_path / 'mine'} holds 1 file(s) a pack did not write (notes.txt): "
+                                          f"pick a new or empty DST, or move them out"),
+                      (tmp_path / "a-file", f"DST {tmp_path / 'a-file'} is a file: pick a folder"),
+                      (tmp_path / "dangling", f"DST {tmp_path / 'dangling'} is a broken link (it names gone): create")):
+        assert pack_main([str(src), str(dst)]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert {p: p.lstat().st_mtime_ns for p in tmp_path.rglob("*")} == before  # nothing written, nothing touched
+    (tmp_path / "fresh-disk" / "lost+found").mkdir(parents=True)  # a new filesystem's top folder is no one's
+    assert pack_main([str(folder), str(tmp_path / "fresh-disk")]) == 0
+    assert verify(tmp_path / "fresh-disk") == []
+
+
+def test_an_empty_image_is_refused_also_where_nothing_is_resized(folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (src / "val" / "class0" / "empty.png").write_bytes(b"")
+    assert pack_main([str(src), str(tmp_path / "shards"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: cannot read image {src / 'val' / 'class0' / 'empty.png'} (an empty file, 0 bytes): replace the "
+        f"file, then run the same command to continue the pack")
+
+
+def test_max_side_resizes_every_kind_of_image_as_pil_converts_it(tmp_path):
+    """16-bit, alpha, palette, CMYK, 1-bit: decoded as training decodes them (PIL's convert("RGB")), then resized."""
+    from tests.unit.test_images import KINDS, pil_rgb
+
+    src = tmp_path / "src"
+    for split in ("train", "val"):
+        for name, make, _ in KINDS:
+            (src / split / "c").mkdir(parents=True, exist_ok=True)
+            (src / split / "c" / name).write_bytes(make())
+    pack(src, tmp_path / "shards", max_side=16, quality=95)
+    loose = imagefolder_split(src, "train").samples
+    packed = members(tmp_path / "shards", "train")
+    assert len(packed) == len(loose) == len(KINDS)
+    for (path, _), (name, data) in zip(loose, packed, strict=True):
+        expected = vision.v2.Resize(size=None, max_size=16, antialias=True)(pil_rgb(Path(path).read_bytes()))
+        assert name.endswith(".jpg") and data == bytes(vision.io.encode_jpeg(expected, quality=95).numpy()), path
+
+
+def test_an_empty_record_in_a_shard_is_one_line_naming_it(packed, tmp_path):
+    """A pack made before empty files were refused may hold one: reading it names the sample, not a traceback."""
+    copy = tmp_path / "shards"
+    shutil.copytree(packed, copy)
+    write_shard(copy, "train-000000.tar", iter([(b"", ".jpg", False, 0, 0), (b"x", ".jpg", False, 1, 0)]))
+    split = ShardSplit(copy, "train")
+    with pytest.raises(DataError) as empty:
+        split[0]
+    assert str(empty.value) == (f"sample 000000000 of {copy / 'train-000000.tar'} is empty (0 bytes: its image was an "
+                                f"empty file when it was packed): replace that image in the ImageFolder and pack it "
+                                f"into a new DST")

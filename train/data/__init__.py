@@ -2,7 +2,9 @@
 
   shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
   folders     file datasets on disk: an ImageFolder, packed shards, CIFAR-10, and their checks
-  decode      file bytes to uint8 tensors, in the loader workers or on the GPU (--decode gpu)
+  scan        an ImageFolder split's listing: its classes and images, as torchvision's, links held to it
+  decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
+              workers or on the GPU (--decode gpu)
   transforms  the per-image recipe (torchvision's reference presets), the evaluation's steps, normalisation
   samplers    which samples each rank trains on, in which order, with which augmentation seed
   loaders     the datasets a run uses and their loaders

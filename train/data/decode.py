@@ -1,6 +1,9 @@
-"""Image files to uint8 tensors: their bytes read, decoded by torchvision.io (libjpeg-turbo, libpng, libwebp) or
-PIL for what it cannot read, in the loader workers (--decode cpu); or, with --decode gpu, read by the workers
-and decoded in the training process on its GPU with nvJPEG, batch by batch (FileBytes, DeviceDecoder).
+"""Image files to uint8 RGB tensors (3 x H x W): their bytes read, then decoded by torchvision.io (libjpeg-turbo,
+libpng) when they are a plain 8-bit RGB or grey JPEG or PNG, and by PIL, as `Image.open(f).convert("RGB")` makes
+them, when they are anything else (16-bit, alpha, palette, 1-bit, CMYK, WebP, BMP, TIFF, ...); in the loader
+workers (--decode cpu), or, with --decode gpu, read by the workers and decoded in the training process, the plain
+JPEGs on its GPU with nvJPEG, batch by batch (FileBytes, DeviceDecoder). A file that yields no such image (empty,
+cut short, not an image, a format neither reads) stops the run with one line that names it (DataError).
 """
 
 from __future__ import annotations
@@ -14,6 +17,16 @@ from torch.utils.data import DataLoader, Dataset
 from train import vision
 from train.errors import DataError
 
+PNG_START = b"\x89PNG\r\n\x1a\n"
+JPEG_START = (0xFF, 0xD8)
+# The markers that start a JPEG frame (SOF0-15 but DHT, JPG and DAC): precision and components follow
+JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    """Bytes as a uint8 tensor (torch.frombuffer refuses an empty buffer: an empty file is an empty tensor)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
 
 def read_bytes(path: str) -> torch.Tensor:
     """A file's bytes as a uint8 tensor, failing with one line that names the file."""
@@ -23,24 +36,63 @@ def read_bytes(path: str) -> torch.Tensor:
     except OSError as e:
         raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
                         f"same command to resume") from None
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return as_tensor(data)
+
+
+def _jpeg_frame(head: memoryview) -> tuple[int, int] | None:
+    """A JPEG's (bits per sample, components) from its frame header, found by walking the markers before it (a few
+    reads, whatever the EXIF block's size); None where the header is damaged."""
+    i = 2
+    while i + 4 <= len(head):
+        if head[i] != 0xFF:
+            return None
+        marker = head[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker in JPEG_FRAMES:
+            return (head[i + 4], head[i + 9]) if i + 10 <= len(head) else None
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            i += 2
+        elif marker in (0xD9, 0xDA):  # the end, or the scan, before any frame header
+            return None
+        else:
+            i += 2 + (head[i + 2] << 8 | head[i + 3])
+    return None
+
+
+def plain_kind(data: torch.Tensor) -> str | None:
+    """"jpeg" or "png" for a file torchvision.io decodes exactly as PIL's convert("RGB") does: an 8-bit JPEG of 1 or
+    3 components (grey, YCbCr or RGB), an 8-bit PNG of grey or RGB; None for anything else (PIL's), from the
+    header alone."""
+    head = memoryview(data.numpy())
+    if len(head) >= 26 and bytes(head[:8]) == PNG_START and bytes(head[12:16]) == b"IHDR":
+        return "png" if head[24] == 8 and head[25] in (0, 2) else None  # bit depth, colour type: grey, RGB
+    if len(head) > 2 and (head[0], head[1]) == JPEG_START:
+        return "jpeg" if _jpeg_frame(head) in ((8, 1), (8, 3)) else None
+    return None
 
 
 def decode(data: torch.Tensor, path: str) -> torch.Tensor:
-    """Encoded bytes to a uint8 RGB tensor (3 x H x W): torchvision.io (libjpeg-turbo, libpng, libwebp), PIL
-    for what it cannot decode; a file neither reads stops the run with one line that names it."""
-
-    try:
-        return vision.io.decode_image(data, mode=vision.io.ImageReadMode.RGB)
-    except RuntimeError:
-        pass  # a format torchvision.io does not decode (or a damaged file): PIL has the last word
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            return vision.v2.functional.pil_to_tensor(image.convert("RGB"))
-    except UnidentifiedImageError:
-        reason = "not an image torchvision.io or PIL can read"
-    except (OSError, SyntaxError, ValueError) as e:  # PIL raises all three for damaged files
-        reason = str(e)
+    """Encoded bytes to a uint8 RGB tensor (3 x H x W): torchvision.io for a plain 8-bit RGB or grey JPEG or PNG,
+    PIL's Image.open(f).convert("RGB") for every other kind; a file that yields no image stops the run with one
+    line that names it."""
+    if len(data) == 0:
+        reason = "an empty file, 0 bytes"
+    else:
+        if plain_kind(data):
+            try:
+                return vision.io.decode_image(data, mode=vision.io.ImageReadMode.RGB)
+            except RuntimeError:
+                pass  # damaged: PIL says what is wrong with it (or reads what libjpeg-turbo refused)
+        try:
+            with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+                return vision.v2.functional.pil_to_tensor(image.convert("RGB"))
+        except UnidentifiedImageError:
+            reason = "not an image torchvision.io or PIL can read"
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PIL's plugins raise many kinds for a damaged or unsupported file
+            reason = str(e) or type(e).__name__
     raise DataError(f"cannot read image {path} ({reason}): delete or replace the file, then run the same command "
                     f"to resume")
 
@@ -50,18 +102,22 @@ def load_image(path: str) -> torch.Tensor:
     return decode(read_bytes(path), path)
 
 
-JPEG_START = (0xFF, 0xD8)
+def device_jpegs(data: list[torch.Tensor]) -> list[int]:
+    """Which files of a batch --decode gpu decodes together on the device: the plain JPEGs (plain_kind), which
+    nvJPEG decodes as libjpeg-turbo does; CMYK, 12-bit and damaged headers go to the CPU path with the rest."""
+    return [i for i, d in enumerate(data) if plain_kind(d) == "jpeg"]
 
 
 def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], transform,
                  device: torch.device) -> torch.Tensor:
     """--decode gpu, in the training process: a batch of encoded files to augmented uint8 images on the
-    device. JPEGs are decoded together on the device (nvJPEG on CUDA), other formats on the CPU; each
+    device. Plain JPEGs (device_jpegs) are decoded together on the device (nvJPEG on CUDA), other files on the
+    CPU (decode); each
     sample is then augmented on the device under its own seed, so a batch equals what the loader workers
     would have made of it, whatever the worker count or the resume point."""
 
     images: list[torch.Tensor | None] = [None] * len(data)
-    jpegs = [i for i, d in enumerate(data) if len(d) > 2 and tuple(d[:2].tolist()) == JPEG_START]
+    jpegs = device_jpegs(data)
     if jpegs:
         try:
             decoded = vision.io.decode_jpeg([data[i] for i in jpegs], mode=vision.io.ImageReadMode.RGB, device=device)

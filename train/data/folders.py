@@ -1,6 +1,8 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
-a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10 (torchvision's, downloaded
-only with --download, by local rank 0 of each node, safely into a --data-dir that several nodes share).
+listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, with
+links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10
+(torchvision's, downloaded only with --download, by local rank 0 of each node, safely into a --data-dir that several
+nodes share).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 from torch.utils.data import Dataset
 
 from train import vision
-from train.data.decode import load_image
+from train.data.decode import as_tensor, load_image
+from train.data.scan import FolderScan, scan_split, within
 from train.distributed import gather, identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError, DataError
@@ -24,25 +27,45 @@ def path_of(folder, index: int) -> str:
     return folder.samples[index][0]
 
 
-def imagefolder_split(root: Path, split: str, loader=load_image):
-    path = root / split
-    try:
-        return vision.datasets.ImageFolder(str(path), loader=loader)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise ConfigError(f"{path}: {str(e).splitlines()[0]}: put images in {path}/<class>/") from None
+class ImageFolderSplit(Dataset):
+    """One split of an ImageFolder: item i is (image, label), the image made by `loader` (and `transform`, when
+    set) from its file; classes and samples as scan_split lists them."""
+
+    def __init__(self, root: Path, loader=load_image):
+        self.root, self.loader, self.transform = root, loader, None
+        self.classes, self.samples = scan_split(root)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        path, label = self.samples[index]
+        image = self.loader(path)
+        return (image if self.transform is None else self.transform(image)), label
+
+
+def imagefolder_split(root: Path, split: str, loader=load_image) -> ImageFolderSplit:
+    return ImageFolderSplit(root / split, loader)
 
 
 def check_imagefolder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
-    """The folder layout, checked before any worker starts: both splits, the same non-empty class list."""
-    classes = {"train": None, "val": None}
+    """The folder layout, checked before any worker starts: both splits, the same non-empty class list, the links
+    among the class folders (FolderScan), and train and val apart."""
+    classes, real = {"train": None, "val": None}, {}
     for split in splits:
         path = root / split
-        if not path.is_dir():
+        if not path.is_dir() and not path.is_symlink():
             raise ConfigError(f"{path} is missing: an imagefolder dataset needs {root}/train/<class>/ and "
                               f"{root}/val/<class>/")
-        classes[split] = sorted(d.name for d in path.iterdir() if d.is_dir())
+        scan = FolderScan(path)
+        classes[split], real[split] = [name for name, _, _ in scan.classes()], scan.real_top
         if not classes[split]:
             raise ConfigError(f"{path} has no class folders: put images in {path}/<class>/")
+    if len(real) == 2 and (within(real["train"], real["val"]) or within(real["val"], real["train"])):
+        raise ConfigError(f"{root}/train and {root}/val are the same folder, or one holds the other ({real['train']}, "
+                          f"{real['val']}): the model would be scored on images it trained on: give val/ its own "
+                          f"class folders")
     if None not in classes.values() and classes["train"] != classes["val"]:
         only = sorted(set(classes["train"]) ^ set(classes["val"]))
         raise ConfigError(f"{root}: train and val hold different classes (only in one: {', '.join(only[:5])}): "
@@ -108,6 +131,9 @@ class ShardSplit(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         shard, row = self.locate(index)
         offset, size, label = self.rows[shard][row].tolist()
+        if size == 0:
+            raise DataError(f"{self.name(index)} is empty (0 bytes: its image was an empty file when it was packed): "
+                            f"replace that image in the ImageFolder and pack it into a new DST")
         try:
             f = self._open.get(shard)
             if f is None:
@@ -120,7 +146,7 @@ class ShardSplit(Dataset):
         if len(data) != size:
             raise DataError(f"{self.shards[shard]} is damaged: {self.name(index)} is cut short: run `python -m "
                             f"train.pack --verify {self.root}`, then pack the dataset again")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+        return as_tensor(data), label
 
 
 def check_cifar(root: Path, download: bool) -> None:
