@@ -61,7 +61,7 @@ from train.data.scan import scan_split, within
 from train.distributed import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
-from train.runfiles import atomic_write, fsync_dir
+from train.runfiles import atomic_write, fsync_dir, to_json
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
 SPLITS = ("train", "val")
@@ -279,11 +279,11 @@ class Journal:
 
     def __init__(self, dst: Path, settings: dict, kept: list[dict]):
         self.path = dst / JOURNAL
-        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in [settings, *kept]).encode())
+        atomic_write(self.path, "".join(to_json(r) + "\n" for r in [settings, *kept]).encode())
 
     def add(self, shard: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(shard) + "\n")
+            f.write(to_json(shard) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -333,7 +333,7 @@ def pack_split(dst: Path, split: str, samples: list[tuple[str, int]], kept: list
         shards.append(shard)
     wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
             "shardlist": [{"url": s["name"], "nsamples": s["samples"]} for s in shards]}
-    atomic_write(dst / f"{split}.json", json.dumps(wids, indent=1).encode())
+    atomic_write(dst / f"{split}.json", to_json(wids, indent=1).encode())
     return shards
 
 
@@ -385,7 +385,7 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1,
             shards = pack_split(dst, split, samples, kept, shard_bytes, prepare, journal, progress)
             index["splits"][split] = {"classes": classes, "samples": len(samples), "shards": shards,
                                       "resized": sum(s["resized"] for s in shards)}
-    atomic_write(dst / "index.json", json.dumps(index, indent=1).encode())
+    atomic_write(dst / "index.json", to_json(index, indent=1).encode())
     journal.path.unlink()
     fsync_dir(dst)
     return index

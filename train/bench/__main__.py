@@ -18,6 +18,7 @@ from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.distributed import usable_cores
 from train.errors import ConfigError, fail
+from train.runfiles import to_json
 
 
 # ---------------------------------------------------------------- report
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
         rows += gpu_rows(out, size, ns.rounds, knobs)
     text = table(rows, header) + f"\n\n{time.monotonic() - started:.0f} s; written to {out}"
     (out / "bench.txt").write_text(text + "\n")
-    (out / "bench.json").write_text(json.dumps({"header": header, "rows": rows, "scaling_samples_per_s": bars,
+    (out / "bench.json").write_text(to_json({"header": header, "rows": rows, "scaling_samples_per_s": bars,
                                                 "sizes": size, "rounds": ns.rounds}, indent=2) + "\n")
     print(text)
     return 0
