@@ -138,7 +138,7 @@ def parse_hostlist(hostlist: str) -> list[str]:
         values = [_bracket_values(hostlist, body) for body in texts[1::2]]
         order = [*range(len(values) - 2, -1, -1), len(values) - 1] if values else []
         for combination in itertools.product(*(values[i] for i in order)):
-            chosen = dict(zip(order, combination))
+            chosen = dict(zip(order, combination, strict=True))
             hosts.append("".join(text + (chosen[i] if i in chosen else "") for i, text in enumerate(texts[::2])))
     return hosts
 

@@ -34,7 +34,8 @@ class DivergenceGuard:
 
     def __init__(self, device: torch.device, fp16: bool):
         self.device, self.fp16 = device, fp16
-        self.first_step = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
+        self.first_step = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not
+        # finite, and that loss
         self.first_loss = torch.zeros((), device=device)
         self.lrs: dict[int, float] = {}  # each step's learning rate since the last check (the line names it)
 
@@ -75,8 +76,8 @@ class DivergenceGuard:
             rate = f" at learning rate {lr:.3g}" if lr is not None else ""
             return f"the run diverged: the loss was {shown} at step {at}{rate}"
         if bad_scale:
-            return (f"the run diverged: by step {step} fp16's GradScaler had skipped step after step (its scale fell to "
-                    f"{scaler.get_scale():.3g}): the gradients overflow however small the loss is scaled")
+            return (f"the run diverged: by step {step} fp16's GradScaler had skipped step after step (its scale fell "
+                    f"to {scaler.get_scale():.3g}): the gradients overflow however small the loss is scaled")
         return f"the run diverged: by step {step} its weights (or their running statistics) were no longer finite"
 
 

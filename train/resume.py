@@ -107,8 +107,8 @@ def continue_layout(layout: Layout, world: int, batch_size: int, grad_accum: int
         fits = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
         raise ConfigError(f"{run_dir} trains at a global batch of {layout.global_batch} ({layout}), "
                           f"{micro_batches} micro-batches of {layout.batch_size} a step, which {world} workers "
-                          f"cannot share evenly: resume on {', '.join(map(str, fits))} worker{'s' if fits != [1] else ''}, "
-                          f"or start a new --run-dir")
+                          f"cannot share evenly: resume on {', '.join(map(str, fits))} "
+                          f"worker{'s' if fits != [1] else ''}, or start a new --run-dir")
     return micro_batches // world
 
 

@@ -583,8 +583,8 @@ class Trainer:
 
         found = broadcast_from_main(differences() if is_main() else None)
         if found:
-            raise ConfigError(f"{self.cfg.data.data_dir} is not the data {self.run_dir} trained on ({', '.join(found)}):"
-                              f" point --data-dir at that data, or start a new --run-dir")
+            raise ConfigError(f"{self.cfg.data.data_dir} is not the data {self.run_dir} trained on "
+                              f"({', '.join(found)}): point --data-dir at that data, or start a new --run-dir")
 
     def _resume(self, state: dict | None, initial: tuple[dict, dict] | None) -> None:
         """Back to the checkpoint `state` (the newest that verifies). Without one, the starting --weights (initial:

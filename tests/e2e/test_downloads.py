@@ -91,7 +91,7 @@ def test_nodes_downloading_into_one_shared_folder_at_once_all_succeed_with_whole
             stop.set()
             for racer in racers:
                 racer.kill()
-    for racer, (out, err) in zip(racers, results, strict=True):
+    for racer, (_, err) in zip(racers, results, strict=True):
         assert racer.returncode == 0, "\n".join(line for line in err.splitlines() if "%" not in line)[-3000:]
     reports = [json.loads(out.splitlines()[-1]) for out, _ in results]
 

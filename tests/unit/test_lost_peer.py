@@ -109,7 +109,7 @@ def test_an_error_that_only_mentions_a_timeout_is_not_a_lost_peer():
     """A DataLoader that waited too long for its worker: 'timed out', a RuntimeError, and no peer involved. (Last in
     this module: the gloo groups above are gone with their threads before its worker is forked.)"""
     batches = iter(torch.utils.data.DataLoader(_Slow(), num_workers=1, timeout=0.1))
-    error = _raised(lambda: next(batches))
+    error = _raised(batches.__next__)
     del batches  # its worker ends now (after its item), not whenever a later test collects it
     assert type(error) is RuntimeError and "DataLoader timed out" in str(error)
     assert not lost_peer(error)
