@@ -85,26 +85,27 @@ def test_on_its_own_layout_the_sampler_is_torchs_distributed_order():
         assert list(sampler) == order[rank:99:3][:32].tolist()  # 33 per rank, 4 steps of 8
 
 
+@pytest.mark.parametrize("warmup", [0, 3])
 @pytest.mark.parametrize("unit", ["step", "epoch"])
 @pytest.mark.parametrize("scheduler, extra", [
     ("cosine", {}), ("step", {"lr_step_size": 3}), ("multistep", {"lr_milestones": "4,9"}), ("constant", {})])
-def test_a_run_made_longer_continues_on_the_schedule_of_its_new_length(unit, scheduler, extra):
+def test_a_run_made_longer_continues_on_the_schedule_of_its_new_length(unit, scheduler, extra, warmup):
     """The reference: torch's scheduler of the new length, stepped without a break from the start."""
-    schedule = Config().replace(lr_scheduler=scheduler, schedule_unit=unit, warmup_steps=3, **extra).schedule
+    schedule = Config().replace(lr_scheduler=scheduler, schedule_unit=unit, warmup_steps=warmup, **extra).schedule
     model = torch.nn.Linear(2, 2)
 
     def optimizer():
         return build_optimizer(Config().optimisation, model, [{"weight_decay": 0.0, "params": ["weight", "bias"]}])
 
     before = optimizer()
-    first = build_scheduler(schedule, before, 10, 3)
+    first = build_scheduler(schedule, before, 10, warmup)
     for _ in range(6):
         first.step()
     resumed = optimizer()
     resumed.load_state_dict(before.state_dict())  # what the checkpoint brings back
-    continued = schedule_at(schedule, resumed, 20, 3, 6)
+    continued = schedule_at(schedule, resumed, 20, warmup, 6)
     reference_optimizer = optimizer()
-    reference = build_scheduler(schedule, reference_optimizer, 20, 3)
+    reference = build_scheduler(schedule, reference_optimizer, 20, warmup)
     for _ in range(6):
         reference.step()
     for _ in range(14):
