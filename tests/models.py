@@ -144,3 +144,31 @@ class _HasNoOnnxOperator(nn.Module):
 
 def has_no_onnx_operator(num_classes: int) -> nn.Module:
     return _HasNoOnnxOperator(num_classes)
+
+
+class _FreedSlowly(nn.Module):
+    """Trains normally; freeing it, after the run, never ends (a destructor that waits forever)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.net = tiny_groupnorm_cnn(num_classes)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def __del__(self):
+        import threading
+
+        threading.Event().wait()  # never set
+
+
+def never_freed(num_classes: int) -> nn.Module:
+    return _FreedSlowly(num_classes)
+
+
+def leaves_a_thread(num_classes: int) -> nn.Module:
+    """Starts a thread that never ends and that the process must wait for (not a daemon)."""
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
+    return tiny_groupnorm_cnn(num_classes)

@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
+from train.watchdog import watchdog
+
 EXIT_DONE = 0  # finished (or already finished): model.pt written
 EXIT_FAILED = 1  # a crash, or a worker lost its peers (one died, hung or was stopped): rerun to resume
 EXIT_BAD_INPUT = 2  # bad input or a condition the message names (disk full, bad image): fix it, then rerun
@@ -89,6 +91,9 @@ def end_process(code: int) -> NoReturn:
     gc.freeze()
     dist = sys.modules.get("torch.distributed")
     if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
+        # Bounded: a thread that never ends or an exit handler that hangs is named, its stacks printed, exit 1.
+        watchdog.enter("the process's exit (joining its threads, its exit handlers)", watchdog.end_limit_s,
+                       cause="a thread or an exit handler did not end")
         # What the interpreter runs before it joins the threads: a ThreadPoolExecutor's workers (torch.compile
         # makes some) wait for work until these tell them to leave, so joining them first would never end.
         for hook in getattr(threading, "_threading_atexits", ()):

@@ -69,6 +69,7 @@ def run_worker(cfg: Config) -> int:
     rank = identity().global_rank
     try:
         code = trainer.run(cfg)
+        watchdog.pause()  # run()'s objects are freed: the end of the run is over (a notebook lives on unwatched)
     except (Exception, KeyboardInterrupt) as e:
         if _interrupted(e):  # a second Ctrl-C (StopSignal): now, without the checkpoint the first asked for
             if watchdog.claim_report():

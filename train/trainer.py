@@ -53,7 +53,7 @@ log = logging.getLogger("train")
 def run(cfg: Config) -> int:
     """Train according to cfg as the rank the environment says this process is. Returns the exit code."""
     ident = identity()
-    watchdog.begin(f"rank {ident.global_rank}")
+    watchdog.begin(f"rank {ident.global_rank}", end_limit_s=watch_limit(cfg.launch.timeout_s))
     configure_runtime(cfg)
     device = pick_device(cfg.launch.device, ident)
     init(device, cfg.launch.timeout_s)
@@ -87,6 +87,11 @@ def run(cfg: Config) -> int:
                 outcome = {EXIT_DONE: "FINISHED", EXIT_STOPPED: "KILLED"}.get(code, "FAILED")
                 # A stop or a failure leaves within the launchers' grace periods (torchrun's, compose's).
                 tracker.close(outcome, cfg.launch.timeout_s if outcome == "FINISHED" else min(cfg.launch.timeout_s, 30))
+            # This frame's objects (the trainer, its loaders and their workers) are freed as it returns, after the
+            # peers have left: bounded too. The caller ends the phase once it has them back (launch.run_worker).
+            watchdog.enter("the end of the run (freeing the trainer)", watchdog.end_limit_s,
+                           cause="freeing the trainer's objects (its loaders' workers, what the process group left) "
+                                 "did not end")
 
 
 class Trainer:

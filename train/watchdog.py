@@ -29,16 +29,21 @@ class Watchdog:
         self.label = "rank ?"
         self.limit = math.inf
         self.armed_at = -math.inf
+        # What a process does after its ranks have left (freeing the trainer, its threads, its exit handlers) takes
+        # a second or two: this bounds it, as --timeout-s bounds a phase (begin() sets it from the run's).
+        self.end_limit_s = 120.0
         self._thread: threading.Thread | None = None
         self._report = threading.Lock()
         self._reported = False  # this run's one error line is out (the watchdog's or the caller's)
 
-    def begin(self, label: str) -> None:
+    def begin(self, label: str, end_limit_s: float | None = None) -> None:
         """A run starts in this process (one per process under a launcher; several where python -m train's
-        main is called again, as tests and notebooks do): its phase, its label, and its own error line."""
+        main is called again, as tests and notebooks do): its phase, its label, and its own error line.
+        end_limit_s: the bound of what the process does after the run's ranks have left."""
         self.pause("start-up")
         with self._report:
             self.label, self._reported = label, False
+        self.end_limit_s = end_limit_s or self.end_limit_s
 
     def enter(self, phase: str, limit_s: float, cause: str | None = None) -> None:
         """cause: what no progress in this phase means, where the caller knows better than STUCK."""

@@ -376,6 +376,22 @@ def test_a_rank_stuck_outside_collectives_dumps_its_stack_and_exits(tmp_path):
     assert status(tmp_path / "run")["state"] == "running"  # neither "done" nor "stopped": not resumable as such
 
 
+@pytest.mark.parametrize("model, phase", [
+    ("never_freed", "the end of the run (freeing the trainer)"),
+    ("leaves_a_thread", "the process's exit (joining its threads, its exit handlers)"),
+])
+def test_what_a_rank_does_after_its_run_ended_is_bounded_too(tmp_path, model, phase):
+    """After `done` the ranks have left the group; what each still does (its objects freed, its threads joined, its
+    exit handlers) stays under the watchdog: named, its stacks printed, exit 1, within --timeout-s's limit."""
+    started = time.monotonic()
+    proc = run(python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 0, "--model", f"tests.models:{model}",
+                          "--timeout-s", 2, "--spawn", 2, "--run-dir", tmp_path / "run"), expect=1, timeout=120)
+    assert time.monotonic() - started < 60
+    assert status(tmp_path / "run")["state"] == "done"
+    assert f"no progress for 4 s during {phase}" in proc.stderr, proc.stderr[-3000:]
+    assert "Thread 0x" in proc.stderr or "Current thread" in proc.stderr  # the stacks
+
+
 # ---------------------------------------------------------------- resuming with something changed
 
 def test_resume_with_another_model_is_refused_and_nothing_changes(tmp_path):
