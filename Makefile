@@ -138,7 +138,7 @@ EXPORT_NEEDS := $(STAMP) $(if $(filter onnx,$(FORMAT)),$(ONNX_VENV)/.installed)
 export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
-.PHONY: help setup train train-local train-docker test bench pack evaluate export onnx-setup chaos build image \
+.PHONY: help setup train train-local train-docker test check bench pack evaluate export onnx-setup chaos build image \
   shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
@@ -169,6 +169,9 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: $(STAMP) ## the edit-test loop (minutes): the unit tests and one short run through each launcher
+	$(PY) -m pytest -m "not slow or check" $(PYTEST_ARGS)
 
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)

@@ -14,6 +14,7 @@ stacks), then SIGKILL; its output and the stacks go to OUT/<variant>-<n>.log. Pr
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +31,6 @@ ARGS = ["--preset", "debug", "--max-steps", "6", "--save-every", "3", "--eval-ev
 
 def one_run(variant: str, index: int, out: Path, timeout: float, workers: int) -> tuple[str, float]:
     """(outcome, seconds): ok, hang (the stacks in the log), or failed (exit code and state)."""
-    import subprocess  # noqa: PLC0415 - one per thread
-
     run_dir = out / f"{variant}-{index}"
     cmd = [PY, "-m", "train", *ARGS, *VARIANTS[variant], "--spawn", str(workers), "--run-dir", str(run_dir)]
     started = time.monotonic()

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, 
     wait_for(reached_step(run_dir, at_step), 120, f"step {at_step}", proc)
     alive = status(run_dir)  # written at every log line: a monitor tells a live run at step N from a dead one
     assert alive["state"] == "running" and alive["step"] >= at_step - 5, alive
-    assert abs(time.time() - time.mktime(time.strptime(alive["updated"], "%Y-%m-%dT%H:%M:%S%z"))) < 60, alive
+    assert abs(time.time() - datetime.strptime(alive["updated"], "%Y-%m-%dT%H:%M:%S%z").timestamp()) < 60, alive
     time.sleep(rng.uniform(0, 0.2))
     os.kill(worker_pid(proc, victim), signal.SIGKILL)
     out, err = finish(proc, 300)
