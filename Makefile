@@ -42,6 +42,8 @@ RUNS_DIR ?=
 ENV_FILE ?= .env
 # Extra pytest flags, e.g. PYTEST_ARGS="-k resume -x"
 PYTEST_ARGS ?=
+# make test's pytest-xdist workers: the tests that wait on an engine run beside those that compute (0: one process)
+TEST_WORKERS ?= 3
 # Flags for `make bench`, e.g. BENCH_ARGS="--rounds 5 --out runs/bench-a"
 BENCH_ARGS ?=
 # Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
@@ -168,7 +170,7 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 check: $(STAMP) ## the edit-test loop (minutes): the unit tests and one short run through each launcher
 	$(PY) -m pytest -m "not slow or check" $(PYTEST_ARGS)

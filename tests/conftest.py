@@ -1,7 +1,16 @@
-"""Fixtures. Helpers are in tests/helpers.py; every test under tests/e2e/ (real processes) is marked slow."""
+"""Fixtures. Helpers are in tests/helpers.py; every test under tests/e2e/ (real processes) is marked slow.
+
+make test runs the suite in several pytest-xdist workers at once (the Makefile's TEST_WORKERS): while one waits on
+an engine (a Docker build, the Slurm cluster, a package download) another computes. So what costs minutes is made
+once per `make test` for every worker (`shared`): a reference run, the default run, a tool's environment; the engines
+that exist once per machine (the Docker image and the test cluster) are used by one worker alone (the `engines`
+group below), and each end-to-end module runs whole on one worker, with its module fixtures."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -13,43 +22,97 @@ import torch
 from tests.helpers import MlflowServer, make, python_cmd, run, torchrun_cmd
 from train.distributed import free_port
 
+# The modules that use the machine's one Docker engine image or its one test cluster (network namespaces and
+# bridge of fixed names): one worker runs them all, in this order.
+ENGINES = ("test_docker", "test_slurm", "test_services", "test_skypilot")
+
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory):
+def shared(tmp_path_factory, worker_id):
+    """shared(name) -> (folder, lock): a folder every worker of this test run sees, and a context that holds its
+    lock (one holder at a time across the workers). Whoever takes the lock first makes what the folder is for."""
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    root = root / "shared"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str):
+        folder = root / name
+        folder.mkdir(exist_ok=True)
+
+        @contextlib.contextmanager
+        def lock():
+            with open(folder / ".lock", "w") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+
+        return folder, lock()
+
+    return get
+
+
+def made_once(shared, name: str, make_it) -> Path:
+    """shared(name)'s folder, made by make_it(folder) by the first worker that asks; the rest wait and reuse it."""
+    folder, lock = shared(name)
+    with lock:
+        if not (folder / ".made").exists():
+            make_it(folder)
+            (folder / ".made").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def reference_run(shared):
     """reference_run(*ARGS, workers=2, torchrun=False): the run directory of an uninterrupted run of the
     trainer with ARGS (--spawn of that many workers, or a local torchrun of them), trained once per
-    session and shared by every test that needs it: what interrupted, resumed or relaunched runs must
-    equal. Read it; never train in it."""
-    made: dict[tuple, Path] = {}
+    test run and shared by every test (and every worker) that needs it: what interrupted, resumed or relaunched
+    runs must equal. Read it; never train in it."""
 
     def get(*args, workers: int = 2, torchrun: bool = False) -> Path:
-        key = (tuple(map(str, args)), workers, torchrun)
-        if key not in made:
-            run_dir = tmp_path_factory.mktemp("reference") / "run"
+        key = repr((tuple(map(str, args)), workers, torchrun))
+        name = "reference-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+        def train(folder: Path) -> None:
+            run_dir = folder / "run"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a worker that died while training it
             if torchrun:
                 run(torchrun_cmd(workers, *args, "--run-dir", run_dir), timeout=900)
             else:
                 spawn = ["--spawn", workers] if workers > 1 else []
                 run(python_cmd(*args, *spawn, "--run-dir", run_dir), timeout=900)
-            made[key] = run_dir
-        return made[key]
+
+        return made_once(shared, name, train) / "run"
 
     return get
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory) -> Path:
+def default_run(shared) -> Path:
     """The quickstart's run: `make train` with no flags but a run directory, in the local environment,
-    trained once per session. The tests of what it learns and of the container's default share it."""
-    run_dir = tmp_path_factory.mktemp("default") / "run"
-    make("train", "RUNTIME=local", f"ARGS=--run-dir {run_dir}", timeout=900)
-    return run_dir
+    trained once per test run. The tests of what it learns and of the container's default share it."""
+    def train(folder: Path) -> None:
+        shutil.rmtree(folder / "run", ignore_errors=True)
+        make("train", "RUNTIME=local", f"ARGS=--run-dir {folder / 'run'}", timeout=900)
+
+    return made_once(shared, "default-run", train) / "run"
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
+def tool_setup(shared):
+    """tool_setup(target): `make TARGET` (mlflow-setup, sky-setup, onnx-setup: a tool's environment from its lock),
+    once per test run, never by two workers at once."""
+    def setup(target: str, *args: str) -> None:
+        made_once(shared, f"make-{target}", lambda _: make(target, *args, timeout=900))
+
+    return setup
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, tool_setup):
     """A real MLflow tracking server for the session (`make mlflow-setup` installs it from its lock)."""
-    make("mlflow-setup", timeout=900)
+    tool_setup("mlflow-setup")
     server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port())
     server.start()
     yield server
@@ -57,9 +120,9 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def team_mlflow_server(tmp_path_factory):
+def team_mlflow_server(tmp_path_factory, tool_setup):
     """A team server (MLFLOW_EXPOSE=1): every interface, a login for every request; `.credentials` to pass."""
-    make("mlflow-setup", timeout=900)
+    tool_setup("mlflow-setup")
     server = MlflowServer(tmp_path_factory.mktemp("team-mlflow"), free_port(), exposed=True)
     server.start()
     yield server
@@ -88,6 +151,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "e2e" in item.path.parts:  # real processes, seconds each
             item.add_marker(pytest.mark.slow)
+            module = item.path.stem  # one worker runs a module whole: its module fixtures are made once
+            item.add_marker(pytest.mark.xdist_group("engines" if module in ENGINES else module))
+    # The engines first (the longest chain of waits), then the rest as collected: a worker that finishes early
+    # takes the next group.
+    items.sort(key=lambda item: item.path.stem not in ENGINES)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
