@@ -88,6 +88,8 @@ MLFLOW_VENV ?= .venv-mlflow
 SKY_VENV ?= .venv-sky
 # ONNX export's environment (`make onnx-setup`, on the first FORMAT=onnx): .venv's packages plus docker/onnx.lock
 ONNX_VENV ?= .venv-onnx
+# webdataset's environment (`make wds-setup`), from tests/webdataset.lock: the tests write tars with its ShardWriter
+WDS_VENV ?= .venv-wds
 # (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
@@ -139,7 +141,7 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test bench pack evaluate export onnx-setup chaos build image \
-  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -267,6 +269,13 @@ $(SKY_VENV)/.installed: tests/skypilot.lock
 	$(SKY_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/skypilot.lock
 	@touch $@
 
+wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.lock): the tests' writer of other tools' tars
+
+$(WDS_VENV)/.installed: tests/webdataset.lock
+	@test -x $(WDS_VENV)/bin/python || $(PYTHON) -m venv $(WDS_VENV)
+	$(WDS_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/webdataset.lock
+	@touch $@
+
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
@@ -304,6 +313,8 @@ lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu1
 	  -o docker/mlflow.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/skypilot.in \
 	  -o tests/skypilot.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/webdataset.in \
+	  -o tests/webdataset.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) docker/onnx.in \
 	  -c requirements.lock -o docker/onnx.lock)
 

@@ -141,7 +141,7 @@ def evaluate_run(job: Job) -> int:
     init(device, cfg.launch.timeout_s)
     clean = False
     try:
-        _, val_set, _ = build_datasets(cfg, train=False)
+        _, val_set, _ = build_datasets(cfg, train=False, run_dir=job.run_dir)
         if class_names(val_set) != classes:
             raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(class_names(val_set)[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
