@@ -46,7 +46,8 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 # Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 CHAOS_ARGS ?=
-# `make pack`: the ImageFolder to pack, and the folder for its shards
+# `make pack`: the dataset to pack (an ImageFolder, label files or another tool's WebDataset tars), and the folder
+# for its shards
 SRC ?=
 DST ?=
 # ... the processes that read and resize the images (empty: every usable core)
@@ -55,6 +56,8 @@ WORKERS ?=
 MAX_SIDE ?=
 # ... and the JPEG quality of those it re-encodes (empty: 90)
 QUALITY ?=
+# ... more flags of python -m train.pack, e.g. PACK_ARGS="--label-column y" (label files' columns, tars' --label-key)
+PACK_ARGS ?=
 # `make evaluate`, `make export`: the run's folder
 RUN ?=
 # ... and which of its checkpoints: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a file
@@ -175,10 +178,10 @@ test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
 
-pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout): SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
+pack: $(STAMP) ## an ImageFolder, label files or tars as tar shards: SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata" \
 	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
-	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS)
+	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS) $(PACK_ARGS)
 
 evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DATA_DIR=another set] [GPUS=N workers]
 	@$(call renamed_weights,evaluate)

@@ -27,6 +27,6 @@ from train.data.transforms import eval_resize, eval_steps, image_transforms, pre
 
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
-           "check_labelfiles", "check_shards", "class_names", "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms",
-           "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
+           "check_labelfiles", "check_shards", "class_names", "default_num_workers", "describe_sampler", "eval_resize",
+           "eval_steps", "image_transforms", "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
            "origin", "samples_per_rank", "source_of"]

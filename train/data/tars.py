@@ -201,10 +201,12 @@ def _write_cache(folder: Path, split: str, index: TarIndex, stats: list[dict], l
                                                    indent=1).encode())  # last: it makes the other two valid
 
 
-def index_split(root: Path, tars: list[Path], label_key: str, quiet: bool = False) -> TarIndex:
-    """The tars indexed, in a process per usable core (this one alone for a single tar or core)."""
+def index_split(root: Path, tars: list[Path], label_key: str, quiet: bool = False, stream=None) -> TarIndex:
+    """The tars indexed, in a process per usable core (this one alone for a single tar or core); a progress line on
+    stream (default stderr) unless quiet."""
     results = []
-    with Progress(f"indexing the tars in {root}", total=len(tars), unit="tars", quiet=quiet, last=None) as progress:
+    with Progress(f"indexing the tars in {root}", total=len(tars), unit="tars", stream=stream, quiet=quiet,
+                  last=None) as progress:
         workers = min(len(tars), usable_cores())
         if workers <= 1:
             for tar in tars:
@@ -220,7 +222,8 @@ def index_split(root: Path, tars: list[Path], label_key: str, quiet: bool = Fals
     return TarIndex(root, tars, rows, [names for _, names in results])
 
 
-def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = None, quiet: bool = False) -> TarIndex:
+def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = None, quiet: bool = False,
+               stream=None) -> TarIndex:
     """The split's index: from a cache that matches the tars, else indexed and cached (beside the tars, else in the
     run folder, else kept in memory)."""
     tars = find_tars(root, (split,))[split]
@@ -230,7 +233,7 @@ def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = No
         cached = _read_cache(folder, root, split, tars, stats, label_key)
         if cached is not None:
             return cached
-    index = index_split(root, tars, label_key, quiet)
+    index = index_split(root, tars, label_key, quiet, stream)
     for folder in folders:
         try:
             _write_cache(folder, split, index, stats, label_key)
