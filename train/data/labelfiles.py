@@ -181,7 +181,7 @@ class Listing:
 def _classes(raw: list[str], lines: list[int], file: Path, listed: tuple[list[str], Path] | None):
     """(classes, where they come from) of the training file's labels (raw)."""
     if listed is not None:
-        return listed[0], f"{listed[1].name} (in its order)"
+        return listed[0], f"{listed[1].name}, in its order"
     indices = [_is_index(label) for label in raw]
     if all(indices):
         return [str(i) for i in range(max(map(int, raw)) + 1)], "integer labels (the indices: 0 .. the largest)"
@@ -205,8 +205,8 @@ def _labels(raw: list[str], lines: list[int], file: Path, classes: list[str], so
         if _is_index(label) and int(label) < len(classes) and not source.startswith("the label names"):
             continue
         if _is_index(label) and not source.startswith("the label names"):
-            raise ConfigError(f"{file} line {line}: the class index {label} is out of range: {source} has "
-                              f"{len(classes)} classes (0-{len(classes) - 1}): fix the index")
+            raise ConfigError(f"{file} line {line}: the class index {label} is out of range ({len(classes)} classes, "
+                              f"0-{len(classes) - 1}, from {source}): fix the index")
         raise ConfigError(f"{file} line {line}: the label {label!r} is not one of the classes ({source}): fix the "
                           f"label, or add the class to classes.txt")
     return [index[label] if label in index else int(label) for label in raw]

@@ -269,7 +269,7 @@ def classes_of(root: Path, train: TarIndex | None, split: TarIndex, split_name: 
     training label. Every label of `split` must name one; else one line naming the tar and the sample."""
     listed = class_list(root)
     if listed is not None:
-        classes, source = listed[0], f"{listed[1].name} (in its order)"
+        classes, source = listed[0], f"{listed[1].name}, in its order"
     else:
         top = int((train or split).labels().max())
         classes, source = [str(i) for i in range(top + 1)], "the labels (integers: 0 .. the largest training label)"
