@@ -93,7 +93,6 @@ def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
     """One tar's samples: their rows (offset, size, label; int64 x 3, as bytes) and their image members' names, one a
     line. Runs in an indexing process."""
     rows, names = array("q"), []
-    size = os.path.getsize(path)
 
     def close(key: str | None, members: dict) -> None:
         if key is None:
@@ -102,8 +101,6 @@ def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
         if image is None:
             raise ConfigError(f"{path}: the sample {key!r} has no image ({', '.join(f'.{s}' for s in IMAGE_SUFFIXES)};"
                               f" it has {', '.join(sorted(members))}): add its image, or remove the sample")
-        if image.offset_data + image.size > size:
-            raise ConfigError(f"{path} is cut short (the sample {key!r} ends past the file's end): copy the tar again")
         if "\n" in image.name:
             raise ConfigError(f"{path}: the sample {key!r} has a line break in its name: rename it")
         rows.extend((image.offset_data, image.size, _label(tar, members, key, label_key, path)))
@@ -122,6 +119,9 @@ def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
                 members[match[2].lower() if match[2].lower() in IMAGE_SUFFIXES else match[2]] = member
             close(key, members)
     except (tarfile.ReadError, EOFError) as e:
+        if str(e) == "unexpected end of data":  # tarfile's word for a file that ends inside a member
+            raise ConfigError(f"{path} is cut short (it ends inside a member, after the sample {key!r}): copy the tar "
+                              f"again") from None
         raise ConfigError(f"{path} cannot be read as a plain tar ({e}): a damaged, compressed (.tar.gz) or other file; "
                           f"reading by offset needs uncompressed tars: copy it again, or decompress it") from None
     except OSError as e:
