@@ -40,7 +40,8 @@ def draw_imagefolder(root: Path, classes: int = 3, train: int = 30, val: int = 1
         for n, i in enumerate(kept):
             folder = root / split / SHAPE_CLASSES[int(labels[i])]
             folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(folder / f"{n:03d}.{'jpg' if n % 3 == 0 else 'png'}")
+            suffix = "jpg" if n % 3 == 0 else "png"
+            Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(folder / f"{n:03d}.{suffix}")
     return root
 
 

@@ -52,7 +52,8 @@ def files(root, **contents):
     ({"train_csv": "", "val_csv": VAL}, "train.csv", r"is empty: give a header"),
     ({"train_csv": "path,label\n"}, "train.csv", r"lists no image"),
     ({"train_csv": b"path,label\n\xff\xfe.png,cat\n"}, "train.csv", r"is not UTF-8 text: save it as UTF-8"),
-    ({"train_csv": "path,label\na.png,cat\n", "classes_txt": "cat\ncat\n"}, "classes.txt", r"names the class 'cat' twice"),
+    ({"train_csv": "path,label\na.png,cat\n", "classes_txt": "cat\ncat\n"}, "classes.txt",
+     r"names the class 'cat' twice"),
     ({"train_csv": "path,label\na.png,cat\n", "classes_txt": "cat\n", "classes_json": "[]"}, "",
      r"has both classes.txt and classes.json: keep one"),
     ({"train_csv": "path,label\na.png,cat\n", "train_jsonl": "{}"}, "",
@@ -81,7 +82,8 @@ def test_columns_labels_and_classes_as_documented(tmp_path):
     """Defaults found in any case, a byte-order mark, blank lines, surrounding spaces, absolute and relative paths;
     names sorted; integers without a class list are their own classes; a class list's order and its names or
     indices."""
-    files(tmp_path, train_csv="\ufeffImage, Class\n\nb.png, dog\n/abs/a.png,cat \n\n", val_csv="path,label\nc.png,dog\n")
+    files(tmp_path, train_csv="\ufeffImage, Class\n\nb.png, dog\n/abs/a.png,cat \n\n",
+          val_csv="path,label\nc.png,dog\n")
     listing = read_labelfiles(tmp_path)["train"]
     assert listing.classes == ["cat", "dog"] and list(listing.labels) == [1, 0] and list(listing.lines) == [3, 4]
     assert [listing.path(i) for i in range(2)] == [str(tmp_path / "b.png"), "/abs/a.png"]
