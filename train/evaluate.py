@@ -5,7 +5,8 @@ trainer's evaluations call evaluate() from here, and so does the command, on a f
 
   python -m train.evaluate runs/exp1                         model.pt on the run's own validation set
   python -m train.evaluate runs/exp1 --checkpoint best       best.pt (ema: model_ema.pt; or a checkpoint file)
-  python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: /nas/val2/val/<class>/*, the run's classes
+  python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: its val split (val/, val.csv, val-*.tar), the
+                                                             run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
   python -m train.evaluate runs/exp2 --model mypkg.nets:build a run of your own model: name its factory again
   torchrun --nproc-per-node=4 -m train.evaluate runs/exp1    any launcher, as for training (srun too)

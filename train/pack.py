@@ -7,8 +7,8 @@ in the WebDataset layout, which other tools read as they are (webdataset, wids, 
   DST/train-000000.tar ...     members <key>.<ext> (the image's bytes) and <key>.cls (class index)
   DST/train-000000.tar.idx     per sample: data offset, size, class (int64 x 3): random access, no scan
   DST/train.json               wids' shard index ({"__kind__": "wids-shard-index-v1", "shardlist": ...})
-  DST/index.json               classes, per shard its samples, bytes and SHA-256, and the settings (max_side,
-                               quality): written last
+  DST/index.json               classes, per shard its samples, bytes and SHA-256, the settings (max_side,
+                               quality) and the source (its folder and kind): written last
 
 One file per shard instead of one per image: a NAS answers a few hundred opens instead of millions of
 metadata round trips, and the dataset's length comes from index.json without listing a folder.
@@ -63,7 +63,7 @@ from train.data.decode import as_tensor, decode
 from train.data.folders import PACK_JOURNAL
 from train.data.scan import within
 from train.data.sources import list_source, listed_as, name_of, read_reference, suffix_of
-from train.data.tars import DEFAULT_LABEL_KEY
+from train.data.tarindex import DEFAULT_LABEL_KEY
 from train.distributed import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress

@@ -17,7 +17,8 @@ from tests.sources import add_member
 from train.checks import preflight
 from train.config import parse_config
 from train.data import build_datasets
-from train.data.tars import CACHE, FALLBACK, check_shards, find_tars, load_split, tar_splits
+from train.data.tarindex import CACHE, FALLBACK, find_tars, load_split
+from train.data.tars import check_shards, tar_splits
 from train.errors import ConfigError, DataError
 
 

@@ -4,7 +4,8 @@
   folders     file datasets on disk: an ImageFolder, packed shards (read by offset), CIFAR-10, and their checks
   scan        an ImageFolder split's listing: its classes and images, as torchvision's, links held to it
   labelfiles  label files (train.csv / .tsv / .jsonl: a path and a label per row), classes.txt, their checks
-  tars        WebDataset tars of other tools: indexed once (cached), then read by offset as packed shards
+  tars        WebDataset tars of other tools, read by offset as packed shards, their classes and checks
+  tarindex    where such tars are, and their index: made once in parallel, cached beside them or in the run folder
   sources     each source as (path or tar member, label) pairs in its fixed order: what make pack packs
   decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
               workers or on the GPU (--decode gpu)
@@ -28,5 +29,5 @@ from train.data.transforms import eval_resize, eval_steps, image_transforms, pre
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
            "check_labelfiles", "check_shards", "class_names", "default_num_workers", "describe_sampler", "eval_resize",
-           "eval_steps", "image_transforms", "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
-           "origin", "samples_per_rank", "source_of"]
+           "eval_steps", "image_transforms", "load_image", "make_shapes", "packed_with", "prepare_inputs",
+           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of"]

@@ -1,8 +1,8 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
 listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, with
-links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10
-(torchvision's, downloaded only with --download, by local rank 0 of each node, safely into a --data-dir that several
-nodes share).
+links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit, an OffsetSplit as
+other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded only with --download, by local
+rank 0 of each node, safely into a --data-dir that several nodes share).
 """
 
 from __future__ import annotations

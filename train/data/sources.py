@@ -19,7 +19,8 @@ from pathlib import Path
 from train.data.folders import check_imagefolder, is_pack
 from train.data.labelfiles import has_label_files, read_labelfiles
 from train.data.scan import scan_split
-from train.data.tars import DEFAULT_LABEL_KEY, classes_of, has_split, load_split
+from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
+from train.data.tars import classes_of
 from train.errors import ConfigError, DataError
 
 SPLITS = ("train", "val")
