@@ -4,7 +4,9 @@ tars written by webdataset's own ShardWriter and tars written by Python's tarfil
 or --decode), the same plan counts and classes, and the same packed shards."""
 
 import json
+import os
 import shutil
+import tarfile
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import torch
 from tests.sources import draw_imagefolder, write_label_files, write_plain_tars, write_wds_shards
 from train.config import parse_config
 from train.data import build_datasets, build_train_loader, build_val_loader
+from train.data.tarindex import load_split
+from train.pack import main as pack_main
 from train.pack import pack
 from train.plan import dry_run
 
@@ -126,3 +130,41 @@ def test_pack_makes_the_same_shards_from_every_source(sources, tmp_path):
     # and the pack trains as its source does
     index = json.loads((tmp_path / "csv" / "index.json").read_text())
     assert index["splits"]["train"]["samples"] == 30
+
+
+@pytest.mark.parametrize("source", ["csv", "webdataset"])
+def test_a_pack_of_a_new_source_stopped_by_a_bad_image_continues_with_max_side(sources, tmp_path, capsys, source):
+    """WORKERS, MAX_SIDE and continuing as for an ImageFolder: stopped by an image that cannot be read (one line),
+    continued by the same command once it is mended, the shards those of the ImageFolder packed at once."""
+    folder = tmp_path / "folder"
+    shutil.copytree(sources["imagefolder"][3], folder)
+    if source == "csv":  # a listed file gone
+        src = write_label_files(folder, tmp_path / "src")
+        bad = sorted((folder / "train" / "ring").iterdir())[2]
+        kept = bad.read_bytes()
+        bad.unlink()
+        says = f"cannot read image {bad} ("
+    else:  # an image member that does not decode, in a tar whose index is cached (the same size and time)
+        src = write_wds_shards(folder, tmp_path / "src")
+        load_split(src, "train", "cls")
+        bad = src / "train-000002.tar"
+        kept, stamp = bad.read_bytes(), bad.stat()
+        with tarfile.open(bad) as tar:
+            member = tar.getmembers()[1]  # s00014.jpg or .png, after s00014.cls
+        bad.write_bytes(kept[:member.offset_data] + b"\0" * member.size + kept[member.offset_data + member.size:])
+        os.utime(bad, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+        says = f"cannot read image {bad} (the member at byte {member.offset_data}) ("
+    dst = tmp_path / "shards"
+    args = [str(src), str(dst), "--workers", "2", "--max-side", "16", "--shard-mb", str(2_000 / 2**20)]
+    assert pack_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {says}") and "run the same command" in err[-1], err
+    assert not (dst / "index.json").exists() and len((dst / ".pack-journal.jsonl").read_text().splitlines()) > 2
+    bad.write_bytes(kept)
+    if source == "webdataset":
+        os.utime(bad, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert pack_main(args) == 0
+    assert "continuing the pack in" in capsys.readouterr().err
+    pack(folder, tmp_path / "whole", 2_000, workers=1, max_side=16)
+    packed, whole = (json.loads((d / "index.json").read_text()) for d in (dst, tmp_path / "whole"))
+    assert packed["splits"] == whole["splits"] and packed["splits"]["train"]["resized"] == 30
