@@ -29,6 +29,9 @@ def files(root, **contents):
 @pytest.mark.parametrize("contents, file, says", [
     ({"train_csv": "path,label\na.png,\n"}, "train.csv", r"line 2: the label is empty: give every row"),
     ({"train_csv": "path,label\n ,cat\n"}, "train.csv", r"line 2: the path is empty"),
+    ({"train_csv": "path,label\na\0.png,cat\n"}, "train.csv", r"line 2: the path holds a NUL byte"),
+    ({"train_csv": "path,label\na.png,cat\nb.png," + "x" * 140_000 + "\n"}, "train.csv",
+     r"line 3: malformed \(field larger than field limit \(131072\)\): fix that line"),
     ({"train_csv": "path,label\na.png,cow\n", "classes_txt": "cat\ndog\n"}, "train.csv",
      r"line 2: the label 'cow' is not one of the classes \(classes.txt, in its order\): fix the label, or add"),
     ({"train_csv": "path,label\na.png,1\nb.png,5\n", "classes_txt": "cat\ndog\n"}, "train.csv",

@@ -102,6 +102,7 @@ def _column(names: list[str], given: str, defaults: tuple[str, ...], what: str, 
 
 def _rows(file: Path, path_column: str, label_column: str):
     """(line, path, label) of each row; a malformed line or a header without the columns is one line."""
+    reader = None
     try:
         with open(file, newline="", encoding="utf-8-sig") as f:
             if file.suffix == ".jsonl":
@@ -122,8 +123,9 @@ def _rows(file: Path, path_column: str, label_column: str):
                     raise ConfigError(f"{file} line {reader.line_num}: {len(record)} fields where the header has "
                                       f"{width}: quote a field that holds the separator, or fix the line")
                 yield reader.line_num, record[p], record[lab]
-    except csv.Error as e:
-        raise ConfigError(f"{file}: malformed ({e}): fix the quoting of that line") from None
+    except csv.Error as e:  # a NUL byte, a field over csv's limit of 131,072 characters
+        raise ConfigError(f"{file} line {reader.line_num if reader else 1}: malformed ({e}): fix that line") \
+            from None
     except UnicodeDecodeError:
         raise ConfigError(f"{file} is not UTF-8 text: save it as UTF-8") from None
     except OSError as e:
@@ -223,9 +225,9 @@ def read_split(root: Path, split: str, path_column: str = "", label_column: str 
     paths, raw, lines, where = [], [], [], {}
     for line, path, label in _rows(file, path_column, label_column):
         path, label = path.strip(), label.strip()
-        if not path or not label:
-            raise ConfigError(f"{file} line {line}: the {'path' if not path else 'label'} is empty: give every row a "
-                              f"path and a label, or remove the line")
+        if not path or not label or "\0" in path:
+            what = "label is empty" if path and not label else "path is empty" if not path else "path holds a NUL byte"
+            raise ConfigError(f"{file} line {line}: the {what}: give every row a path and a label, or remove the line")
         full = path if path.startswith("/") else prefix + path
         if "/." in full or "//" in full:
             full = os.path.normpath(full)
