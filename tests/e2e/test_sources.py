@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 
@@ -76,3 +77,27 @@ def test_tars_with_a_worker_killed_and_restarted_train_the_imagefolders_model(re
     same_data(run_dir, reference)
     kind = json.loads((run_dir / "plan.json").read_text())["source"]["kind"]
     assert kind == "shards (WebDataset tars of another tool)"
+
+
+def test_a_listed_file_that_is_gone_stops_the_run_naming_it_and_its_line(data, tmp_path):
+    """Not asked about before the start (a NAS would take minutes for a million): met by a loader worker of a rank,
+    one line naming the file and its line, exit 2, status.json "failed"; restored, the same command trains on."""
+    folder = tmp_path / "folder"
+    shutil.copytree(data["imagefolder"][3], folder)
+    labels = write_label_files(folder, tmp_path / "csv")
+    gone = sorted((folder / "train" / "ring").iterdir())[5]
+    kept = gone.read_bytes()
+    gone.unlink()
+    line = next(n for n, text in enumerate((labels / "train.csv").read_text().splitlines(), 1) if gone.name in text
+                and "/ring/" in text)
+    args = [*COMMON, "--dataset", "csv", "--data-dir", labels, "--num-workers", 1, "--max-steps", 8, "--spawn", 2,
+            "--run-dir", tmp_path / "run"]
+    proc = run(python_cmd(*args), expect=2)
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
+    said = f"cannot read image {gone}, listed on line {line} of {labels}/train.csv (No such file or directory)"
+    assert len(errors) == 1 and said in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    failed = status(tmp_path / "run")
+    assert failed["state"] == "failed" and failed["exit_code"] == 2 and said in failed["error"], failed
+    gone.write_bytes(kept)
+    run(python_cmd(*args))
+    assert status(tmp_path / "run")["state"] == "done"
