@@ -48,7 +48,8 @@ TEST_WORKERS ?= 3
 BENCH_ARGS ?=
 # Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 CHAOS_ARGS ?=
-# `make pack`: the ImageFolder to pack, and the folder for its shards
+# `make pack`: the dataset to pack (an ImageFolder, label files or another tool's WebDataset tars), and the folder
+# for its shards
 SRC ?=
 DST ?=
 # ... the processes that read and resize the images (empty: every usable core)
@@ -57,6 +58,8 @@ WORKERS ?=
 MAX_SIDE ?=
 # ... and the JPEG quality of those it re-encodes (empty: 90)
 QUALITY ?=
+# ... more flags of python -m train.pack, e.g. PACK_ARGS="--label-column y" (label files' columns, tars' --label-key)
+PACK_ARGS ?=
 # `make evaluate`, `make export`: the run's folder
 RUN ?=
 # ... and which of its checkpoints: model (model.pt), best (best.pt), ema (model_ema.pt), best_ema or a file
@@ -90,6 +93,8 @@ MLFLOW_VENV ?= .venv-mlflow
 SKY_VENV ?= .venv-sky
 # ONNX export's environment (`make onnx-setup`, on the first FORMAT=onnx): .venv's packages plus docker/onnx.lock
 ONNX_VENV ?= .venv-onnx
+# webdataset's environment (`make wds-setup`), from tests/webdataset.lock: the tests write tars with its ShardWriter
+WDS_VENV ?= .venv-wds
 # (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
@@ -141,7 +146,7 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test check bench pack evaluate export onnx-setup chaos build image \
-  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup env doctor enroot apptainer lock clean
+  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup env doctor enroot apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -178,10 +183,10 @@ check: $(STAMP) ## the edit-test loop (minutes): the unit tests and one short ru
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
 
-pack: $(STAMP) ## pack an ImageFolder into tar shards (WebDataset layout): SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
+pack: $(STAMP) ## an ImageFolder, label files or tars as tar shards: SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata" \
 	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
-	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS)
+	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS) $(PACK_ARGS)
 
 evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DATA_DIR=another set] [GPUS=N workers]
 	@$(call renamed_weights,evaluate)
@@ -272,6 +277,13 @@ $(SKY_VENV)/.installed: tests/skypilot.lock
 	$(SKY_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/skypilot.lock
 	@touch $@
 
+wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.lock): the tests' writer of other tools' tars
+
+$(WDS_VENV)/.installed: tests/webdataset.lock
+	@test -x $(WDS_VENV)/bin/python || $(PYTHON) -m venv $(WDS_VENV)
+	$(WDS_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/webdataset.lock
+	@touch $@
+
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
@@ -309,6 +321,8 @@ lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu1
 	  -o docker/mlflow.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/skypilot.in \
 	  -o tests/skypilot.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/webdataset.in \
+	  -o tests/webdataset.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) docker/onnx.in \
 	  -c requirements.lock -o docker/onnx.lock)
 

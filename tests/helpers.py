@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import hashlib
 import http.server
 import importlib.util
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import urllib.request
@@ -138,6 +140,18 @@ def end_hung(proc: subprocess.Popen) -> tuple[str, str]:
 
 def make(*args, expect: int | None = 0, timeout: float = 600) -> subprocess.CompletedProcess:
     return run(["make", "--no-print-directory", *args], expect=expect, timeout=timeout, cwd=REPO)
+
+
+@contextlib.contextmanager
+def one_at_a_time(name: str):
+    """Hold a lock of this machine named `name` (an flock on a file in the temporary folder): what two test workers
+    must not do at once, such as installing a tool's environment into the one folder."""
+    with open(Path(tempfile.gettempdir()) / f"trainbox-tests-{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_model(run_dir: Path) -> dict:

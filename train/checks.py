@@ -16,7 +16,7 @@ import torch
 
 from train import checkpoint
 from train.config import Config, launch_run_dir
-from train.data import check_cifar, check_imagefolder, read_index, samples_per_rank
+from train.data import check_cifar, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
 from train.distributed import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
@@ -46,8 +46,10 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         check_cifar(Path(cfg.data.data_dir), cfg.data.download)
     if cfg.data.dataset == "imagefolder":
         check_imagefolder(Path(cfg.data.data_dir))
-    if cfg.data.dataset == "shards":
-        read_index(Path(cfg.data.data_dir))
+    if cfg.data.dataset == "csv":  # every row, in seconds for a million; whether each file exists is left to the loader
+        check_labelfiles(Path(cfg.data.data_dir), cfg.data.path_column, cfg.data.label_column)
+    if cfg.data.dataset == "shards":  # a pack's index, or another tool's tars indexed once (and cached)
+        check_shards(Path(cfg.data.data_dir), cfg.data.label_key)
     check_model_spec(cfg.model)
     check_weights(cfg)
     check_decay_groups(cfg)
@@ -133,9 +135,9 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"--precision {cfg.model.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and cfg.model.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "shards"):
+    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "csv", "shards"):
         raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.data.dataset} has none: use it with "
-                          f"--dataset imagefolder or shards, or drop it")
+                          f"--dataset imagefolder, csv or shards, or drop it")
     if cfg.data.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 

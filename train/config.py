@@ -68,10 +68,17 @@ class Data:
     """The dataset and how it is read."""
 
     dataset: str = _field("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, "
-                                    "DATA_DIR/val); shards (an ImageFolder packed by make pack); synthetic: random "
-                                    "images for benchmarks (learns nothing)",
-                                    choices=("shapes", "cifar10", "imagefolder", "shards", "synthetic"))
-    data_dir: str = _field("data", "dataset root for cifar10, imagefolder and shards")
+                                    "DATA_DIR/val); csv (label files: DATA_DIR/train.csv and val.csv, or .tsv, "
+                                    ".jsonl: a path and a label per row); shards (make pack's, or WebDataset tars of "
+                                    "another tool); synthetic: random images for benchmarks (learns nothing)",
+                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "synthetic"))
+    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv and shards")
+    path_column: str = _field("", "csv: the label files' column of image paths; empty: the first of path, image, "
+                                  "file, filename, filepath")
+    label_column: str = _field("", "csv: the label files' column of labels (class names, or indices into "
+                                   "classes.txt); empty: the first of label, class, category, target")
+    label_key: str = _field("cls", "shards of another tool: each sample's label is the integer in its <key>.LABEL_KEY "
+                                   "member, else its .json member's LABEL_KEY field")
     download: bool = _field(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
     image_size: int = _field(32, "image side in pixels (shapes generates at it; others resize to it); with named "
                                  "--weights on image files: their crop unless given")
@@ -363,7 +370,7 @@ def inert(cfg: Config) -> dict[str, str]:
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
           "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
-         f"or load): drop it, or train on image files (--dataset imagefolder, shards or cifar10)"),
+         f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards or cifar10)"),
         (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
@@ -376,6 +383,11 @@ def inert(cfg: Config) -> dict[str, str]:
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
         (("download",), cfg.data.dataset != "cifar10",
          f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
+        (("path_column", "label_column"), cfg.data.dataset != "csv",
+         f"with --dataset {cfg.data.dataset} (it names the columns of label files): drop it, or pass --dataset csv"),
+        (("label_key",), cfg.data.dataset != "shards",
+         f"with --dataset {cfg.data.dataset} (it names the label of WebDataset tars): drop it, or pass --dataset "
+         f"shards"),
         (("width",), cfg.model.model != "cnn", f"with --model {cfg.model.model} (it sizes the built-in cnn): drop it"),
         (("momentum", "nesterov"), cfg.optimisation.optimizer != "sgd",
          f"with --optimizer {cfg.optimisation.optimizer}: drop it, or pass --optimizer sgd"),

@@ -5,7 +5,8 @@ trainer's evaluations call evaluate() from here, and so does the command, on a f
 
   python -m train.evaluate runs/exp1                         model.pt on the run's own validation set
   python -m train.evaluate runs/exp1 --checkpoint best       best.pt (ema: model_ema.pt; or a checkpoint file)
-  python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: /nas/val2/val/<class>/*, the run's classes
+  python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: its val split (val/, val.csv, val-*.tar), the
+                                                             run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
   python -m train.evaluate runs/exp2 --model mypkg.nets:build a run of your own model: name its factory again
   torchrun --nproc-per-node=4 -m train.evaluate runs/exp1    any launcher, as for training (srun too)
@@ -141,7 +142,7 @@ def evaluate_run(job: Job) -> int:
     init(device, cfg.launch.timeout_s)
     clean = False
     try:
-        _, val_set, _ = build_datasets(cfg, train=False)
+        _, val_set, _ = build_datasets(cfg, train=False, run_dir=job.run_dir)
         if class_names(val_set) != classes:
             raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(class_names(val_set)[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "

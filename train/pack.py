@@ -1,20 +1,23 @@
 """Packed shards for big image datasets: `make pack SRC=... DST=...` (python -m train.pack SRC DST).
 
-An ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*) becomes tar shards in the WebDataset layout, which
-other tools read as they are (webdataset, wids, tar):
+A source (an ImageFolder: SRC/train/<class>/*, SRC/val/<class>/*; label files: SRC/train.csv and val.csv, or .tsv,
+.jsonl; another tool's WebDataset tars: SRC/train-*.tar, SRC/val-*.tar or SRC/train/, SRC/val/) becomes tar shards
+in the WebDataset layout, which other tools read as they are (webdataset, wids, tar):
 
   DST/train-000000.tar ...     members <key>.<ext> (the image's bytes) and <key>.cls (class index)
   DST/train-000000.tar.idx     per sample: data offset, size, class (int64 x 3): random access, no scan
   DST/train.json               wids' shard index ({"__kind__": "wids-shard-index-v1", "shardlist": ...})
-  DST/index.json               classes, per shard its samples, bytes and SHA-256, and the settings (max_side,
-                               quality): written last
+  DST/index.json               classes, per shard its samples, bytes and SHA-256, the settings (max_side,
+                               quality) and the source (its folder and kind): written last
 
 One file per shard instead of one per image: a NAS answers a few hundred opens instead of millions of
 metadata round trips, and the dataset's length comes from index.json without listing a folder.
 
-SRC is listed as training lists an ImageFolder (train/data/folders.py, scan_split: torchvision's ImageFolder's
-classes, images and order, its links held to the folder). DST is neither SRC nor inside it (both resolved), and
-holds nothing but a pack's own files: a new or empty folder, or a stopped pack's, which is continued.
+SRC is listed as training lists it (train/data/sources.py: each source's classes, and its images as (file or tar
+member, label) in the source's own order: an ImageFolder's as torchvision's ImageFolder lists it, its links held to
+the folder; a label file's rows in order; tars by sorted name, their samples in tar order). DST is neither SRC nor
+inside it (both resolved), and holds nothing but a pack's own files: a new or empty folder, or a stopped pack's,
+which is continued.
 
 --workers N processes read the images (and resize them) while this process writes the shards in the
 folder's order, so the shards are the same bytes whatever N. --max-side N re-encodes (JPEG, --quality) every
@@ -55,9 +58,12 @@ import torch
 from PIL import Image
 
 from train import vision
-from train.data import check_imagefolder, read_idx, read_index
+from train.data import read_idx, read_index
 from train.data.decode import as_tensor, decode
-from train.data.scan import scan_split, within
+from train.data.folders import PACK_JOURNAL
+from train.data.scan import within
+from train.data.sources import list_source, listed_as, name_of, read_reference, suffix_of
+from train.data.tarindex import DEFAULT_LABEL_KEY
 from train.distributed import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
@@ -67,17 +73,11 @@ SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, 
 SPLITS = ("train", "val")
 QUALITY = 90  # the JPEG quality of a resized image unless --quality says otherwise
 CHUNK = 8  # images per task handed to a worker: few round trips for small files, little memory for big ones
-JOURNAL = ".pack-journal.jsonl"
+JOURNAL = PACK_JOURNAL
 # What a pack writes in DST (and, with a leading dot and a .tmp ending, its temporary files)
 OURS = re.compile(rf"({'|'.join(SPLITS)})(-\d{{6}}\.tar(\.idx)?|\.json)|index\.json|{re.escape(JOURNAL)}")
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(\.\d+)?")
 FILESYSTEMS_OWN = {"lost+found"}  # in a fresh filesystem's top folder: a DST may be one
-
-
-def _files(split_dir: Path, progress: Progress) -> tuple[list[str], list[tuple[str, int]]]:
-    """(classes, [(image, label)]) as training lists the split; on a NAS a few thousand files a second, counted
-    as they come."""
-    return scan_split(split_dir, counted=progress.advance)
 
 
 def written_by_a_pack(name: str) -> bool:
@@ -131,36 +131,32 @@ def shrink(image: torch.Tensor, max_side: int) -> torch.Tensor:
     return vision.v2.functional.resize(image, size=None, max_size=max_side, antialias=True)
 
 
-def _longer_side(data: bytes, path: Path) -> int:
+def _longer_side(data: bytes, path: str) -> int:
     """From the image's header (PIL reads no pixels for it); decoded where PIL cannot read the header."""
     try:
         with Image.open(io.BytesIO(data)) as image:
             return max(image.size)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return max(decode(as_tensor(data), str(path)).shape[1:])
+        return max(decode(as_tensor(data), path).shape[1:])
 
 
-def prepared(path: str | Path, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
+def prepared(reference, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
     """The image as its shard holds it: (bytes, member suffix, whether it was resized). Without max_side, or
-    with its longer side at most max_side, the file's own bytes; else decoded as training decodes it,
-    shrunk and encoded as a JPEG."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"cannot read image {path} ({e}): check the file's permissions and storage, then run the "
-                        f"same command to continue the pack") from None
+    with its longer side at most max_side, the file's (or tar member's) own bytes; else decoded as training decodes
+    it, shrunk and encoded as a JPEG. reference: a file's path, or a tar member (train/data/sources.py)."""
+    reference = str(reference) if isinstance(reference, Path) else reference
+    data, name = read_reference(reference, "run the same command to continue the pack"), name_of(reference)
     if not data:  # a shard would hold an empty sample, which no decoder reads
-        raise DataError(f"cannot read image {path} (an empty file, 0 bytes): replace the file, then run the same "
+        raise DataError(f"cannot read image {name} (an empty file, 0 bytes): replace the file, then run the same "
                         f"command to continue the pack")
-    if max_side is None or _longer_side(data, path) <= max_side:
-        return data, path.suffix.lower(), False
-    image = shrink(decode(as_tensor(data), str(path)), max_side)
+    if max_side is None or _longer_side(data, name) <= max_side:
+        return data, suffix_of(reference), False
+    image = shrink(decode(as_tensor(data), name), max_side)
     return bytes(vision.io.encode_jpeg(image, quality=quality).numpy()), ".jpg", True
 
 
-def prepare_chunk(paths: list[str], max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
-    return [prepared(path, max_side, quality) for path in paths]
+def prepare_chunk(references: list, max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
+    return [prepared(reference, max_side, quality) for reference in references]
 
 
 def _worker_start() -> None:
@@ -194,9 +190,9 @@ class Workers:
             self.pool.shutdown(cancel_futures=True)
         torch.set_num_threads(self.threads)
 
-    def prepared(self, paths: list[str]) -> Iterator[tuple[bytes, str, bool]]:
-        step = max(1, min(CHUNK, len(paths) // (4 * self.count)))  # a few chunks per worker, even for a few images
-        chunks = (paths[i:i + step] for i in range(0, len(paths), step))
+    def prepared(self, references: list) -> Iterator[tuple[bytes, str, bool]]:
+        step = max(1, min(CHUNK, len(references) // (4 * self.count)))  # a few chunks per worker, even for a few
+        chunks = (references[i:i + step] for i in range(0, len(references), step))
         if self.pool is None:
             for chunk in chunks:
                 yield from prepare_chunk(chunk, self.max_side, self.quality)
@@ -311,7 +307,7 @@ def write_shard(dst: Path, name: str, items: Iterator[tuple[bytes, str, bool, in
             "sha256": _sha256(dst / name), "resized": resized}
 
 
-def pack_split(dst: Path, split: str, samples: list[tuple[str, int]], kept: list[dict], shard_bytes: int,
+def pack_split(dst: Path, split: str, samples: list[tuple[object, int]], kept: list[dict], shard_bytes: int,
                workers: Workers, journal: Journal, progress: Progress) -> list[dict]:
     """The split's shards after those kept from a stopped pack, cut at about shard_bytes each."""
     shards = [s for s in kept if s["name"].startswith(f"{split}-")]
@@ -339,10 +335,9 @@ def pack_split(dst: Path, split: str, samples: list[tuple[str, int]], kept: list
 
 def _listing_digest(src: Path, splits: dict) -> str:
     digest = hashlib.sha256()
-    inside = len(os.path.join(str(src), ""))  # every path the listing gives starts with SRC/
     for split, (_, samples) in splits.items():
-        for path, label in samples:
-            digest.update(f"{split}\t{label}\t{path[inside:]}\n".encode())
+        for reference, label in samples:
+            digest.update(f"{split}\t{label}\t{listed_as(src, reference)}\n".encode())
     return digest.hexdigest()
 
 
@@ -354,16 +349,16 @@ def _remove_temporary(dst: Path) -> None:
 
 
 def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1, max_side: int | None = None,
-         quality: int | None = None, progress_to: TextIO | None = None, progress_every: float | None = None) -> dict:
+         quality: int | None = None, progress_to: TextIO | None = None, progress_every: float | None = None,
+         path_column: str = "", label_column: str = "", label_key: str = DEFAULT_LABEL_KEY) -> dict:
     """Pack src into dst (or continue a stopped pack there); returns the index. progress_to: a stream for the
-    progress line (None: none)."""
+    progress line (None: none). path_column, label_column: label files' columns; label_key: tars' labels."""
     if (dst / "index.json").exists():
         raise ConfigError(f"{dst} already holds a pack: pick a new DST or delete it first")
     check_destination(src, dst)
-    check_imagefolder(src)
     with Progress(f"listing {src}", unit="files", stream=progress_to, every=progress_every, last=False,
                   quiet=progress_to is None) as listing:
-        splits = {split: _files(src / split, listing) for split in SPLITS}
+        kind, splits = list_source(src, listing.advance, path_column, label_column, label_key, progress_to)
     for split, (_, samples) in splits.items():
         if not samples:
             raise ConfigError(f"{src / split} has no images: put images in {src / split}/<class>/")
@@ -378,7 +373,8 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1,
     if kept and progress_to:
         print(f"continuing the pack in {dst}: {done:,} of {total:,} images already in {len(kept)} shard(s)",
               file=progress_to)
-    index = {"format": "webdataset", "source": str(src), "max_side": max_side, "quality": quality, "splits": {}}
+    index = {"format": "webdataset", "source": str(src), "source_kind": kind, "max_side": max_side, "quality": quality,
+             "splits": {}}
     with Workers(workers, max_side, quality) as prepare, \
             Progress("pack", total, "images", done, progress_to, progress_every, quiet=progress_to is None) as progress:
         for split, (classes, samples) in splits.items():
@@ -415,7 +411,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def check_knobs(ns: argparse.Namespace) -> None:
     if not ns.src:
-        raise ConfigError("give the ImageFolder to pack: python -m train.pack SRC DST")
+        raise ConfigError("give the dataset to pack: python -m train.pack SRC DST")
     if ns.shard_mb <= 0:
         raise ConfigError(f"--shard-mb must be > 0, got {ns.shard_mb:g}")
     if ns.workers is not None and ns.workers < 1:
@@ -444,7 +440,9 @@ def summary(index: dict, dst: Path, workers: int) -> str:
 
 def main(argv: list[str]) -> int:
     parser = _OneLineParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", nargs="?", help="the ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*)")
+    parser.add_argument("src", nargs="?", help="the source: an ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*), "
+                                               "label files (SRC/train.csv, SRC/val.csv; .tsv, .jsonl) or another "
+                                               "tool's WebDataset tars (SRC/train-*.tar, SRC/val-*.tar)")
     parser.add_argument("dst", help="the folder for the shards (new, or a stopped pack's to continue it)")
     parser.add_argument("--workers", type=int, help="processes that read and resize the images (default: every "
                                                     "usable core)")
@@ -453,6 +451,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quality", type=int, help=f"the JPEG quality of the resized images (default {QUALITY})")
     parser.add_argument("--shard-mb", type=float, default=SHARD_BYTES // 2**20,
                         help="about this many MiB per shard")
+    parser.add_argument("--path-column", default="", help="label files: the column of image paths (default: the "
+                                                          "first of path, image, file, filename, filepath)")
+    parser.add_argument("--label-column", default="", help="label files: the column of labels (default: the first of "
+                                                           "label, class, category, target)")
+    parser.add_argument("--label-key", default=DEFAULT_LABEL_KEY,
+                        help="tars: the label's member suffix, else its key in the sample's .json")
     parser.add_argument("--verify", action="store_true", help="check DST's shards (counts, SHA-256) and exit")
     try:
         ns = parser.parse_args(argv)
@@ -469,7 +473,8 @@ def main(argv: list[str]) -> int:
         check_knobs(ns)
         workers = ns.workers or usable_cores()
         index = pack(Path(ns.src), Path(ns.dst), int(ns.shard_mb * 2**20), workers, ns.max_side, ns.quality,
-                     progress_to=sys.stderr)
+                     progress_to=sys.stderr, path_column=ns.path_column, label_column=ns.label_column,
+                     label_key=ns.label_key)
     except ConfigError as e:
         return fail(str(e))
     except BrokenProcessPool:  # a worker killed: by the OOM killer on a huge image, or by hand

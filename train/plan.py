@@ -21,7 +21,7 @@ import torch
 from train.augment import BatchAugment
 from train.checks import check_steps
 from train.config import Config, launch_run_dir, steps_for_epochs
-from train.data import build_datasets, check_cifar, describe_sampler
+from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of
 from train.ema import adjusted_decay
 from train.errors import ConfigError
 from train.models import build_model
@@ -39,9 +39,11 @@ class Plan:
     world_size: int  # workers, all nodes together
     device: str  # cuda or cpu
     precision: str  # fp32, bf16 or fp16 (a GradScaler with fp16)
+    source: dict  # what the run reads: the kind, each split's files, the order of the samples, whence the classes
     train_samples: int
     val_samples: int
     num_classes: int
+    classes: list  # the class names, in label order (classes.json keeps them too)
     steps_per_epoch: int  # optimizer steps per pass over the training set, on this layout
     max_steps: int  # the run's optimizer steps (from --epochs, or --max-steps)
     warmup_steps: int  # in optimizer steps (an epoch schedule's warm-up is whole epochs: lr says which)
@@ -79,8 +81,9 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
     batch = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
     global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
     return Plan(
-        run_dir=run_dir, world_size=world, device=device, precision=precision, train_samples=len(train_set),
-        val_samples=len(val_set), num_classes=num_classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        run_dir=run_dir, world_size=world, device=device, precision=precision,
+        source=source_of(cfg, train_set, val_set), train_samples=len(train_set), val_samples=len(val_set),
+        num_classes=num_classes, classes=class_names(train_set), steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
         normalize={"mean": list(mean), "std": list(std)},

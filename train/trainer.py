@@ -123,7 +123,7 @@ class Trainer:
         self._prepare_run_dir()
         # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
         torch.manual_seed(cfg.run.seed)
-        train_set, val_set, self.num_classes = build_datasets(cfg)
+        train_set, val_set, self.num_classes = build_datasets(cfg, run_dir=run_dir)
         self.class_names = class_names(train_set)
         self.raw_model = self._model()
         # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).

@@ -107,6 +107,9 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (["--dataset", "imagefolder", "--auto-augment", "ta_wide", "--ra-magnitude", "5"], "--ra-magnitude 5"),
     (["--dataset", "imagefolder", "--auto-augment", "ra", "--augmix-severity", "2"], "--augmix-severity 2"),
     (["--download"], "--download"),
+    (["--dataset", "imagefolder", "--path-column", "file"], "--path-column file"),
+    (["--dataset", "shards", "--label-column", "y"], "--label-column y"),
+    (["--dataset", "csv", "--label-key", "y"], "--label-key y"),
     (["--model", "resnet18", "--width", "8"], "--width 8"),
     (["--momentum", "0.5"], "--momentum 0.5"),
     (["--no-nesterov"], "--no-nesterov"),
@@ -150,6 +153,8 @@ def _typed(text: str):
     ["--min-lr-ratio", "0.1", "--warmup-decay", "0.1", "--warmup-method", "constant"],
     ["--model-ema", "--model-ema-steps", "4", "--model-ema-decay", "0.9"],
     ["--train-samples", "100", "--val-samples", "50"],
+    ["--dataset", "csv", "--path-column", "file", "--label-column", "y"],
+    ["--dataset", "shards", "--label-key", "y"],
 ])
 def test_the_same_settings_where_they_act_are_accepted(argv):
     parse_config(argv)

@@ -15,6 +15,7 @@ from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
+from train.bench.sources import source_rows
 from train.distributed import usable_cores
 from train.errors import ConfigError, fail
 from train.runfiles import to_json
@@ -112,6 +113,7 @@ def main(argv: list[str]) -> int:
         rows += photo_rows(out, size, ns.rounds)
         rows += camera_rows(out, size, ns.rounds)
         rows += shard_rows(out, size, ns.rounds)
+        rows += source_rows(out, size, ns.rounds)  # after shard_rows: the same folder
         rows += checkpoint_rows(out, size, ns.rounds)
         chart(out / "scaling.png", bars)
     if torch.cuda.is_available():

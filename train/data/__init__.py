@@ -1,8 +1,12 @@
 """Datasets, sampling and loaders, one job per module:
 
   shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
-  folders     file datasets on disk: an ImageFolder, packed shards, CIFAR-10, and their checks
+  folders     file datasets on disk: an ImageFolder, packed shards (read by offset), CIFAR-10, and their checks
   scan        an ImageFolder split's listing: its classes and images, as torchvision's, links held to it
+  labelfiles  label files (train.csv / .tsv / .jsonl: a path and a label per row), classes.txt, their checks
+  tars        WebDataset tars of other tools, read by offset as packed shards, their classes and checks
+  tarindex    where such tars are, and their index: made once in parallel, cached beside them or in the run folder
+  sources     each source as (path or tar member, label) pairs in its fixed order: what make pack packs
   decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
               workers or on the GPU (--decode gpu)
   transforms  the per-image recipe (torchvision's reference presets), the evaluation's steps, normalisation
@@ -14,14 +18,16 @@ This face hands on what the rest of trainbox uses.
 
 from train.data.decode import DeviceDecoder, load_image
 from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packed_with, read_idx, read_index
+from train.data.labelfiles import check_labelfiles
 from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names,
-                                default_num_workers)
+                                default_num_workers, source_of)
 from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapesDataset, make_shapes
+from train.data.tars import check_shards
 from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs
 
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_imagefolder",
-           "class_names", "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms",
-           "load_image", "make_shapes", "packed_with", "prepare_inputs", "preprocessing", "read_idx", "read_index",
-           "origin", "samples_per_rank"]
+           "check_labelfiles", "check_shards", "class_names", "default_num_workers", "describe_sampler", "eval_resize",
+           "eval_steps", "image_transforms", "load_image", "make_shapes", "packed_with", "prepare_inputs",
+           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of"]

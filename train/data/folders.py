@@ -1,8 +1,8 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
 listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, with
-links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit) and CIFAR-10
-(torchvision's, downloaded only with --download, by local rank 0 of each node, safely into a --data-dir that several
-nodes share).
+links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit, an OffsetSplit as
+other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded only with --download, by local
+rank 0 of each node, safely into a --data-dir that several nodes share).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from train.data.scan import FolderScan, scan_split, within
 from train.distributed import gather, identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError, DataError
+
+
+PACK_JOURNAL = ".pack-journal.jsonl"  # an unfinished pack's record (train/pack.py)
 
 
 def path_of(folder, index: int) -> str:
@@ -43,6 +46,11 @@ class ImageFolderSplit(Dataset):
         path, label = self.samples[index]
         image = self.loader(path)
         return (image if self.transform is None else self.transform(image)), label
+
+    def describe(self) -> dict:
+        return {"kind": "imagefolder", "from": str(self.root),
+                "order": "classes sorted by name; each class's images in os.walk's order (folders by path, files by "
+                         "name)", "classes_from": "the class folders' names, sorted"}
 
 
 def imagefolder_split(root: Path, split: str, loader=load_image) -> ImageFolderSplit:
@@ -82,9 +90,17 @@ def read_index(root: Path) -> dict:
         raise ConfigError(f"{root}/index.json cannot be read ({e}): pack the dataset again") from None
 
 
+def is_pack(root: Path) -> bool:
+    """Whether root holds a trainbox pack, finished (index.json) or not (make pack's journal): else its tars, if
+    any, are another tool's (train/data/tars.py)."""
+    return (root / "index.json").exists() or (root / PACK_JOURNAL).exists()
+
+
 def packed_with(root: Path) -> str:
     """The settings a pack's images were stored with (index.json's max_side and quality), said once at a run's
     start: what the model trains on may be smaller than the photos it came from."""
+    if not is_pack(root):
+        return f"shards in {root}: WebDataset tars of another tool, read by offset from the index made of them"
     index = read_index(root)
     if index.get("max_side"):
         return (f"shards in {root}: packed with MAX_SIDE={index['max_side']} QUALITY={index['quality']} (every image "
@@ -97,21 +113,17 @@ def read_idx(shard: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 3)
 
 
-class ShardSplit(Dataset):
-    """One split of a pack, read by offset: item i is (bytes, label); files stay open per loader worker."""
+class OffsetSplit(Dataset):
+    """Samples read by offset from tar files: item i is (bytes, label), from rows (offset, size, label) per tar;
+    files stay open per loader worker. Subclasses name a sample (name) and say the fixes (FIXES)."""
 
-    def __init__(self, root: Path, split: str):
-        info = read_index(root)["splits"][split]
-        self.root, self.classes = root, info["classes"]
-        self.shards = [root / s["name"] for s in info["shards"]]
-        try:
-            self.rows = [read_idx(shard) for shard in self.shards]
-        except OSError as e:
-            raise ConfigError(f"{root}: {e}: the pack is incomplete: pack it again, or run "
-                              f"`python -m train.pack --verify {root}`") from None
+    FIXES = {"empty": "", "unreadable": "", "cut_short": ""}
+
+    def __init__(self, root: Path, shards: list[Path], rows: list[torch.Tensor], classes: list[str]):
+        self.root, self.shards, self.rows, self.classes = root, shards, rows, classes
         self.starts = [0]
-        for rows in self.rows:
-            self.starts.append(self.starts[-1] + len(rows))
+        for shard_rows in self.rows:
+            self.starts.append(self.starts[-1] + len(shard_rows))
         self._open: dict[int, object] = {}
 
     def __len__(self) -> int:
@@ -132,8 +144,7 @@ class ShardSplit(Dataset):
         shard, row = self.locate(index)
         offset, size, label = self.rows[shard][row].tolist()
         if size == 0:
-            raise DataError(f"{self.name(index)} is empty (0 bytes: its image was an empty file when it was packed): "
-                            f"replace that image in the ImageFolder and pack it into a new DST")
+            raise DataError(f"{self.name(index)} is empty {self.FIXES['empty']}")
         try:
             f = self._open.get(shard)
             if f is None:
@@ -141,12 +152,34 @@ class ShardSplit(Dataset):
             f.seek(offset)
             data = f.read(size)
         except OSError as e:
-            raise DataError(f"cannot read {self.name(index)} ({e}): check the storage, or pack the dataset again") \
-                from None
+            raise DataError(f"cannot read {self.name(index)} ({e}): {self.FIXES['unreadable']}") from None
         if len(data) != size:
-            raise DataError(f"{self.shards[shard]} is damaged: {self.name(index)} is cut short: run `python -m "
-                            f"train.pack --verify {self.root}`, then pack the dataset again")
+            raise DataError(f"{self.shards[shard]} is damaged: {self.name(index)} is cut short: "
+                            f"{self.FIXES['cut_short'].format(root=self.root)}")
         return as_tensor(data), label
+
+
+class ShardSplit(OffsetSplit):
+    """One split of a pack (index.json and each shard's .idx), read by offset."""
+
+    FIXES = {"empty": "(0 bytes: its image was an empty file when it was packed): replace that image in the "
+                      "ImageFolder and pack it into a new DST",
+             "unreadable": "check the storage, or pack the dataset again",
+             "cut_short": "run `python -m train.pack --verify {root}`, then pack the dataset again"}
+
+    def __init__(self, root: Path, split: str):
+        info = read_index(root)["splits"][split]
+        shards = [root / s["name"] for s in info["shards"]]
+        try:
+            rows = [read_idx(shard) for shard in shards]
+        except OSError as e:
+            raise ConfigError(f"{root}: {e}: the pack is incomplete: pack it again, or run "
+                              f"`python -m train.pack --verify {root}`") from None
+        super().__init__(root, shards, rows, info["classes"])
+
+    def describe(self) -> dict:
+        return {"kind": "shards (a trainbox pack)", "from": f"{len(self.shards)} shard(s) in {self.root}",
+                "order": "the pack's: its source's order (make pack)", "classes_from": f"{self.root}/index.json"}
 
 
 def check_cifar(root: Path, download: bool) -> None:

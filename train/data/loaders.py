@@ -14,9 +14,11 @@ from torch.utils.data import DataLoader
 
 from train.config import Config
 from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, read_bytes
-from train.data.folders import ShardSplit, check_imagefolder, cifar_split, imagefolder_split, path_of
+from train.data.folders import ShardSplit, check_imagefolder, cifar_split, imagefolder_split, is_pack, path_of
+from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.data.samplers import SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
+from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
 from train.distributed import identity, usable_cores
 
@@ -44,21 +46,22 @@ def class_names(dataset) -> list[str]:
     return [str(c) for c in dataset.classes]
 
 
-def build_datasets(cfg: Config, train: bool = True):
+def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None):
     """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device).
-    train=False: the validation set alone (train is None; an ImageFolder needs no train/ then)."""
+    train=False: the validation set alone (train is None; an ImageFolder needs no train/ then). run_dir: where the
+    index of another tool's tars goes when their folder cannot be written (train/data/tars.py)."""
     root = Path(cfg.data.data_dir)
     if not train:
-        val = validation_set(cfg, root)
+        val = validation_set(cfg, root, run_dir)
         return None, val, len(class_names(val))
     if cfg.data.dataset in ("shapes", "synthetic"):
         kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
         train_set = kind(cfg.data.train_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 1)
     elif cfg.data.dataset == "cifar10":
         train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.data.download)
-    elif cfg.data.dataset == "shards":
-        split = ShardSplit(root, "train")
-        train_set = (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, True), split.name)
+    elif cfg.data.dataset in ("shards", "csv"):
+        splits = source_splits(cfg, root, ("train", "val"), run_dir)
+        return *(wrapped(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
         check_imagefolder(root)
         if cfg.data.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
@@ -67,19 +70,33 @@ def build_datasets(cfg: Config, train: bool = True):
         else:
             train_set = imagefolder_split(root, "train")
             train_set.transform = image_transforms(cfg, True)
-    return train_set, validation_set(cfg, root), len(class_names(train_set))
+    return train_set, validation_set(cfg, root, run_dir), len(class_names(train_set))
 
 
-def validation_set(cfg: Config, root: Path):
+def source_splits(cfg: Config, root: Path, splits: tuple[str, ...], run_dir: Path | None = None) -> dict:
+    """The splits of a file source that gives (bytes, label): a pack's, another tool's tars, a label file's."""
+    if cfg.data.dataset == "csv":
+        listings = read_labelfiles(root, cfg.data.path_column, cfg.data.label_column, splits)
+        return {split: LabelFileSplit(listing) for split, listing in listings.items()}
+    if is_pack(root):
+        return {split: ShardSplit(root, split) for split in splits}
+    return tar_splits(root, splits, cfg.data.label_key, run_dir)
+
+
+def wrapped(cfg: Config, split, train: bool):
+    """A source of (bytes, label), decoded and transformed: in the loader workers, or on the device (--decode gpu)."""
+    return (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, train), split.name)
+
+
+def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
     """The validation set, with the evaluation's transforms."""
     if cfg.data.dataset in ("shapes", "synthetic"):
         kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
         return kind(cfg.data.val_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 2)
     if cfg.data.dataset == "cifar10":
         return cifar_split(root, False, image_transforms(cfg, False))
-    if cfg.data.dataset == "shards":
-        split = ShardSplit(root, "val")
-        return (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, False), split.name)
+    if cfg.data.dataset in ("shards", "csv"):
+        return wrapped(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
     check_imagefolder(root, ("val",))
     if cfg.data.decode == "gpu":
         split = imagefolder_split(root, "val", loader=read_bytes)
@@ -87,6 +104,24 @@ def validation_set(cfg: Config, root: Path):
     split = imagefolder_split(root, "val")
     split.transform = image_transforms(cfg, False)
     return split
+
+
+def source_of(cfg: Config, train_set, val_set) -> dict:
+    """What the run reads, for the plan: the kind of source, each split's files, the order of its samples and where
+    its class names come from."""
+    def described(dataset) -> dict | None:
+        while dataset is not None and not hasattr(dataset, "describe"):
+            dataset = getattr(dataset, "source", None)
+        return dataset.describe() if dataset is not None else None
+
+    val = described(val_set)
+    if val is None:  # built in, or CIFAR-10
+        where = "made in memory from the seed" if cfg.data.dataset in ("shapes", "synthetic") else \
+            f"torchvision's CIFAR10 in {cfg.data.data_dir}: its batches' order"
+        return {"kind": cfg.data.dataset, "order": where, "classes_from": "the dataset's own names"}
+    train = described(train_set) if train_set is not None else None
+    return {"kind": val["kind"], **({"train": train["from"]} if train else {}), "val": val["from"],
+            "order": val["order"], "classes_from": (train or val)["classes_from"]}
 
 
 def default_num_workers(cfg: Config) -> int:

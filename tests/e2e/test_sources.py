@@ -1,0 +1,103 @@
+"""Every source trains the same model: one set of images as an ImageFolder, a label file and WebDataset tars written by
+webdataset's own ShardWriter (tests/sources.py) gives the same weights bit for bit under one seed; on the tars a run
+stopped and resumed, and a run whose worker is killed (kill -9) and restarted by torchrun, end as the uninterrupted
+run does. The same samples batch by batch are tests/unit/test_sources.py's (in-process, every source and path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, end_hung, env_for_tests,
+                           python_cmd, reached_step, run, status, wait_for, worker_pid)
+from tests.sources import draw_imagefolder, write_label_files, write_wds_shards
+
+# 128 training images: 4 steps an epoch on 2 workers of 16; 80 steps (a few seconds: long enough for a kill to land
+# mid-run), a checkpoint every 10, the loss every 2
+COMMON = [*DEBUG, "--num-workers", 0, "--max-steps", 80, "--log-every", 2, "--save-every", 10]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("sources")
+    folder = draw_imagefolder(root / "folder", classes=4, train=128, val=32, size=20)
+    return {"imagefolder": ["--dataset", "imagefolder", "--data-dir", folder],
+            "csv": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "csv")],
+            "shards": ["--dataset", "shards", "--data-dir", write_wds_shards(folder, root / "wds", per_shard=40)]}
+
+
+@pytest.fixture
+def reference(reference_run, data):
+    """The ImageFolder, 2 workers (--spawn), uninterrupted."""
+    return reference_run(*COMMON, *data["imagefolder"])
+
+
+def same_data(run_dir, reference) -> None:
+    """plan.json's counts and classes, and classes.json, as the ImageFolder's."""
+    plan, theirs = (json.loads((d / "plan.json").read_text()) for d in (run_dir, reference))
+    keys = ("train_samples", "val_samples", "num_classes", "classes")
+    assert [plan[k] for k in keys] == [theirs[k] for k in keys] == [128, 32, 4, ["disk", "plus", "ring", "square"]]
+    assert json.loads((run_dir / "classes.json").read_text()) == plan["classes"]
+
+
+def test_a_label_file_stopped_and_resumed_trains_the_imagefolders_model(reference, data, tmp_path):
+    run_dir = tmp_path / "csv"
+    run(python_cmd(*COMMON, *data["csv"], "--spawn", 2, "--run-dir", run_dir, "--stop-at", 13), expect=75)
+    assert status(run_dir)["step"] == 13
+    resumed = run(python_cmd(*COMMON, *data["csv"], "--spawn", 2, "--run-dir", run_dir))
+    assert f"resumed from {run_dir}/checkpoints/step_00000013.pt" in resumed.stderr
+    assert_bit_identical(run_dir, reference)
+    assert_same_final_figures(run_dir, reference)
+    same_data(run_dir, reference)
+    assert json.loads((run_dir / "plan.json").read_text())["source"]["kind"] == "csv"
+
+
+def test_tars_with_a_worker_killed_and_restarted_train_the_imagefolders_model(reference, data, tmp_path):
+    run_dir = tmp_path / "tars"  # what `make train GPUS=2` runs: torchrun, which restarts the workers
+    cmd = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, COMMON), *map(str, data["shards"]),
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(reached_step(run_dir, 14), 180, "step 14", proc)
+        os.kill(worker_pid(proc, 1), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    except BaseException:
+        end_hung(proc)
+        raise
+    assert proc.returncode == 0, err[-4000:]
+    assert "resumed from" in err, err[-4000:]
+    assert status(run_dir)["state"] == "done"
+    assert_bit_identical(run_dir, reference)
+    assert_same_final_figures(run_dir, reference)
+    same_data(run_dir, reference)
+    kind = json.loads((run_dir / "plan.json").read_text())["source"]["kind"]
+    assert kind == "shards (WebDataset tars of another tool)"
+
+
+def test_a_listed_file_that_is_gone_stops_the_run_naming_it_and_its_line(data, tmp_path):
+    """Not asked about before the start (a NAS would take minutes for a million): met by a loader worker of a rank,
+    one line naming the file and its line, exit 2, status.json "failed"; restored, the same command trains on."""
+    folder = tmp_path / "folder"
+    shutil.copytree(data["imagefolder"][3], folder)
+    labels = write_label_files(folder, tmp_path / "csv")
+    gone = sorted((folder / "train" / "ring").iterdir())[5]
+    kept = gone.read_bytes()
+    gone.unlink()
+    line = next(n for n, text in enumerate((labels / "train.csv").read_text().splitlines(), 1) if gone.name in text
+                and "/ring/" in text)
+    args = [*COMMON, "--dataset", "csv", "--data-dir", labels, "--num-workers", 1, "--max-steps", 8, "--spawn", 2,
+            "--run-dir", tmp_path / "run"]
+    proc = run(python_cmd(*args), expect=2)
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
+    said = f"cannot read image {gone}, listed on line {line} of {labels}/train.csv (No such file or directory)"
+    assert len(errors) == 1 and said in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    failed = status(tmp_path / "run")
+    assert failed["state"] == "failed" and failed["exit_code"] == 2 and said in failed["error"], failed
+    gone.write_bytes(kept)
+    run(python_cmd(*args))
+    assert status(tmp_path / "run")["state"] == "done"

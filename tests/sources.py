@@ -1,0 +1,112 @@
+"""One set of real images (the built-in drawn shapes, saved as PNG and JPEG files) as every source trainbox reads: an
+ImageFolder, label files, WebDataset tars written by webdataset's own ShardWriter (in .venv-wds, `make wds-setup`)
+and tars written by Python's tarfile in the same layout; each in the ImageFolder's order, so that every source gives
+the same samples."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+from PIL import Image
+
+from tests.helpers import REPO, make, one_at_a_time
+from train.data import SHAPE_CLASSES, make_shapes
+from train.data.scan import scan_split
+
+WDS_PYTHON = REPO / ".venv-wds" / "bin" / "python"
+# webdataset's ShardWriter, run where webdataset is installed: argv[1] a JSON list of [key, image file, label],
+# argv[2] the shard pattern, argv[3] the samples per shard.
+SHARD_WRITER = """
+import json, pathlib, sys
+import webdataset as wds
+samples, pattern, per_shard = json.loads(pathlib.Path(sys.argv[1]).read_text()), sys.argv[2], int(sys.argv[3])
+with wds.ShardWriter(pattern, maxcount=per_shard, verbose=0) as sink:
+    for key, path, label in samples:
+        image = pathlib.Path(path)
+        sink.write({"__key__": key, image.suffix[1:]: image.read_bytes(), "cls": label})
+"""
+
+
+def draw_imagefolder(root: Path, classes: int = 3, train: int = 30, val: int = 12, size: int = 24) -> Path:
+    """root/{train,val}/<shape>/NNN.png|jpg: the built-in shapes of `classes` kinds, every third image a JPEG."""
+    for split, count, seed in (("train", train, 1), ("val", val, 2)):
+        images, labels = make_shapes(count * 4, size, seed)
+        kept = [i for i in range(len(labels)) if labels[i] < classes][:count]
+        for n, i in enumerate(kept):
+            folder = root / split / SHAPE_CLASSES[int(labels[i])]
+            folder.mkdir(parents=True, exist_ok=True)
+            suffix = "jpg" if n % 3 == 0 else "png"
+            Image.fromarray(images[i].permute(1, 2, 0).numpy()).save(folder / f"{n:03d}.{suffix}")
+    return root
+
+
+def listing(folder: Path, split: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """The ImageFolder's classes and (image, label) samples of a split, in its order."""
+    return scan_split(folder / split)
+
+
+def write_label_files(folder: Path, root: Path, suffix: str = ".csv") -> Path:
+    """root/train.csv and val.csv (or .tsv, .jsonl) listing the ImageFolder's images in its order, by class name;
+    the paths relative to root (through ..) for the training split, absolute for the validation split."""
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        classes, samples = listing(folder, split)
+        rows = [(str(Path("..") / Path(p).relative_to(root.parent)) if split == "train" else p, classes[label])
+                for p, label in samples]
+        path = root / f"{split}{suffix}"
+        if suffix == ".jsonl":
+            path.write_text("".join(json.dumps({"image": p, "class": c}) + "\n" for p, c in rows))
+        else:
+            with open(path, "w", newline="") as f:
+                writer = csv.writer(f, delimiter="\t" if suffix == ".tsv" else ",")
+                writer.writerow(["path", "label"])
+                writer.writerows(rows)
+    return root
+
+
+def write_wds_shards(folder: Path, root: Path, per_shard: int = 7) -> Path:
+    """root/{train,val}-NNNNNN.tar written by webdataset's ShardWriter (<key>.png|jpg, <key>.cls), the ImageFolder's
+    images in its order, and root/classes.txt with its class names."""
+    with one_at_a_time("wds-setup"):  # test workers at once would install into the one .venv-wds
+        make("wds-setup", timeout=600)
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        classes, samples = listing(folder, split)
+        plan = root.parent / f".{root.name}-{split}.json"
+        plan.write_text(json.dumps([[f"s{i:05d}", p, label] for i, (p, label) in enumerate(samples)]))
+        subprocess.run([str(WDS_PYTHON), "-c", SHARD_WRITER, str(plan), str(root / f"{split}-%06d.tar"),
+                        str(per_shard)], check=True, capture_output=True, timeout=120)
+        plan.unlink()
+    (root / "classes.txt").write_text("\n".join(classes) + "\n")
+    return root
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_plain_tars(folder: Path, root: Path, per_shard: int = 11, label_key: str = "label") -> Path:
+    """root/train/*.tar and root/val/*.tar written by Python's tarfile (GNU format, a folder member first), each
+    sample's label in its .json under label_key, and root/classes.json with the class names."""
+    for split in ("train", "val"):
+        classes, samples = listing(folder, split)
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for start in range(0, len(samples), per_shard):
+            with tarfile.open(root / split / f"part-{start // per_shard:03d}.tar", "w",
+                              format=tarfile.GNU_FORMAT) as tar:
+                folder_member = tarfile.TarInfo("images")
+                folder_member.type = tarfile.DIRTYPE
+                tar.addfile(folder_member)
+                for i, (path, label) in enumerate(samples[start:start + per_shard], start):
+                    key = f"images/{split}_{i:05d}"
+                    add_member(tar, f"{key}.json", json.dumps({label_key: label, "source": path}).encode())
+                    add_member(tar, f"{key}{Path(path).suffix}", Path(path).read_bytes())
+    (root / "classes.json").write_text(json.dumps(classes))
+    return root

@@ -1,0 +1,182 @@
+"""Other tools' WebDataset tars (train/data/tars.py): indexed once, in parallel, into a cache beside them (or in the run
+folder where their folder cannot be written), used again while the tars stay as they were; a bad sample or tar one
+line naming the tar and the key, before any worker starts; a member that cannot be read one line when it is met."""
+
+import gzip
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+
+import pytest
+from PIL import Image
+
+from tests.sources import add_member
+from train.checks import preflight
+from train.config import parse_config
+from train.data import build_datasets
+from train.data.tarindex import CACHE, FALLBACK, find_tars, load_split
+from train.data.tars import check_shards, tar_splits
+from train.errors import ConfigError, DataError
+
+
+def png(colour=(200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (12, 12), colour).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def write_tar(path, samples) -> None:
+    """samples: [(key, {suffix: bytes})], in order."""
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for suffix, data in members.items():
+                add_member(tar, f"{key}.{suffix}", data)
+
+
+def dataset(root, train=None, val=None):
+    """root/train-000.tar, train-001.tar (3 samples each, labels 0-2) and val-000.tar (2), or the samples given."""
+    root.mkdir(parents=True, exist_ok=True)
+    train = train or [[(f"t{s}{i}", {"png": png(), "cls": str(i).encode()}) for i in range(3)] for s in range(2)]
+    for n, samples in enumerate(train):
+        write_tar(root / f"train-{n:03d}.tar", samples)
+    write_tar(root / "val-000.tar", val or [(f"v{i}", {"png": png(), "cls": str(i).encode()}) for i in range(2)])
+    return root
+
+
+@pytest.mark.parametrize("sample, says", [
+    ({"cls": b"1"}, r"train-001.tar: the sample 'bad' has no image \(.jpg, .jpeg, .png.*; it has cls\): add its image"),
+    ({"png": png()}, r"train-001.tar: the sample 'bad' has no label \(no bad.cls or bad.json\): add one, pass "
+                     r"--label-key"),
+    ({"png": png(), "json": b'{"caption": "x"}'}, r"the sample 'bad' has no label \(no bad.cls, and no 'cls' in "
+                                                  r"bad.json\)"),
+    ({"png": png(), "cls": b"cat"}, r"the label of the sample 'bad' \(bad.cls: 'cat'\) is not a class index"),
+    ({"png": png(), "cls": b"-1"}, r"the label of the sample 'bad' \(bad.cls: '-1'\) is not a class index"),
+    ({"png": png(), "json": b"{oops"}, r"the sample 'bad' has a bad.json that is not JSON"),
+])
+def test_a_sample_without_an_image_or_a_label_is_one_line_naming_the_tar_and_the_key(tmp_path, sample, says):
+    dataset(tmp_path, [[("a", {"png": png(), "cls": b"0"})], [("b", {"png": png(), "cls": b"1"}), ("bad", sample)]])
+    with pytest.raises(ConfigError) as e:
+        check_shards(tmp_path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(str(tmp_path)), e.value
+    assert re.search(says, str(e.value)), e.value
+    assert not (tmp_path / CACHE / "train.json").exists()  # nothing cached that would hide it next time
+
+
+def test_a_label_that_names_no_class_is_one_line(tmp_path):
+    dataset(tmp_path)
+    (tmp_path / "classes.txt").write_text("cat\ndog\n")
+    with pytest.raises(ConfigError, match=r"train-000.tar: the label 2 of the sample 't02' names no class \(2: "
+                                          r"classes.txt, in its order\) in the train split: fix the label, or add"):
+        check_shards(tmp_path)
+    (tmp_path / "classes.txt").unlink()
+    write_tar(tmp_path / "val-000.tar", [("v", {"png": png(), "cls": b"7"})])  # beyond the training labels 0-2
+    with pytest.raises(ConfigError, match=r"val-000.tar: the label 7 of the sample 'v' names no class \(3: the labels"):
+        check_shards(tmp_path)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("gzip", r"cannot be read as a plain tar .*: a damaged, compressed \(.tar.gz\) or other file"),
+    ("cut-in-a-member", r"is cut short \(it ends inside a member, after the sample 't12'\): copy the tar again"),
+    ("cut-in-a-header", r"is cut short \(it ends inside a member, after the sample 't1[01]'\)"),
+    ("text", r"cannot be read as a plain tar"),
+    ("empty-tar", r"holds no sample"),
+])
+def test_a_damaged_compressed_or_foreign_file_is_one_line(tmp_path, damage, says):
+    dataset(tmp_path)
+    tar = tmp_path / "train-001.tar"
+    if damage == "gzip":
+        tar.write_bytes(gzip.compress(tar.read_bytes()))
+    elif damage == "cut-in-a-member":
+        with tarfile.open(tar) as whole:
+            last = whole.getmembers()[-1]
+        os.truncate(tar, last.offset_data + 5)
+    elif damage == "cut-in-a-header":
+        os.truncate(tar, 2600)
+    elif damage == "text":
+        tar.write_text("not a tar at all\n" * 100)
+    else:
+        write_tar(tar, [])
+    with pytest.raises(ConfigError, match=f"^{tar}: |^{tar} |^cannot read {tar}") as e:
+        check_shards(tmp_path)
+    assert re.search(says, str(e.value)) and "\n" not in str(e.value), e.value
+
+
+def test_the_layouts_and_their_ambiguity(tmp_path):
+    dataset(tmp_path / "flat")
+    assert [p.name for p in find_tars(tmp_path / "flat")["train"]] == ["train-000.tar", "train-001.tar"]
+    nested = tmp_path / "nested"
+    for split in ("train", "val"):
+        (nested / split).mkdir(parents=True)
+        for name in ("b-10.tar", "b-9.tar", "a.tar"):  # sorted as names: a, b-10, b-9
+            write_tar(nested / split / name, [(name[:-4], {"png": png(), "cls": b"0"})])
+    assert [p.name for p in find_tars(nested)["val"]] == ["a.tar", "b-10.tar", "b-9.tar"]
+    write_tar(nested / "train-000.tar", [("x", {"png": png(), "cls": b"0"})])
+    with pytest.raises(ConfigError, match=r"holds tars both as train-\*.tar and in train/: .* keep one layout"):
+        find_tars(nested)
+    (tmp_path / "noval").mkdir()
+    write_tar(tmp_path / "noval" / "train-0.tar", [("x", {"png": png(), "cls": b"0"})])
+    with pytest.raises(ConfigError, match=r"has no val shards: a shards dataset is a trainbox pack"):
+        check_shards(tmp_path / "noval")
+
+
+def test_the_index_is_cached_beside_the_tars_and_made_again_when_a_tar_changes(tmp_path, monkeypatch):
+    dataset(tmp_path)
+    monkeypatch.setenv("TRAINBOX_PROGRESS_EVERY", "0")  # a progress line at every tar indexed
+    lines = io.StringIO()
+    first = load_split(tmp_path, "train", "cls", stream=lines)
+    assert first.where == tmp_path / CACHE and (tmp_path / CACHE / "train.json").is_file()
+    assert re.search(rf"indexing the tars in {tmp_path}: 2/2 tars \(100.0%\)", lines.getvalue()), lines.getvalue()
+    said = lines.getvalue()
+    again = load_split(tmp_path, "train", "cls", stream=lines)
+    assert lines.getvalue() == said and again.where == first.where  # read from the cache: nothing indexed
+    assert [r.tolist() for r in again.rows] == [r.tolist() for r in first.rows] and again.names == first.names
+    write_tar(tmp_path / "train-001.tar", [("n", {"png": png((0, 0, 255)), "cls": b"1"})])
+    changed = load_split(tmp_path, "train", "cls")
+    assert [len(r) for r in changed.rows] == [3, 1] and changed.member_names(1) == ["n.png"]
+    record = json.loads((tmp_path / CACHE / "train.json").read_text())
+    assert [t["samples"] for t in record["tars"]] == [3, 1] and record["label_key"] == "cls"
+
+
+def test_where_the_folder_cannot_be_written_the_index_goes_into_the_run_folder(tmp_path):
+    data = dataset(tmp_path / "nas")
+    (data / CACHE).write_text("in the way")  # as a read-only folder would, writing the cache there fails
+    run_dir = tmp_path / "run"
+    index = load_split(data, "train", "cls", run_dir)
+    assert index.where.parent == run_dir / FALLBACK and (index.where / "train.json").is_file()
+    assert load_split(data, "train", "cls", run_dir).where == index.where  # read from there next time
+    assert load_split(data, "train", "cls").where is None  # without a run folder (a dry run): in memory
+
+
+def test_a_member_that_cannot_be_read_or_decoded_is_one_line_when_met(tmp_path):
+    data = dataset(tmp_path, val=[("v0", {"png": b"not a png" * 20, "cls": b"0"}), ("v1", {"png": png(),
+                                                                                           "cls": b"1"})])
+    cfg = parse_config(["--dataset", "shards", "--data-dir", str(data), "--num-workers", "0"])
+    train_set, val_set, classes = build_datasets(cfg)
+    assert classes == 3 and len(train_set) == 6 and len(val_set) == 2
+    with pytest.raises(DataError, match=rf"^cannot read image {data}/val-000.tar member v0.png \(not an image"):
+        val_set[0]
+    splits = tar_splits(data, ("train",), "cls")
+    shutil.copy(data / "train-001.tar", tmp_path / "copy.tar")
+    os.truncate(data / "train-001.tar", 2000)  # changed under a running run
+    with pytest.raises(DataError, match=rf"^{data}/train-001.tar is damaged: {data}/train-001.tar member t12.png is "
+                                        r"cut short: the tar changed after it was indexed"):
+        splits["train"][5]
+
+
+def test_label_key_reads_the_json_and_has_no_effect_on_a_pack(tmp_path):
+    data = dataset(tmp_path / "json", [[(f"k{i}", {"jpg": png(), "json": json.dumps({"y": i}).encode()})
+                                        for i in range(3)]], [("v", {"png": png(), "json": b'{"y": "2"}'})])
+    splits = tar_splits(data, ("train", "val"), "y")
+    assert [splits["train"][i][1] for i in range(3)] == [0, 1, 2] and splits["val"][0][1] == 2
+    assert splits["train"].classes == ["0", "1", "2"]
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "index.json").write_text(json.dumps({"splits": {}}))
+    with pytest.raises(ConfigError, match=r"--label-key y has no effect on .*pack, a trainbox pack \(its labels are in "
+                                          r"its index\): drop it"):
+        check_shards(tmp_path / "pack", "y")
+    with pytest.raises(ConfigError, match=r"^--label-key y has no effect with --dataset csv"):
+        parse_config(["--dataset", "csv", "--label-key", "y"])
+    preflight(parse_config(["--dataset", "shards", "--data-dir", str(data), "--label-key", "y", "--dry-run"]))

@@ -1,0 +1,109 @@
+"""Every file source as what make pack packs: per split, its classes and its samples as (reference, label) pairs in the
+source's fixed order, the order training reads it in. A reference is an image file's path (str), or a tar member
+(tar, offset, size, suffix) of another tool's WebDataset tars.
+
+  imagefolder   SRC/train/<class>/*, SRC/val/<class>/*      the classes sorted, each one's images in os.walk's order
+  csv           SRC/train.csv, SRC/val.csv (.tsv, .jsonl)   the rows' order (train/data/labelfiles.py)
+  tars          SRC/train-*.tar, ... or SRC/train/*.tar     the tars sorted by name, their samples in tar order
+                                                            (train/data/tars.py)
+
+A folder with label files is read as one; else a folder with tars as tars; else as an ImageFolder. A trainbox pack is
+not a source (it is packed already).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from train.data.folders import check_imagefolder, is_pack
+from train.data.labelfiles import has_label_files, read_labelfiles
+from train.data.scan import scan_split
+from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
+from train.data.tars import classes_of
+from train.errors import ConfigError, DataError
+
+SPLITS = ("train", "val")
+Reference = str | tuple  # a file's path, or (tar, offset, size, suffix)
+
+
+def source_kind(src: Path) -> str:
+    if is_pack(src):
+        raise ConfigError(f"{src} is a trainbox pack already (index.json, or an unfinished pack's journal): train on "
+                          f"it with --dataset shards --data-dir {src}")
+    if has_label_files(src):
+        return "csv"
+    return "tars" if has_split(src, "train") else "imagefolder"
+
+
+def check_knobs(kind: str, src: Path, path_column: str, label_column: str, label_key: str) -> None:
+    """The knobs of one kind of source, given for another: one line."""
+    if kind != "csv" and (path_column or label_column):
+        raise ConfigError(f"--path-column and --label-column name the columns of label files, and {src} has none "
+                          f"(train.csv, .tsv or .jsonl): drop them")
+    if kind != "tars" and label_key != DEFAULT_LABEL_KEY:
+        raise ConfigError(f"--label-key names the label of WebDataset tars, and {src} holds none: drop it")
+
+
+def list_source(src: Path, counted=None, path_column: str = "", label_column: str = "",
+                label_key: str = DEFAULT_LABEL_KEY, progress_to=None) -> tuple[str, dict]:
+    """(kind, {split: (classes, [(reference, label)])}) of src, in its order. counted: called with the entries of
+    each folder an ImageFolder's listing reads (a progress line); progress_to: the stream of the tars' indexing
+    line (None: none)."""
+    if not src.is_dir():
+        raise ConfigError(f"SRC {src} is not a folder: give an ImageFolder, a folder of label files (train.csv, "
+                          f"val.csv) or of WebDataset tars")
+    kind = source_kind(src)
+    check_knobs(kind, src, path_column, label_column, label_key)
+    if kind == "csv":
+        listings = read_labelfiles(src, path_column, label_column)
+        return kind, {split: (listing.classes, [(listing.path(i), listing.labels[i]) for i in range(len(listing))])
+                      for split, listing in listings.items()}
+    if kind == "tars":
+        indices = {split: load_split(src, split, label_key, quiet=progress_to is None, stream=progress_to)
+                   for split in SPLITS}
+        splits = {}
+        for split, index in indices.items():
+            classes, _ = classes_of(src, indices["train"], index, split)
+            samples = []
+            for shard, rows in enumerate(index.rows):
+                tar, names = str(index.tars[shard]), index.member_names(shard)
+                samples += [((tar, offset, size, "." + name.rsplit(".", 1)[1].lower()), label)
+                            for (offset, size, label), name in zip(rows.tolist(), names, strict=True)]
+            splits[split] = (classes, samples)
+        return kind, splits
+    check_imagefolder(src)
+    return kind, {split: scan_split(src / split, counted) for split in SPLITS}
+
+
+def name_of(reference: Reference) -> str:
+    return reference if isinstance(reference, str) else f"{reference[0]} (the member at byte {reference[1]})"
+
+
+def suffix_of(reference: Reference) -> str:
+    """The member suffix the image keeps in a pack: its file's (lowercase), or its tar member's."""
+    return Path(reference).suffix.lower() if isinstance(reference, str) else reference[3]
+
+
+def read_reference(reference: Reference, then: str) -> bytes:
+    """The image's bytes; a file or member that cannot be read is one line naming it (then: what to do after)."""
+    try:
+        if isinstance(reference, str):
+            return Path(reference).read_bytes()
+        tar, offset, size, _ = reference
+        with open(tar, "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+    except OSError as e:
+        raise DataError(f"cannot read image {name_of(reference)} ({e}): check the file's permissions and storage, "
+                        f"then {then}") from None
+    if len(data) != size:
+        raise DataError(f"{tar} is cut short (it changed after it was indexed): copy it again, then {then}")
+    return data
+
+
+def listed_as(src: Path, reference: Reference) -> str:
+    """A reference as the listing digest records it: relative to SRC where it is inside it."""
+    if isinstance(reference, str):
+        return reference.removeprefix(os.path.join(str(src), ""))
+    return f"{Path(reference[0]).relative_to(src)}:{reference[1]}:{reference[2]}"

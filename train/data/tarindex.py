@@ -1,0 +1,260 @@
+"""The index of another tool's WebDataset tars (train/data/tars.py reads them by it): where the tars are, each one's
+samples (offset, size and label of its image; tarfile gives the offsets from the members' headers), made once in a
+process per usable core with a progress line, and cached beside the tars (DIR/.trainbox-index/) or, where their
+folder cannot be written, in the run folder (RUN_DIR/data-index/); used again while every tar keeps its size and
+modification time.
+
+  DIR/.trainbox-index/SPLIT.json    the format, the label key, each tar's name, size, modification time and samples
+  DIR/.trainbox-index/SPLIT.idx     per sample: offset, size, label (int64 x 3), the tars one after another
+  DIR/.trainbox-index/SPLIT.names   per sample: its image member's name, one a line
+
+The .json is written last (each file whole, under a temporary name first): it makes the other two valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import tarfile
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from train.data.scan import IMAGE_EXTENSIONS
+from train.distributed import broadcast_from_main, is_main, usable_cores
+from train.errors import ConfigError
+from train.progress import Progress
+from train.runfiles import atomic_write, to_json
+
+CACHE = ".trainbox-index"  # beside the tars
+FALLBACK = "data-index"  # in the run folder, where the tars' folder cannot be written
+FORMAT = 1
+SPLITS = ("train", "val")
+IMAGE_SUFFIXES = tuple(e[1:] for e in IMAGE_EXTENSIONS)  # the ImageFolder's, in the order a sample's image is taken
+KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # webdataset's base_plus_ext: key, suffix
+DEFAULT_LABEL_KEY = "cls"
+
+
+def find_tars(root: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, list[Path]]:
+    """Each split's tars, sorted by name: DIR/SPLIT-*.tar, or DIR/SPLIT/*.tar."""
+    flat = {s: sorted(root.glob(f"{s}-*.tar")) for s in splits}
+    nested = {s: sorted((root / s).glob("*.tar")) if (root / s).is_dir() else [] for s in splits}
+    if any(flat.values()) and any(nested.values()):
+        raise ConfigError(f"{root} holds tars both as {splits[0]}-*.tar and in {splits[0]}/: which are the dataset "
+                          f"is unclear: keep one layout")
+    tars = flat if any(flat.values()) else nested
+    for split, found in tars.items():
+        if not found:
+            raise ConfigError(f"{root} has no {split} shards: a shards dataset is a trainbox pack (make pack: "
+                              f"index.json) or WebDataset tars as {root}/{split}-*.tar or {root}/{split}/*.tar")
+    return tars
+
+
+def has_split(root: Path, split: str) -> bool:
+    return any(root.glob(f"{split}-*.tar")) or (root / split).is_dir() and any((root / split).glob("*.tar"))
+
+
+def _label(tar: tarfile.TarFile, members: dict, key: str, label_key: str, path: str) -> int:
+    """The sample's label: the integer in <key>.<label_key>, else <key>.json's value at label_key."""
+    if label_key in members:
+        text, where = tar.extractfile(members[label_key]).read().decode("utf-8", "replace").strip(), \
+            f"{key}.{label_key}"
+    elif "json" in members:
+        try:
+            record = json.loads(tar.extractfile(members["json"]).read())
+        except ValueError as e:
+            raise ConfigError(f"{path}: the sample {key!r} has a {key}.json that is not JSON ({e}): repair or remove "
+                              f"the sample") from None
+        if not isinstance(record, dict) or label_key not in record:
+            raise ConfigError(f"{path}: the sample {key!r} has no label (no {key}.{label_key}, and no "
+                              f"{label_key!r} in {key}.json): pass --label-key with the name its label has, or "
+                              f"remove the sample")
+        text, where = record[label_key], f"{key}.json's {label_key!r}"
+        text = str(text).strip() if isinstance(text, (int, str)) and not isinstance(text, bool) else repr(text)
+    else:
+        raise ConfigError(f"{path}: the sample {key!r} has no label (no {key}.{label_key} or {key}.json): add one, "
+                          f"pass --label-key with the name its label has, or remove the sample")
+    if not (text.isascii() and text.isdigit()):
+        raise ConfigError(f"{path}: the label of the sample {key!r} ({where}: {text!r}) is not a class index (a whole "
+                          f"number from 0): give the index, with the names in {Path(path).parent}/classes.txt")
+    return int(text)
+
+
+def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
+    """One tar's samples: their rows (offset, size, label; int64 x 3, as bytes) and their image members' names, one a
+    line. Runs in an indexing process."""
+    rows, names = array("q"), []
+
+    def close(key: str | None, members: dict) -> None:
+        if key is None:
+            return
+        image = next((members[s] for s in IMAGE_SUFFIXES if s in members), None)
+        if image is None:
+            raise ConfigError(f"{path}: the sample {key!r} has no image ({', '.join(f'.{s}' for s in IMAGE_SUFFIXES)};"
+                              f" it has {', '.join(sorted(members))}): add its image, or remove the sample")
+        if "\n" in image.name:
+            raise ConfigError(f"{path}: the sample {key!r} has a line break in its name: rename it")
+        rows.extend((image.offset_data, image.size, _label(tar, members, key, label_key, path)))
+        names.append(image.name)
+
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            key, members = None, {}
+            for member in tar:
+                match = KEY.match(member.name) if member.isfile() else None
+                if match is None:
+                    continue  # folders, links, files without a suffix: not a sample's part (webdataset skips them)
+                if match[1] != key:
+                    close(key, members)
+                    key, members = match[1], {}
+                members[match[2].lower() if match[2].lower() in IMAGE_SUFFIXES else match[2]] = member
+            close(key, members)
+    except (tarfile.ReadError, EOFError) as e:
+        if str(e) == "unexpected end of data":  # tarfile's word for a file that ends inside a member
+            raise ConfigError(f"{path} is cut short (it ends inside a member, after the sample {key!r}): copy the tar "
+                              f"again") from None
+        raise ConfigError(f"{path} cannot be read as a plain tar ({e}): a damaged, compressed (.tar.gz) or other file; "
+                          f"reading by offset needs uncompressed tars: copy it again, or decompress it") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path} ({e.strerror}): check its permissions and the storage") from None
+    if not names:
+        raise ConfigError(f"{path} holds no sample (members named <key>.<suffix>): remove it from {Path(path).parent}")
+    return rows.tobytes(), "\n".join(names)
+
+
+class TarIndex:
+    """One split's index: its tars, each one's rows (offset, size, label) and its image members' names."""
+
+    def __init__(self, root: Path, tars: list[Path], rows: list[torch.Tensor], names: list[str],
+                 where: Path | None = None):
+        self.root, self.tars, self.rows, self.names, self.where = root, tars, rows, names, where
+
+    def member_names(self, shard: int) -> list[str]:
+        return self.names[shard].split("\n")
+
+    def labels(self) -> torch.Tensor:
+        return torch.cat([r[:, 2] for r in self.rows]) if self.rows else torch.empty(0, dtype=torch.int64)
+
+    def key_of(self, flat: int) -> tuple[Path, str]:
+        """The tar and the image member of the flat-th sample."""
+        for shard, rows in enumerate(self.rows):
+            if flat < len(rows):
+                return self.tars[shard], self.member_names(shard)[flat]
+            flat -= len(rows)
+        raise IndexError(flat)
+
+
+def _stats(root: Path, tars: list[Path]) -> list[dict]:
+    out = []
+    for tar in tars:
+        stat = tar.stat()
+        out.append({"name": str(tar.relative_to(root)), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return out
+
+
+def _cache_dirs(root: Path, run_dir: Path | None) -> list[Path]:
+    beside = [root / CACHE]
+    if run_dir is None:
+        return beside
+    digest = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+    return [*beside, run_dir / FALLBACK / digest]
+
+
+def _read_cache(folder: Path, root: Path, split: str, tars: list[Path], stats: list[dict],
+                label_key: str) -> TarIndex | None:
+    try:
+        record = json.loads((folder / f"{split}.json").read_text())
+        if record != {"format": FORMAT, "label_key": label_key, "tars": record["tars"]} or \
+                [{k: t[k] for k in ("name", "bytes", "mtime_ns")} for t in record["tars"]] != stats:
+            return None
+        flat = (folder / f"{split}.idx").read_bytes()
+        names = (folder / f"{split}.names").read_text(encoding="utf-8").split("\n")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    counts = [t["samples"] for t in record["tars"]]
+    if len(flat) != 24 * sum(counts) or len(names) != sum(counts):
+        return None
+    table = torch.frombuffer(bytearray(flat), dtype=torch.int64).view(-1, 3)
+    rows, joined, start = [], [], 0
+    for count in counts:
+        rows.append(table[start:start + count].clone())
+        joined.append("\n".join(names[start:start + count]))
+        start += count
+    return TarIndex(root, tars, rows, joined, folder)
+
+
+def _write_cache(folder: Path, split: str, index: TarIndex, stats: list[dict], label_key: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"{split}.idx", b"".join(bytes(r.numpy().tobytes()) for r in index.rows))
+    atomic_write(folder / f"{split}.names", "\n".join(index.names).encode())
+    tars = [{**s, "samples": len(r)} for s, r in zip(stats, index.rows, strict=True)]
+    atomic_write(folder / f"{split}.json", to_json({"format": FORMAT, "label_key": label_key, "tars": tars},
+                                                   indent=1).encode())  # last: it makes the other two valid
+
+
+def index_split(root: Path, tars: list[Path], label_key: str, quiet: bool = False, stream=None) -> TarIndex:
+    """The tars indexed, in a process per usable core (this one alone for a single tar or core); a progress line on
+    stream (default stderr) unless quiet."""
+    results = []
+    with Progress(f"indexing the tars in {root}", total=len(tars), unit="tars", stream=stream, quiet=quiet,
+                  last=None) as progress:
+        workers = min(len(tars), usable_cores())
+        if workers <= 1:
+            for tar in tars:
+                results.append(index_tar(str(tar), label_key))
+                progress.advance()
+        else:
+            # Forked, as make pack's workers and the DataLoader's are: a fast start; they run the standard library alone
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                for result in pool.map(index_tar, map(str, tars), [label_key] * len(tars)):
+                    results.append(result)
+                    progress.advance()
+    rows = [torch.frombuffer(bytearray(data), dtype=torch.int64).view(-1, 3) for data, _ in results]
+    return TarIndex(root, tars, rows, [names for _, names in results])
+
+
+def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = None, quiet: bool = False,
+               stream=None) -> TarIndex:
+    """The split's index: from a cache that matches the tars, else indexed and cached (beside the tars, else in the
+    run folder, else kept in memory)."""
+    tars = find_tars(root, (split,))[split]
+    stats = _stats(root, tars)
+    folders = _cache_dirs(root, run_dir)
+    for folder in folders:
+        cached = _read_cache(folder, root, split, tars, stats, label_key)
+        if cached is not None:
+            return cached
+    index = index_split(root, tars, label_key, quiet, stream)
+    for folder in folders:
+        try:
+            _write_cache(folder, split, index, stats, label_key)
+        except OSError:
+            continue  # a read-only NAS folder: the next place
+        index.where = folder
+        break
+    return index
+
+
+def shared_split(root: Path, split: str, label_key: str, run_dir: Path | None) -> TarIndex:
+    """load_split on every rank of a run: rank 0 first (it indexes, if anyone must), then the others read its cache.
+    A bad tar is the same one line on every rank."""
+    error, where = None, None
+    if is_main():
+        try:
+            index = load_split(root, split, label_key, run_dir)
+            where = str(index.where) if index.where else None
+        except ConfigError as e:
+            error = str(e)
+    error, where = broadcast_from_main((error, where))
+    if error:
+        raise ConfigError(error)
+    if is_main():
+        return index
+    tars = find_tars(root, (split,))[split]
+    cached = _read_cache(Path(where), root, split, tars, _stats(root, tars), label_key) if where else None
+    return cached or load_split(root, split, label_key, run_dir, quiet=True)
