@@ -175,7 +175,7 @@ train-docker: image $(ENV_FILE) ## train in the container via compose (what RUNT
 	TRAINBOX_IMAGE_DIGEST=$$($(DOCKER) image inspect --format '{{.Id}}' $(IMAGE)) $(COMPOSE_RUN) run --rm trainer $(ARGS)
 
 test: $(STAMP) ## run the test suite (GPU tests run only where a GPU is visible)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 check: $(STAMP) ## the edit-test loop (minutes): the unit tests and one short run through each launcher
 	$(PY) -m pytest -m "not slow or check" $(PYTEST_ARGS)

@@ -3,8 +3,8 @@
 make test runs the suite in several pytest-xdist workers at once (the Makefile's TEST_WORKERS): while one waits on
 an engine (a Docker build, the Slurm cluster, a package download) another computes. So what costs minutes is made
 once per `make test` for every worker (`shared`): a reference run, the default run, a tool's environment; the engines
-that exist once per machine (the Docker image and the test cluster) are used by one worker alone (the `engines`
-group below), and each end-to-end module runs whole on one worker, with its module fixtures."""
+that exist once per machine (the Docker image and the test cluster) are used by one worker alone (ENGINES), and each
+end-to-end module runs whole on one worker, with its module fixtures (`pytest_xdist_make_scheduler`)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,11 @@ from tests.helpers import MlflowServer, make, python_cmd, run, torchrun_cmd
 from train.distributed import free_port
 
 # The modules that use the machine's one Docker engine image or its one test cluster (network namespaces and
-# bridge of fixed names): one worker runs them all, in this order.
+# bridge of fixed names): one worker runs them all, first.
 ENGINES = ("test_docker", "test_slurm", "test_services", "test_skypilot")
+# Then the modules that take longest (measured), so that none is left to run alone at the end; the rest as collected.
+LONGEST = ("test_faults", "test_reproducibility", "test_published_recipes", "test_evaluate", "test_bench",
+           "test_export", "test_restarts", "test_sources", "test_tracking")
 
 
 @pytest.fixture(scope="session")
@@ -147,15 +150,36 @@ def cluster():
     subprocess.run(["bash", str(scripts / "down.sh")], env=env, capture_output=True)
 
 
+def work_unit(nodeid: str) -> str:
+    """What one worker runs whole: the engines' modules together, an end-to-end module, a unit-test file."""
+    path = nodeid.split("::", 1)[0]
+    return "engines" if Path(path).stem in ENGINES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, with work_unit as the scope and the collection's order kept."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - a worker never schedules
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order below, not by the count of tests
+    return ByWorkUnit(config, log)
+
+
+def _order(item) -> tuple[int, int]:
+    module = item.path.stem
+    if module in ENGINES:
+        return 0, 0
+    return (1, LONGEST.index(module)) if module in LONGEST else (2, 0)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "e2e" in item.path.parts:  # real processes, seconds each
             item.add_marker(pytest.mark.slow)
-            module = item.path.stem  # one worker runs a module whole: its module fixtures are made once
-            item.add_marker(pytest.mark.xdist_group("engines" if module in ENGINES else module))
-    # The engines first (the longest chain of waits), then the rest as collected: a worker that finishes early
-    # takes the next group.
-    items.sort(key=lambda item: item.path.stem not in ENGINES)
+    items.sort(key=_order)  # stable: within a module, the order of its file
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
