@@ -10,16 +10,18 @@ a deadlocked loader.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 
 class Watchdog:
-    """One per process (`watchdog` below): `enter(phase, limit_s)` starts a bounded phase,
-    `progress()` re-arms it (cheap: the timers are re-armed at most once a second), `pause()` ends it."""
+    """One per process (`watchdog` below): `enter(phase, limit_s)` starts a bounded phase (`during` one inside
+    it), `progress()` re-arms it (cheap: the timers are re-armed at most once a second), `pause()` ends it."""
 
     STUCK = "a peer died, hangs or cannot be reached (or this process is stuck)"
 
@@ -49,6 +51,15 @@ class Watchdog:
         """cause: what no progress in this phase means, where the caller knows better than STUCK."""
         self.phase, self.limit, self.cause = phase, limit_s, cause or self.STUCK
         self._arm(time.monotonic())
+
+    @contextlib.contextmanager
+    def during(self, phase: str, limit_s: float) -> Iterator[None]:
+        """A bounded phase inside the current one (an evaluation or a save inside training): the current one is
+        entered again once the block ends, not when it raises (the error then names the inner phase)."""
+        outer = (self.phase, self.limit, self.cause)
+        self.enter(phase, limit_s)
+        yield
+        self.enter(*outer)
 
     def progress(self) -> None:
         now = time.monotonic()
