@@ -19,7 +19,6 @@ mlflow is imported only by runs that track (about 1 s): `_mlflow()` is the one p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -32,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from train.checkpoint import list_checkpoints, sidecar_of
-from train.runfiles import atomic_write, read_config, read_json, read_metrics, read_status, to_json
+from train.runfiles import atomic_write, file_digest, read_config, read_json, read_metrics, read_status, to_json
 from train.distributed import is_main
 from train.metrics import setup_logging
 from train.config import Config, Tracking
@@ -240,14 +239,10 @@ class Tracker:
         a run trained on to a larger --max-steps sends its new model.pt, a finished run started again does
         not send it twice). A checkpoint pruned meanwhile is skipped."""
         name = f"{folder}/{path.name}" if folder else path.name
-        sha = hashlib.sha256()
         try:
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    sha.update(chunk)
+            digest = file_digest(path)
         except FileNotFoundError:
             return
-        digest = sha.hexdigest()
         record = self._record()
         if record.get("artifacts", {}).get(name) == digest:
             return
