@@ -26,7 +26,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -175,7 +174,7 @@ def resolve_identity(env=None) -> Identity:
 
 _identity: Identity | None = None
 _control_group = None  # gloo group for small host-side agreements (stop flag) without device syncs
-_session_store = None  # this attempt's namespace in the rendezvous store (see init)
+_session_store = None  # the store of this process's group: this attempt's namespace in the rendezvous store (init)
 _wrappers: list[weakref.ref] = []  # the DistributedDataParallel wrappers `wrap` made (see teardown)
 
 
@@ -243,6 +242,17 @@ def init(device: torch.device, timeout_s: int) -> Identity:
     return ident
 
 
+def join_group(backend: str, rank: int, world: int, timeout: datetime.timedelta | None = None, **options) -> None:
+    """A process group for a tool that starts its ranks itself (make doctor, make bench, the tests): `world` ranks
+    meeting at MASTER_ADDR:MASTER_PORT (env://, rank 0 hosts the store), as init_process_group would make it, but with
+    the store kept here, for the ranks to leave together on it (destroy_and_leave_together)."""
+    global _session_store
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    store, _, _ = next(rendezvous("env://", rank, world, **kwargs))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs, **options)
+    _session_store = store
+
+
 def agree_on_session(store, rank: int, world: int, timeout_s: float) -> str:
     """A name that every rank of this attempt shares and no earlier attempt used, agreed on a store that
     may still hold an earlier attempt's keys. Rank 0 draws it; every other rank posts a fresh random
@@ -287,9 +297,14 @@ def destroy_and_leave_together(timeout_s: float = 30.0) -> None:
     without this wait, none of 20 with it (the bench's communication worker, 2 cores). Rank 0, which
     hosts the store outside torchrun, leaves last, once every rank has seen the count complete (a rank
     still reading it would otherwise meet a closed socket). Past timeout_s a rank that never arrived is
-    an error, not a silent wait."""
-    store, world, rank = _session_store or _get_default_store(), dist.get_world_size(), dist.get_rank()
+    an error, not a silent wait. The store is the one this module made the group on (init, join_group)."""
+    store, world, rank = _session_store, dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
+    if world == 1:  # no one to wait for
+        return
+    if store is None:
+        raise RuntimeError("a process group made without train.distributed (init or join_group) has no store to "
+                           "leave together on")
     deadline = time.monotonic() + timeout_s
     try:
         arrived = _count_up(store, "trainbox/left", world, deadline)

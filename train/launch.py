@@ -99,12 +99,23 @@ def launch_main(argv: list[str]) -> int:
     return run_torchrun(nprocs, ns.max_restarts, args, Path(cfg.run.run_dir))
 
 
+def torchrun_argv(nprocs: int, max_restarts: str, trainer_args: list[str]) -> list[str]:
+    """What `torchrun` would be given on a command line: --standalone, N workers, the flags every launch shares, and
+    python -m train with the trainer's arguments."""
+    return ["--standalone", f"--nproc-per-node={nprocs}", *torchrun_flags(max_restarts), "-m", "train", *trainer_args]
+
+
 def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_dir: Path) -> int:
-    """torchrun --standalone in this process; a run its workers stopped on a signal exits EXIT_STOPPED."""
+    """torchrun --standalone in this process; a run its workers stopped on a signal exits EXIT_STOPPED.
+
+    In this process, not a child's: a signal to make train's process (docker stop, Ctrl-C) reaches torchrun itself,
+    and its exceptions carry each worker's exit code. torch.distributed.run's get_args_parser and run are what the
+    `torchrun` command runs (its entry point, main, is the two under @record, whose error files are for a training
+    script's own exceptions); both are public by PyTorch's rule (a documented module without __all__, names without an
+    underscore). Checked with torch 2.13.0; tests/unit/test_cluster.py parses torchrun_argv with torch's own parser."""
     for key, value in TORCHRUN_ENV.items():
         os.environ.setdefault(key, value)
-    options = torchrun.get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nprocs}", *torchrun_flags(max_restarts), "-m", "train", *trainer_args])
+    options = torchrun.get_args_parser().parse_args(torchrun_argv(nprocs, max_restarts, trainer_args))
 
     def stopped() -> bool:
         return read_status(run_dir).get("state") == "stopped"

@@ -29,6 +29,7 @@ from train.config import Config, Model
 from train.distributed import gather, identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError
+from train.models import BATCH_NORMS
 from train.progress import Progress
 from train.runfiles import file_digest
 from train.vision import named_weights
@@ -76,7 +77,7 @@ def freeze(model: nn.Module, names: list[str]) -> None:
             param.requires_grad_(False)
     for name, module in model.named_modules():
         own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and own and frozen.issuperset(own):
+        if isinstance(module, BATCH_NORMS) and own and frozen.issuperset(own):
             module.register_forward_pre_hook(_stay_in_eval)
 
 
