@@ -26,7 +26,8 @@ from train.augment import BatchAugment
 from train.checkpointer import Checkpointer, newest_checkpoint
 from train.config import Config
 from train.data import build_datasets, build_train_loader, build_val_loader, class_names, packed_with
-from train.distributed import broadcast_from_main, gather, identity, is_main, on_main, ordered_allreduce_hook, wrap
+from train.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
+from train.identity import identity, is_main
 from train.ema import ModelEma
 from train.errors import ConfigError
 from train.health import DivergenceGuard
@@ -36,7 +37,7 @@ from train.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.plan import Plan, make_plan, precision_name
 from train.resume import Layout, Resumed, continued, data_differences, plan_as_trained
 from train.runtime import resolve_precision
-from train.tracking import Tracker, start_tracking
+from train.tracker import Tracker, start_tracking
 from train.weights import fitted, freeze, frozen_names, read_weights
 
 log = logging.getLogger("train")

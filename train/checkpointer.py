@@ -27,7 +27,8 @@ import torch
 from train import checkpoint as ckpt
 from train import runfiles
 from train.config import Config
-from train.distributed import broadcast_from_main, gather, identity, is_main, on_main, watch_limit
+from train.distributed import broadcast_from_main, gather, on_main, watch_limit
+from train.identity import identity, is_main
 from train.errors import ConfigError
 from train.optim import schedule_at, schedule_lengths
 from train.resume import Layout, Resumed, saved_length
@@ -77,7 +78,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.scaler, self.ema = model, optimizer, scheduler, scaler, ema
         self.rank, self.world = identity().global_rank, identity().world_size
         self.limit = watch_limit(cfg.launch.timeout_s)
-        self.tracker = None  # MLflow (train/tracking.py): what is written goes there too, once tracking started
+        self.tracker = None  # MLflow (train/tracker.py): what is written goes there too, once tracking started
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
         self.saved_step = -1  # the step of this attempt's newest checkpoint (the one it resumed from, at first)

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from train.config import Config
 from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
-from train.distributed import identity, init, is_main, teardown
+from train.distributed import init, teardown
+from train.identity import identity, is_main
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
 from train.progress import Progress

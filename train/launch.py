@@ -24,7 +24,7 @@ from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status, to_json
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import identity, is_main
+from train.identity import identity, is_main
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail

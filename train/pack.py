@@ -58,7 +58,7 @@ from train import vision
 from train.data import check_imagefolder, read_idx, read_index
 from train.data.decode import as_tensor, decode
 from train.data.scan import scan_split, within
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
 from train.runfiles import atomic_write, file_digest, fsync_dir, move_into_place, to_json

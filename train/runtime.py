@@ -10,7 +10,7 @@ import torch
 
 from train.checks import check_precision
 from train.config import Config
-from train.distributed import Identity, identity, usable_cores
+from train.identity import Identity, identity, usable_cores
 
 log = logging.getLogger("train")
 

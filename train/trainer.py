@@ -26,7 +26,8 @@ from train.build import build
 from train.checkpointer import capture_rng, restore_rng
 from train.config import Config, process_start_time
 from train.data import origin, prepare_inputs
-from train.distributed import StopSignal, broadcast_from_main, gather, identity, is_main, watch_limit
+from train.distributed import StopSignal, broadcast_from_main, gather, watch_limit
+from train.identity import identity, is_main
 from train.errors import EXIT_DONE, EXIT_STOPPED
 from train.augment import batch_seed
 from train.evaluate import evaluate

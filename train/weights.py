@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from train.config import Config, Model
-from train.distributed import gather, identity
+from train.distributed import gather
+from train.identity import identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError
 from train.models import BATCH_NORMS

@@ -23,13 +23,14 @@ import torch
 from train import checkpoint as ckpt
 from train import runfiles
 from train.config import Config, launch_run_dir, process_start_time
-from train.distributed import (PeersNeverCame, StopSignal, announce_unrecoverable, broadcast_from_main, first_line,
-                               identity, init, is_main, lost_peer, peer_unrecoverable, teardown, watch_limit)
+from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, init, lost_peer,
+                               peer_unrecoverable, teardown, watch_limit)
+from train.identity import PeersNeverCame, first_line, identity, is_main
 from train.errors import (EXIT_BAD_INPUT, EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory,
                           PeerGaveUp, one_line)
 from train.memory import is_out_of_memory, out_of_memory
 from train.runtime import configure_runtime, pick_device
-from train.tracking import catch_up_tracking
+from train.tracker import catch_up_tracking
 from train.trainer import Trainer
 from train.watchdog import watchdog
 from train.workers import kill_loader_workers

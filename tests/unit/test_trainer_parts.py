@@ -58,9 +58,9 @@ def rank_1_of_2(monkeypatch):
 
     import torch.distributed as dist
 
-    from train import distributed, worker
+    from train import distributed, identity, worker
 
-    monkeypatch.setattr(distributed, "_identity", distributed.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
+    monkeypatch.setattr(identity, "_identity", identity.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
     monkeypatch.setattr(worker, "is_main", lambda: False)
     host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=datetime.timedelta(seconds=5))

@@ -15,7 +15,7 @@ from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.errors import ConfigError, fail
 from train.runfiles import to_json
 

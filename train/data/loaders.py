@@ -18,7 +18,7 @@ from train.data.folders import ShardSplit, check_imagefolder, cifar_split, image
 from train.data.samplers import SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
 from train.data.transforms import image_transforms
-from train.distributed import identity, usable_cores
+from train.identity import identity, usable_cores
 
 
 class TensorLoader:
