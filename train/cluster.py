@@ -18,7 +18,7 @@ plans of the Slurm template and the SkyPilot task.
 Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES)
 is one line on stderr and exit code 2, so the job log says what to fix before any process starts.
 
-The trainer takes the same hostlist (train/hostlist.py) and port rules (train/distributed.py: a srun task per rank)
+The trainer takes the same hostlist (train/hostlist.py) and port rules (train/identity.py: a srun task per rank)
 and torchrun flags (train/launch.py: `make train`) from here, so every launch path shares one copy.
 """
 
