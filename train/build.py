@@ -1,5 +1,5 @@
-"""The run's parts, built once from its config: `build(cfg, run_dir, device, position)` returns them, resumed where
-the newest checkpoint left off (train/checkpointer.py) or ready for a fresh start.
+"""The run's parts, built once from its config: `build(cfg, run_dir, device)` returns them, resumed where the newest
+checkpoint left off (train/checkpointer.py; `Parts.resumed` holds the Trainer's position) or ready for a fresh start.
 
 The order is the run's contract: every rank makes the same random draws and collectives in the same order, and a
 resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read before anything is
@@ -48,6 +48,8 @@ class Parts:
     """What a run trains with, each part made once."""
 
     cfg: Config  # as given, or as it continues its checkpoint (--grad-accum may follow the workers)
+    run_dir: Path
+    device: torch.device
     plan: Plan  # what the run derives from its config (train/plan.py)
     precision: torch.dtype | None  # autocast's dtype; None: fp32
     norm: tuple[torch.Tensor, torch.Tensor]  # the input normalisation's mean and std, on the device
@@ -68,11 +70,11 @@ class Parts:
     metrics: MetricsWriter  # metrics.jsonl, TensorBoard, MLflow (rank 0; a no-op elsewhere)
     telemetry: GpuTelemetry
     window: LogWindow  # the figures between two log lines
-    resumed: Resumed | None  # where this start resumed from; None for a fresh start
+    resumed: Resumed | None  # where this start resumed from, the Trainer's position among it; None for a fresh start
 
 
-def build(cfg: Config, run_dir: Path, device: torch.device, position) -> Parts:
-    """The run's parts on this rank. position: the Trainer, whose position a resume sets (Checkpointer)."""
+def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
+    """The run's parts on this rank."""
     world = identity().world_size
     # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
     # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
@@ -92,8 +94,10 @@ def build(cfg: Config, run_dir: Path, device: torch.device, position) -> Parts:
     # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).
     plan = make_plan(cfg, world, device.type, precision_name(precision), train_set, val_set, num_classes, raw_model,
                      str(run_dir), layout=layout)
+    # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
+    saved_plan = runfiles.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
     if state is not None:
-        check_same_data(cfg, run_dir, plan, names)
+        check_same_data(cfg, run_dir, plan, names, saved_plan)
     norm = tuple(torch.tensor(plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
     train_loader, sampler, val_loader = loaders(cfg, plan, layout, train_set, val_set, device)
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
@@ -101,7 +105,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, position) -> Parts:
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
     scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
-    checkpointer = Checkpointer(run_dir, device, cfg, plan, layout, position, model=raw_model, optimizer=optimizer,
+    checkpointer = Checkpointer(run_dir, device, cfg, plan, layout, model=raw_model, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, ema=ema)
     weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
     if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
@@ -112,7 +116,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, position) -> Parts:
         log.info("%s", relaid)
     model = wrapped(raw_model, cfg, device, world)
     step = resumed.step if resumed else 0
-    write_run_files(cfg, run_dir, device, precision, plan, names, resumed, weights, checkpointer)
+    write_run_files(cfg, run_dir, device, precision, plan, names, saved_plan, resumed, weights, checkpointer)
     tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
     checkpointer.tracker = tracker
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step,
@@ -121,9 +125,11 @@ def build(cfg: Config, run_dir: Path, device: torch.device, position) -> Parts:
     window = LogWindow(device, world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
     augment = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
-    return Parts(cfg, plan, precision, norm, train_loader, sampler, val_loader, raw_model, model, criterion, augment,
-                 optimizer, checkpointer.scheduler, scaler, ema, guard, checkpointer, tracker, metrics, telemetry,
-                 window, resumed)
+    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=precision, norm=norm,
+                 train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
+                 criterion=criterion, augment=augment, optimizer=optimizer, scheduler=checkpointer.scheduler,
+                 scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
+                 telemetry=telemetry, window=window, resumed=resumed)
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -155,11 +161,11 @@ def model_on(cfg: Config, num_classes: int, device: torch.device, world: int) ->
     return model
 
 
-def check_same_data(cfg: Config, run_dir: Path, plan: Plan, names: list[str]) -> None:
+def check_same_data(cfg: Config, run_dir: Path, plan: Plan, names: list[str], saved_plan: dict) -> None:
     """A resume trains on the data the run trained on, wherever --data-dir now points: the same number of images in each
-    split and the same classes as plan.json and classes.json say (rank 0 reads them; all learn)."""
-    found = broadcast_from_main(data_differences(runfiles.read_json(run_dir / "plan.json"),
-                                                 runfiles.read_classes(run_dir), plan, names) if is_main() else None)
+    split and the same classes as plan.json (saved_plan) and classes.json say (rank 0 reads them; all learn)."""
+    found = broadcast_from_main(data_differences(saved_plan, runfiles.read_classes(run_dir), plan, names)
+                                if is_main() else None)
     if found:
         raise ConfigError(f"{cfg.data.data_dir} is not the data {run_dir} trained on "
                           f"({', '.join(found)}): point --data-dir at that data, or start a new --run-dir")
@@ -195,20 +201,20 @@ def wrapped(model: torch.nn.Module, cfg: Config, device: torch.device, world: in
 
 
 def write_run_files(cfg: Config, run_dir: Path, device: torch.device, precision: torch.dtype | None, plan: Plan,
-                    names: list[str], resumed: Resumed | None, weights: dict, checkpointer: Checkpointer) -> None:
-    """config.json, classes.json, plan.json (as trained), manifest.json and status.json ("running"), by rank 0;
-    then the run's opening lines."""
+                    names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
+                    checkpointer: Checkpointer) -> None:
+    """config.json, classes.json, plan.json (as trained: this start's plan after saved_plan's), manifest.json and
+    status.json ("running"), by rank 0; then the run's opening lines."""
     ident = identity()
     hostnames = gather(socket.gethostname())
 
     def write() -> None:
-        before = runfiles.read_json(run_dir / "plan.json") if resumed else {}
-        trained = plan_as_trained(plan.to_dict(), before, resumed, cfg.to_dict(), ident.world_size,
+        trained = plan_as_trained(plan.to_dict(), saved_plan, resumed, cfg.to_dict(), ident.world_size,
                                   plan.steps_per_epoch)
         runfiles.write_run_files(run_dir, cfg.to_dict(), names, trained)
         manifest = build_manifest(cfg, ident, device, hostnames, resumed.step if resumed else None)
         runfiles.write_manifest(run_dir, {**manifest, **weights})
-        checkpointer.write_status("running")
+        checkpointer.record("running", resumed.step if resumed else 0)
 
     on_main(write, lambda e: runfiles.write_problem(run_dir, e))
     if is_main():

@@ -4,16 +4,17 @@ that verifies) is train/checkpoint.py.
   newest_checkpoint(run_dir, device)  the checkpoint a start resumes from, read before anything is written
   Checkpointer                        one per run: rank 0 writes, every rank takes part
     .restore(state, source)           back to where `state` left off (or a fresh start's random streams)
-    .save(reason)                     RUN_DIR/checkpoints/step_N.pt, every rank's RNG state in it
-    .keep_best(result, ema)           best.pt (best_ema.pt): the weights of the best evaluation so far
+    .save(position, reason)           RUN_DIR/checkpoints/step_N.pt, every rank's RNG state in it
+    .keep_best(step, result, ema)     best.pt (best_ema.pt): the weights of the best evaluation so far
     .save_final()                     model.pt (model_ema.pt): the weights the run ends with
     .state_dict() / load_state_dict() a checkpoint's layout, in one place
-    .write_status(state)              status.json: the run's state, step and length, and the best files it names
+    .record(state, step)              status.json: the run's state, step and length, and the best files it names
   capture_rng / restore_rng           one rank's random streams (the CPU's, and the GPU's on one)
 
 A checkpoint holds the model (unwrapped), the optimizer, the schedule, the grad scaler, the EMA, the best evaluations,
-every rank's RNG state, the layout its position counts in, the config, and the position itself: that is the
-Trainer's (`position`: its state_dict and load_state_dict), the one state the Trainer keeps.
+every rank's RNG state, the layout its position counts in, the config, and the position itself: the Trainer's
+(Trainer.state_dict: step, epoch, step in epoch, whether that step's evaluation is owed), the one state the Trainer
+keeps, given to `save` and given back by `restore`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from train import checkpoint as ckpt
 from train import runfiles
 from train.config import Config
-from train.distributed import broadcast_from_main, gather, on_main, watch_limit
+from train.distributed import broadcast_from_main, gather, on_main
 from train.identity import identity, is_main
 from train.errors import ConfigError
 from train.optim import schedule_at, schedule_lengths
@@ -67,17 +68,14 @@ def newest_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None,
 
 
 class Checkpointer:
-    """The run's weights files and its checkpoints' contents. `position` is the Trainer: its state_dict() is the
-    position (step, epoch, step in epoch, whether that step's evaluation is owed), its step names the files."""
+    """The run's weights files and its checkpoints' contents, over the parts a checkpoint holds."""
 
-    def __init__(self, run_dir: Path, device: torch.device, cfg: Config, plan, layout: Layout, position, *,
+    def __init__(self, run_dir: Path, device: torch.device, cfg: Config, plan, layout: Layout, *,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
                  ema: torch.nn.Module | None):
-        self.run_dir, self.device, self.cfg, self.plan, self.layout, self.position = \
-            run_dir, device, cfg, plan, layout, position
+        self.run_dir, self.device, self.cfg, self.plan, self.layout = run_dir, device, cfg, plan, layout
         self.model, self.optimizer, self.scheduler, self.scaler, self.ema = model, optimizer, scheduler, scaler, ema
         self.rank, self.world = identity().global_rank, identity().world_size
-        self.limit = watch_limit(cfg.launch.timeout_s)
         self.tracker = None  # MLflow (train/tracker.py): what is written goes there too, once tracking started
         self.best: dict | None = None  # the evaluation best.pt holds: its step and figures
         self.best_ema: dict | None = None  # best_ema.pt's, with --model-ema
@@ -85,25 +83,26 @@ class Checkpointer:
 
     # ------------------------------------------------------------ the files
 
-    def save(self, reason: str) -> None:
-        """Every rank's RNG state to rank 0, which writes the checkpoint; every rank learns if that failed."""
-        step = self.position.step
-        with watchdog.during(f"the checkpoint save of step {step}", self.limit):
+    def save(self, position: dict, reason: str) -> None:
+        """The checkpoint at `position` (the Trainer's): every rank's RNG state to rank 0, which writes it; every rank
+        learns if that failed."""
+        step = position["step"]
+        with watchdog.during(f"the checkpoint save of step {step}"):
             rng = gather(capture_rng(self.device))
 
             def write() -> None:
-                path = ckpt.save_checkpoint(self.run_dir, step, self.state_dict(rng),
+                path = ckpt.save_checkpoint(self.run_dir, step, self.state_dict(position, rng),
                                             self.cfg.checkpoints.keep_checkpoints)
                 log.info("saved %s (%s)", path, reason)
                 if self.tracker and self.cfg.tracking.mlflow_checkpoints:
                     for file in (path, ckpt.sidecar_of(path)):
                         self.tracker.upload(file, "checkpoints")
 
-            on_main(write, self._save_failed)
+            on_main(write, lambda e: self._save_failed(step, e))
             self.saved_step = step
 
-    def _save_failed(self, e: OSError) -> str:
-        step, previous = self.position.step, ckpt.list_checkpoints(self.run_dir)[-1:]
+    def _save_failed(self, step: int, e: OSError) -> str:
+        previous = ckpt.list_checkpoints(self.run_dir)[-1:]
         error = (f"could not save the checkpoint of step {step} in {self.run_dir} ({e.strerror or e}); "
                  f"{'kept ' + previous[0].name if previous else 'no earlier checkpoint'}: "
                  f"free space or fix permissions, then run the same command to resume")
@@ -111,13 +110,13 @@ class Checkpointer:
             runfiles.write_status(self.run_dir, "failed", step, error=error, needed_bytes=getattr(e, "needed", 0))
         return error
 
-    def keep_best(self, result: dict, ema: bool = False) -> None:
-        """best.pt: the model of the evaluation with the highest top-1 so far (a tie keeps the earlier), apart
-        from the newest-K checkpoints, written atomically; status.json names it. ema: best_ema.pt, the EMA's."""
+    def keep_best(self, step: int, result: dict, ema: bool = False) -> None:
+        """best.pt: the model of the evaluation (at `step`) with the highest top-1 so far (a tie keeps the earlier),
+        apart from the newest-K checkpoints, written atomically; status.json names it. ema: best_ema.pt, the EMA's."""
         best = self.best_ema if ema else self.best
         if best is not None and result["accuracy"] <= best["val_accuracy"]:
             return
-        best = {"step": self.position.step, **{f"val_{k}": v for k, v in result.items()}}
+        best = {"step": step, **{f"val_{k}": v for k, v in result.items()}}
         if ema:
             self.best_ema, model, path = best, self.ema.module, self.run_dir / "best_ema.pt"
         else:
@@ -142,22 +141,23 @@ class Checkpointer:
         if self.tracker:
             self.tracker.upload(self.run_dir / "model.pt")
 
-    def write_status(self, state: str, **extra) -> None:
-        """status.json (rank 0): the run's state at this step, its length, the best files it has."""
+    def record(self, state: str, step: int, **extra) -> None:
+        """status.json (rank 0, runfiles.write_status): the run's state at `step`, its length, the best files it
+        has."""
         if not is_main():
             return
         cfg, best = self.cfg, {"best": {"path": "best.pt", **self.best}} if self.best else {}
         if self.best_ema:
             best["best_ema"] = {"path": "best_ema.pt", **self.best_ema}
         length = {"max_steps": self.plan.max_steps, **({"epochs": cfg.run.epochs} if cfg.run.epochs else {})}
-        runfiles.write_status(self.run_dir, state, self.position.step, **length, **best, **extra)
+        runfiles.write_status(self.run_dir, state, step, **length, **best, **extra)
 
     # ------------------------------------------------------------ what a checkpoint holds
 
-    def state_dict(self, rng: list[dict]) -> dict:
-        """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position, every rank's
-        RNG state (`rng`, gathered), the layout the position counts in, and the config."""
-        cfg, position = self.cfg, self.position.state_dict()
+    def state_dict(self, position: dict, rng: list[dict]) -> dict:
+        """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position (the Trainer's), every
+        rank's RNG state (`rng`, gathered), the layout the position counts in, and the config."""
+        cfg = self.cfg
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": position["step"], "epoch": position["epoch"], "step_in_epoch": position["step_in_epoch"],
@@ -169,8 +169,8 @@ class Checkpointer:
                 "best_ema": self.best_ema}
 
     def restore(self, state: dict | None, source: Path | None) -> Resumed | None:
-        """Back to the checkpoint `state` (the newest that verifies, `source`): what it resumed. Without one, a fresh
-        per-rank random stream (dropout and the like), and None."""
+        """Back to the checkpoint `state` (the newest that verifies, `source`): what it resumed, the Trainer's position
+        among it. Without one, a fresh per-rank random stream (dropout and the like), and None."""
         if state is None:
             torch.manual_seed(self.cfg.run.seed * 7919 + self.rank)
             return None
@@ -195,9 +195,8 @@ class Checkpointer:
             longer = f"--epochs above {cfg.run.epochs}" if cfg.run.epochs else f"--max-steps of {step} or more"
             raise ConfigError(f"{source} is at step {step}, past this run's {plan.max_steps} steps: give "
                               f"{longer}, or start a new --run-dir")
-        resumed = Resumed(source, step, state["config"], state["world_size"],
-                          saved_length(state, plan.steps_per_epoch))
-        if resumed.max_steps == plan.max_steps:
+        saved_max_steps = saved_length(state, plan.steps_per_epoch)
+        if saved_max_steps == plan.max_steps:
             self.scheduler.load_state_dict(state["scheduler"])
         else:
             self.scheduler = schedule_at(cfg.schedule, self.optimizer,
@@ -211,10 +210,9 @@ class Checkpointer:
         self.best, self.best_ema = state.get("best"), state.get("best_ema")
         if step_in_epoch >= plan.steps_per_epoch:  # saved at an epoch's end: the next one's start
             epoch, step_in_epoch = epoch + 1, 0
-        self.position.load_state_dict({"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                                       "eval_owed": eval_owed})
+        position = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "eval_owed": eval_owed}
         if state["world_size"] != self.world:  # per-rank RNG streams cannot carry over
             torch.manual_seed(cfg.run.seed * 7919 + self.rank + step)
         else:
             restore_rng(state["rng"][self.rank], self.device)
-        return resumed
+        return Resumed(source, position, state["config"], state["world_size"], saved_max_steps)

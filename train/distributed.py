@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.errors import ConfigError, note_process_group
 from train.identity import Identity, from_environment, identity, is_main, peers_never_came, waiting_because
-from train.watchdog import watchdog
+from train.watchdog import watch_limit, watchdog
 
 
 class PeersTimedOut(dist.DistStoreError):
@@ -58,12 +58,6 @@ def lost_peer(error: BaseException) -> bool:
 _control_group = None  # gloo group for small host-side agreements (stop flag) without device syncs
 _session_store = None  # the store of this process's group: this attempt's namespace in the rendezvous store (init)
 _wrappers: list[weakref.ref] = []  # the DistributedDataParallel wrappers `wrap` made (see teardown)
-
-
-def watch_limit(timeout_s: float) -> float:
-    """How long a phase may go without progress before the watchdog ends the process: torch's own
-    timeouts (timeout_s) fire first where they can, with a more specific error."""
-    return timeout_s + min(timeout_s, 60)
 
 
 def init(device: torch.device, timeout_s: int) -> Identity:

@@ -92,7 +92,7 @@ def end_process(code: int) -> NoReturn:
     dist = sys.modules.get("torch.distributed")
     if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
         # Bounded: a thread that never ends or an exit handler that hangs is named, its stacks printed, exit 1.
-        watchdog.enter("the process's exit (joining its threads, its exit handlers)", watchdog.end_limit_s,
+        watchdog.enter("the process's exit (joining its threads, its exit handlers)", watchdog.run_limit_s,
                        cause="a thread or an exit handler did not end")
         run_exit_handlers(join_threads=True)
         for stream in (sys.stdout, sys.stderr):

@@ -162,13 +162,17 @@ def saved_length(state: dict, steps_per_epoch: int) -> int:
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where a start resumed: the checkpoint, its step and what it recorded of the run until then."""
+    """Where a start resumed: the checkpoint, the position it holds and what it recorded of the run until then."""
 
     source: Path
-    step: int
+    position: dict  # the Trainer's: step, epoch, step_in_epoch, eval_owed (whether that step's evaluation is owed)
     config: dict  # the config it was saved under
     world_size: int  # the workers that saved it
     max_steps: int  # the run's length then (a resume may make it longer or shorter)
+
+    @property
+    def step(self) -> int:
+        return self.position["step"]
 
 
 def continued(cfg: Config, state: dict, world: int, run_dir: Path, source: Path) -> tuple[Config, Layout, str]:

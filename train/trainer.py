@@ -1,6 +1,6 @@
 """The Trainer: one rank's run. Read `Trainer.train()` first: it is the whole loop, top to bottom, one call per concern.
 
-  Trainer(cfg, run_dir, device, stop)  the run's parts (train/build.py), resumed where the newest checkpoint left off
+  Trainer(parts, stop)                 over the run's parts (train/build.py), from where the newest checkpoint left off
   Trainer.train()                      a step, the EMA, the position, the schedule, the log; then a stop, an
                                        evaluation or a checkpoint when one is due
   Trainer.train_step(micro_batches)    forward and backward over the micro-batches, clip, optimizer step: nothing else
@@ -16,17 +16,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
-from train.build import build
 from train.checkpointer import capture_rng, restore_rng
-from train.config import Config, process_start_time
+from train.config import process_start_time
 from train.data import origin, prepare_inputs
-from train.distributed import StopSignal, broadcast_from_main, gather, watch_limit
+from train.distributed import StopSignal, broadcast_from_main, gather
 from train.identity import identity, is_main
 from train.errors import EXIT_DONE, EXIT_STOPPED
 from train.augment import batch_seed
@@ -35,6 +34,9 @@ from train.health import Diverged
 from train.runtime import autocast
 from train.watchdog import watchdog
 
+if TYPE_CHECKING:
+    from train.build import Parts
+
 log = logging.getLogger("train")
 
 
@@ -42,14 +44,15 @@ class Trainer:
     """One rank's run: the loop over its parts (`parts`, train/build.py) from its position (step, epoch, step in
     epoch)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, device: torch.device, stop: StopSignal):
-        self.run_dir, self.device, self.stop, self.limit = run_dir, device, stop, watch_limit(cfg.launch.timeout_s)
+    def __init__(self, parts: Parts, stop: StopSignal):
+        self.parts, self.stop, self.checkpointer = parts, stop, parts.checkpointer
+        self.cfg, self.plan, self.run_dir, self.device = parts.cfg, parts.plan, parts.run_dir, parts.device
         self.rank, self.world = identity().global_rank, identity().world_size
-        self.step = self.epoch = self.step_in_epoch = 0  # the position; a resume sets it (load_state_dict)
+        self.step = self.epoch = self.step_in_epoch = 0  # the position
         self.eval_owed, self.last_eval, self.first_step_logged, self.settle_s = False, -1, False, 0.0
-        self.parts = build(cfg, run_dir, device, position=self)
-        self.cfg, self.plan, self.checkpointer = self.parts.cfg, self.parts.plan, self.parts.checkpointer
-        self.resumed_from = self.parts.resumed.step if self.parts.resumed else None
+        self.resumed_from = parts.resumed.step if parts.resumed else None
+        if parts.resumed:
+            self.load_state_dict(parts.resumed.position)
 
     def state_dict(self) -> dict:
         """The position (and whether the evaluation of its step is still owed): what a checkpoint holds of the
@@ -66,7 +69,7 @@ class Trainer:
         the compiled module it wraps, while every peer is still in the group. Freed only when run()'s frame
         ends, after the peers have left, they were torn down without them, and a finished run's last rank
         hung there (distributed.teardown now refuses to leave before they are gone)."""
-        watchdog.enter("the end of the run (freeing the DDP wrapper)", self.limit)
+        watchdog.enter("the end of the run (freeing the DDP wrapper)")
         self.parts.model = self.parts.raw_model
         watchdog.pause()
 
@@ -75,7 +78,7 @@ class Trainer:
     def train(self) -> int:
         """The run from where it stands to max_steps. Returns the exit code (0 done, 75 stopped)."""
         cfg, parts, max_steps = self.cfg, self.parts, self.plan.max_steps
-        watchdog.enter("training", self.limit)
+        watchdog.enter("training")
         try:
             if self.eval_owed:  # stopped at an evaluation step before evaluating
                 self.evaluate()
@@ -235,7 +238,7 @@ class Trainer:
         log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.plan.max_steps,
                  values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
         parts.metrics.write(self.step, "train", values)
-        self.checkpointer.write_status("running")  # alive: the step and the time, at every log line
+        self.checkpointer.record("running", self.step)  # alive: the step and the time, at every log line
 
     def check_health(self, models: tuple = ()) -> None:
         """Every rank at once: stop a diverged run (train/health.py) before it writes anything; models: weights about
@@ -265,7 +268,7 @@ class Trainer:
         """The model (and its EMA) on the validation set; the best so far kept as best.pt (best_ema.pt)."""
         parts = self.parts
         self.check_health()  # a diverged model is neither evaluated nor kept as best.pt
-        with watchdog.during(f"evaluation at step {self.step}", self.limit):
+        with watchdog.during(f"evaluation at step {self.step}"):
             self.last_eval = self.step
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
             results = {name: evaluate(model, parts.val_loader, self.device, parts.precision,
@@ -278,15 +281,15 @@ class Trainer:
                      self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         parts.metrics.write(self.step, "eval", result)
-        self.checkpointer.keep_best(results[""])
+        self.checkpointer.keep_best(self.step, results[""])
         if parts.ema is not None:
-            self.checkpointer.keep_best(results["EMA "], ema=True)
+            self.checkpointer.keep_best(self.step, results["EMA "], ema=True)
         return result
 
     def save(self, reason: str) -> None:
         """The checkpoint of this step, once every rank knows the weights are finite."""
         self.check_health(self.weights())
-        self.checkpointer.save(reason)
+        self.checkpointer.save(self.state_dict(), reason)
 
     def stop_here(self, reason: str, save: bool = True) -> int:
         """A stop signal (agreed by every rank), or --stop-at: checkpoint, status 'stopped', exit 75."""
@@ -296,7 +299,7 @@ class Trainer:
             self.save(reason)
         else:
             log.info("%s, nothing to train (exit %d)", reason, EXIT_STOPPED)
-        self.checkpointer.write_status("stopped", exit_code=EXIT_STOPPED)
+        self.checkpointer.record("stopped", self.step, exit_code=EXIT_STOPPED)
         return EXIT_STOPPED
 
     def finish(self) -> int:
@@ -307,7 +310,7 @@ class Trainer:
         self.check_health(self.weights())
         self.checkpointer.save_final()
         if is_main():
-            self.checkpointer.write_status("done", **{f"val_{k}": v for k, v in final.items()})
+            self.checkpointer.record("done", self.step, **{f"val_{k}": v for k, v in final.items()})
             log.info("done: %s", self.run_dir / "model.pt")
             if self.parts.tracker:
                 self.parts.tracker.upload(self.run_dir / "manifest.json")

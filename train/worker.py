@@ -2,8 +2,8 @@
 
   run_worker(cfg)     python -m train's one worker (or each of --spawn's, each of torchrun's): run(cfg), its errors
                       as one line and an exit code; a worker lost to its peers prints where it was and its stack
-  run(cfg)            the runtime, the process group, the Trainer (or nothing, for a run already finished), and
-                      leaving together
+  run(cfg)            the runtime, the process group, the run's parts (train/build.py) and its Trainer (or nothing,
+                      for a run already finished), and leaving together
   unrecoverable(...)  whether an error is one a restart cannot mend (exit code 2), and its line
 """
 
@@ -22,9 +22,10 @@ import torch
 
 from train import checkpoint as ckpt
 from train import runfiles
+from train.build import build
 from train.config import Config, launch_run_dir, process_start_time
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, init, lost_peer,
-                               peer_unrecoverable, teardown, watch_limit)
+                               peer_unrecoverable, teardown)
 from train.identity import PeersNeverCame, first_line, identity, is_main
 from train.errors import (EXIT_BAD_INPUT, EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory,
                           PeerGaveUp, one_line)
@@ -32,7 +33,7 @@ from train.memory import is_out_of_memory, out_of_memory
 from train.runtime import configure_runtime, pick_device
 from train.tracker import catch_up_tracking
 from train.trainer import Trainer
-from train.watchdog import watchdog
+from train.watchdog import watch_limit, watchdog
 from train.workers import kill_loader_workers
 
 
@@ -108,7 +109,7 @@ def _report_lost_peer(rank: int, error: Exception) -> None:
 def run(cfg: Config) -> int:
     """Train according to cfg as the rank the environment says this process is. Returns the exit code."""
     ident = identity()
-    watchdog.begin(f"rank {ident.global_rank}", end_limit_s=watch_limit(cfg.launch.timeout_s))
+    watchdog.begin(f"rank {ident.global_rank}", limit_s=watch_limit(cfg.launch.timeout_s))
     configure_runtime(cfg)
     device = pick_device(cfg.launch.device, ident)
     init(device, cfg.launch.timeout_s)
@@ -120,7 +121,7 @@ def run(cfg: Config) -> int:
             tracker = catch_up_tracking(cfg, run_dir)
             code = EXIT_DONE
         else:
-            trainer = Trainer(cfg, run_dir, device, stop)
+            trainer = Trainer(build(cfg, run_dir, device), stop)
             tracker = trainer.parts.tracker
             code = trainer.train()
             trainer.release()
@@ -144,7 +145,7 @@ def run(cfg: Config) -> int:
                 tracker.close(outcome, cfg.launch.timeout_s if outcome == "FINISHED" else min(cfg.launch.timeout_s, 30))
             # This frame's objects (the trainer, its loaders and their workers) are freed as it returns, after the
             # peers have left: bounded too. The caller ends the phase once it has them back (run_worker).
-            watchdog.enter("the end of the run (freeing the trainer)", watchdog.end_limit_s,
+            watchdog.enter("the end of the run (freeing the trainer)",
                            cause="freeing the trainer's objects (its loaders' workers, what the process group left) "
                                  "did not end")
 

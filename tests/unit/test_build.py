@@ -5,7 +5,6 @@ import json
 
 import torch
 
-from tests.unit.test_checkpointer import Position
 from train import runfiles
 from train.augment import BatchAugment
 from train.build import build
@@ -23,11 +22,10 @@ def _cfg(run_dir, *flags):
 
 def test_a_fresh_build_makes_every_part_and_writes_the_run_files(tmp_path):
     cfg = _cfg(tmp_path)
-    position = Position()
-    parts = build(cfg, tmp_path, CPU, position)
+    parts = build(cfg, tmp_path, CPU)
     parts.metrics.close()
 
-    assert parts.cfg == cfg and parts.resumed is None and position == Position()
+    assert parts.cfg == cfg and parts.resumed is None and (parts.run_dir, parts.device) == (tmp_path, CPU)
     assert parts.model is parts.raw_model  # no process group: nothing wraps it
     assert parts.precision is None and not parts.scaler.is_enabled()
     assert isinstance(parts.augment, BatchAugment) and parts.ema is not None
@@ -48,7 +46,7 @@ def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_
     trains from its rank's own stream (seed x 7919 + rank), nothing drawn from it before the first step."""
     cfg = _cfg(tmp_path, "--seed", "3")  # not 0: its rank 0 stream would be the seed's own
     torch.rand(7)  # whatever was drawn before
-    parts = build(cfg, tmp_path, CPU, Position())
+    parts = build(cfg, tmp_path, CPU)
     after_build = torch.get_rng_state()
     parts.metrics.close()
     torch.manual_seed(cfg.run.seed)
@@ -61,18 +59,17 @@ def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_
 
 
 def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
-    first = build(_cfg(tmp_path), tmp_path, CPU, position := Position())
+    first = build(_cfg(tmp_path), tmp_path, CPU)
     with torch.no_grad():
         for p in first.raw_model.parameters():
             p.add_(1.0)  # weights only a resume can give back
-    position.step, position.step_in_epoch = 12, 12
-    first.checkpointer.save("a test")
+    first.checkpointer.save({"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}, "a test")
     first.metrics.close()
 
-    again = Position()
-    parts = build(_cfg(tmp_path, "--max-steps", "60"), tmp_path, CPU, again)  # a longer run
+    parts = build(_cfg(tmp_path, "--max-steps", "60"), tmp_path, CPU)  # a longer run
     parts.metrics.close()
-    assert parts.resumed.step == 12 and parts.resumed.max_steps == 40 and again.step == 12
+    assert parts.resumed.position == {"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}
+    assert parts.resumed.max_steps == 40
     assert all(torch.equal(a, b) for a, b in zip(parts.raw_model.state_dict().values(),
                                                  first.raw_model.state_dict().values(), strict=True))
     plan = runfiles.read_json(tmp_path / "plan.json")
