@@ -192,7 +192,13 @@ def keep_private(folder: Path) -> None:
 def set_admin_password(database_uri: str, username: str, password: str) -> bool:
     """Make `password` the admin's in MLflow's user store, with MLflow's own store, before the server starts:
     MLflow reads MLFLOW_AUTH_ADMIN_PASSWORD only when it creates the admin, so without this a changed password
-    file would leave the old password in use. True when the admin's password changed."""
+    file would leave the old password in use. True when the admin's password changed.
+
+    MLflow's documented way to change a password (its REST API, AuthServiceClient) logs in with the current one,
+    which a changed file no longer gives: this is the one place that uses MLflow's user store itself
+    (mlflow.server.auth.sqlalchemy_store, not in MLflow's documented API; checked with mlflow 3.17.2, docker/mlflow.in).
+    tests/e2e/test_services.py's test_the_admin_password_is_the_one_in_its_file_at_every_start fails on an MLflow that
+    changes it."""
     try:
         with warnings.catch_warnings():  # a deprecation in a dependency of MLflow's, not the user's to fix
             warnings.simplefilter("ignore")

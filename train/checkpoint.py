@@ -9,7 +9,6 @@ halfway, a truncated file or flipped bytes are never loaded; the newest checkpoi
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import logging
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from train.errors import ConfigError
-from train.runfiles import fsync_dir, read_status
+from train.runfiles import atomic_file, atomic_write, file_digest, read_status
 
 log = logging.getLogger("train")
 
@@ -112,42 +111,34 @@ def _state_bytes(state) -> int:
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Stream the state into a temp file while checksumming it, fsync; write the sidecar, fsync; rename both
-    into place, fsync the folder once; then prune to the newest `keep`. Old checkpoints are removed only
-    after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
+    """Stream the state into a temp file while checksumming it, and move it into place (fsynced, the folder too:
+    runfiles.atomic_file); then its sidecar the same way; then prune to the newest `keep`. Old checkpoints are
+    removed only after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
     _wait_for_pruning()
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
     path = folder / f"step_{step:08d}.pt"
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    sidecar, sidecar_tmp = sidecar_of(path), path.with_name(f".{path.name}.crc32.tmp.{os.getpid()}")
     out = None
     crc = torch.serialization.get_crc32_options()
     try:
-        f = open(tmp, "wb")
-        try:
-            out = _ChecksumFile(f)
-            torch.serialization.set_crc32_options(False)  # the zip's own CRCs would only repeat ours, slower
-            torch.save(state, out)
-            f.flush()
-            os.fsync(f.fileno())
-            out.close()
-        finally:
-            torch.serialization.set_crc32_options(crc)
-            if out is not None:
-                out.close()
-            with contextlib.suppress(OSError):
-                f.close()
-        # The sidecar needs no fsync of its own: if a crash loses or tears it, the checkpoint simply does
-        # not verify and the previous one is used.
-        sidecar_tmp.write_bytes(out.sidecar(path.name))
-        os.replace(tmp, path)  # a .pt without its sidecar (a crash right here) never verifies
-        os.replace(sidecar_tmp, sidecar)
-        fsync_dir(folder)
+        with atomic_file(path) as tmp:
+            f = open(tmp, "wb")
+            try:
+                out = _ChecksumFile(f)
+                torch.serialization.set_crc32_options(False)  # the zip's own CRCs would only repeat ours, slower
+                torch.save(state, out)
+                f.flush()
+                os.fsync(f.fileno())
+            finally:
+                torch.serialization.set_crc32_options(crc)
+                if out is not None:
+                    out.close()
+                with contextlib.suppress(OSError):  # after a failed write, that write's error is the one to say
+                    f.close()
+        atomic_write(sidecar_of(path), out.sidecar(path.name))  # a .pt without its sidecar never verifies
     except (OSError, RuntimeError) as e:
-        for leftover in (tmp, sidecar_tmp, path):  # a checkpoint without its sidecar would only be skipped
-            leftover.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # a checkpoint without its sidecar would only be skipped
         cause = e if isinstance(e, OSError) else getattr(out, "error", None)
         if cause is None:
             raise
@@ -203,11 +194,7 @@ def verify(path: Path) -> str | None:
         return "no checksum file beside it (the save did not finish)"
     fields = sidecar.read_text().split()
     if sidecar.suffix == ".sha256":
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        ok = bool(fields) and digest.hexdigest() == fields[0]
+        ok = bool(fields) and file_digest(path) == fields[0]
     else:
         values = dict(field.split(":", 1) for field in fields if ":" in field)
         if str(path.stat().st_size) != values.get("size"):

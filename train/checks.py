@@ -17,7 +17,7 @@ import torch
 from train import checkpoint
 from train.config import Config, launch_run_dir
 from train.data import check_cifar, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
-from train.distributed import alone_fix, launch_variables, resolve_identity
+from train.identity import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import build_model, check_model_spec

@@ -1,19 +1,18 @@
-"""Who am I: one function turns any launcher's environment into rank, world size and device.
+"""The process group of the ranks train/identity.py names, from its start to leaving it together.
 
-Launchers understood, in this order:
-  torchrun / spawn  RANK, WORLD_SIZE, LOCAL_RANK (+ MASTER_ADDR/MASTER_PORT), env:// rendezvous
-  env               the same variables set by something else (Kubeflow's PyTorchJob, a script, or a shell
-                    they were left in): trains as one of several, and says so before it waits for the others
-  srun per task     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID inside a job step; master = first node
-  single            a plain `python -m train`: rank 0 of 1, no process group
-Every other module asks `identity()` or `is_main()`; nobody reads RANK on their own.
+  init(device, timeout_s)      the group, under a name this attempt alone uses in the rendezvous store (a torchrun
+                               restart never meets the dead attempt's keys); join_group: a tool's own group
+  lost_peer(error)             whether an error means losing the other ranks (one died, hung or cannot be reached)
+  on_main / broadcast_from_main / gather
+                               rank 0's file I/O with every rank learning its error; small objects to every rank
+  StopSignal                   SIGTERM, SIGUSR2 or a first Ctrl-C on any rank stops every rank after the same step
+  wrap / teardown              the DDP wrapper; leaving the group together, after a clean run without the wrapper
+  announce_unrecoverable       an error a restart cannot mend, said to the peers through the store
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import re
 import signal
 import socket
 import sys
@@ -21,110 +20,16 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.cluster import PlanError, expand_hostlist, master_port
 from train.errors import ConfigError, note_process_group
-from train.watchdog import watchdog
-
-
-@dataclass(frozen=True)
-class Identity:
-    global_rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    launcher: str  # torchrun | spawn | env | slurm | single
-    master_addr: str
-    master_port: int
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1 or self.launcher != "single"
-
-
-def _int(env, key: str) -> int:
-    try:
-        return int(env[key])
-    except ValueError:
-        raise ConfigError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
-
-
-def _first_node(env) -> str:
-    """The step's first node, which hosts the store when the launcher set no MASTER_ADDR."""
-    hostlist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
-    try:
-        return expand_hostlist(hostlist, env)[0]
-    except PlanError as e:
-        raise ConfigError(f"{e}, or set MASTER_ADDR") from None
-
-
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launch_variables(env=None) -> str:
-    """The launch variables set in env (default os.environ), as NAME=value."""
-    env = os.environ if env is None else env
-    return " ".join(f"{key}={env[key]}" for key in LAUNCH_VARIABLES if key in env)
-
-
-def alone_fix(env=None) -> str:
-    """How a process with the launch variables set trains alone."""
-    env = os.environ if env is None else env
-    return f"unset {' '.join(key for key in LAUNCH_VARIABLES if key in env)}"
-
-
-def from_environment(ident: Identity, timeout_s: float, env=None) -> str:
-    """The line a process whose rank comes from the environment alone (launcher 'env') says before it waits."""
-    where = f"{ident.master_addr}:{ident.master_port}"
-    if ident.world_size == 1:
-        wait = f"a process group of one at {where}"
-    else:
-        wait = f"waiting up to {timeout_s:g} s (--timeout-s) " + \
-            (f"for {_others(ident)} at {where}" if ident.global_rank == 0 else f"to reach rank 0 at {where}")
-    return (f"rank {ident.global_rank} of {ident.world_size} from the environment ({launch_variables(env)}; set by "
-            f"neither torchrun nor --spawn): {wait}; to train alone, {alone_fix(env)}")
-
-
-def _others(ident: Identity) -> str:
-    """The ranks rank 0 waits for."""
-    return "rank 1" if ident.world_size == 2 else f"ranks 1-{ident.world_size - 1}"
-
-
-class PeersNeverCame(RuntimeError):
-    """The start-up of a process whose rank and world size come from the environment alone (launcher 'env')
-    failed to meet the other ranks: its line names the variables, not a dead worker."""
-
-
-def first_line(error: BaseException) -> str:
-    """An error's first line, without the C++ source location torch puts in front and gloo's advice behind."""
-    first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    return re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is typically")[0].strip()[:200]
-
-
-def peers_never_came(ident: Identity, timeout_s: float, error: BaseException, env=None) -> PeersNeverCame:
-    where = f"{ident.master_addr}:{ident.master_port}"
-    if ident.global_rank == 0:
-        what = f"{_others(ident)} did not join at {where} within {timeout_s:g} s"
-    else:
-        what = f"rank 0 could not be reached at {where} within {timeout_s:g} s"
-    return PeersNeverCame(f"{what} ({first_line(error)}): {_because(ident, env)}")
-
-
-def _because(ident: Identity, env=None) -> str:
-    """Why a rank from the environment alone waited for others, and the fix: said by the error that ends its
-    start-up, or by the watchdog where that start-up makes no progress first."""
-    return (f"this process is rank {ident.global_rank} of {ident.world_size} because {launch_variables(env)} are set "
-            f"in its environment (by neither torchrun nor --spawn); if they are left over from another job, "
-            f"{alone_fix(env)} and run the same command to train alone, else start the other ranks with the same "
-            f"MASTER_ADDR and MASTER_PORT")
+from train.identity import Identity, from_environment, identity, is_main, peers_never_came, waiting_because
+from train.watchdog import watch_limit, watchdog
 
 
 class PeersTimedOut(dist.DistStoreError):
@@ -150,56 +55,9 @@ def lost_peer(error: BaseException) -> bool:
     return type(error) is RuntimeError and any(mark in str(error) for mark in GLOO_LOST_PEER)
 
 
-def resolve_identity(env=None) -> Identity:
-    """Turn the launcher's environment into an Identity from `env` (default os.environ) alone; a Slurm step
-    without MASTER_ADDR names its first node (`expand_hostlist`: scontrol where it answers)."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun always sets TORCHELASTIC_RUN_ID for its workers
-        launcher = env.get("TRAINBOX_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
-        return Identity(
-            global_rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            world_size=_int(env, "WORLD_SIZE"),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _int(env, "WORLD_SIZE"),
-            launcher=launcher, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500)
-    # srun sets SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 too but is not a step of N tasks.
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
-        return Identity(
-            global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID"),
-            world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
-            launcher="slurm", master_addr=env.get("MASTER_ADDR") or _first_node(env),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port(env["SLURM_JOB_ID"]))
-    return Identity(0, 0, 1, 1, "single", "127.0.0.1", 0)
-
-
-_identity: Identity | None = None
 _control_group = None  # gloo group for small host-side agreements (stop flag) without device syncs
-_session_store = None  # this attempt's namespace in the rendezvous store (see init)
+_session_store = None  # the store of this process's group: this attempt's namespace in the rendezvous store (init)
 _wrappers: list[weakref.ref] = []  # the DistributedDataParallel wrappers `wrap` made (see teardown)
-
-
-def identity() -> Identity:
-    global _identity
-    if _identity is None:
-        _identity = resolve_identity()
-    return _identity
-
-
-def is_main() -> bool:
-    """Global rank 0: the one process that writes shared files (checkpoints, logs, model.pt)."""
-    return identity().global_rank == 0
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity: a cgroup or taskset may give it fewer)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def watch_limit(timeout_s: float) -> float:
-    """How long a phase may go without progress before the watchdog ends the process: torch's own
-    timeouts (timeout_s) fire first where they can, with a more specific error."""
-    return timeout_s + min(timeout_s, 60)
 
 
 def init(device: torch.device, timeout_s: int) -> Identity:
@@ -221,7 +79,7 @@ def init(device: torch.device, timeout_s: int) -> Identity:
     # A client's connect under torch 2.13 gives up well after timeout_s (4.6 s for 2 s, 11 s for 5 s here), where
     # the watchdog may end it first: for a rank from the environment its line then says what the error would.
     watchdog.enter(f"process-group set-up (rendezvous at {ident.master_addr}:{ident.master_port})",
-                   watch_limit(timeout_s), _because(ident) if ident.launcher == "env" else None)
+                   watch_limit(timeout_s), waiting_because(ident) if ident.launcher == "env" else None)
     url = f"tcp://{ident.master_addr}:{ident.master_port}" if ident.launcher == "slurm" else "env://"
     try:
         store, _, _ = next(rendezvous(url, ident.global_rank, ident.world_size, timeout=timeout))
@@ -241,6 +99,17 @@ def init(device: torch.device, timeout_s: int) -> Identity:
     _control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     watchdog.pause("start-up")
     return ident
+
+
+def join_group(backend: str, rank: int, world: int, timeout: datetime.timedelta | None = None, **options) -> None:
+    """A process group for a tool that starts its ranks itself (make doctor, make bench, the tests): `world` ranks
+    meeting at MASTER_ADDR:MASTER_PORT (env://, rank 0 hosts the store), as init_process_group would make it, but with
+    the store kept here, for the ranks to leave together on it (destroy_and_leave_together)."""
+    global _session_store
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    store, _, _ = next(rendezvous("env://", rank, world, **kwargs))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs, **options)
+    _session_store = store
 
 
 def agree_on_session(store, rank: int, world: int, timeout_s: float) -> str:
@@ -287,9 +156,14 @@ def destroy_and_leave_together(timeout_s: float = 30.0) -> None:
     without this wait, none of 20 with it (the bench's communication worker, 2 cores). Rank 0, which
     hosts the store outside torchrun, leaves last, once every rank has seen the count complete (a rank
     still reading it would otherwise meet a closed socket). Past timeout_s a rank that never arrived is
-    an error, not a silent wait."""
-    store, world, rank = _session_store or _get_default_store(), dist.get_world_size(), dist.get_rank()
+    an error, not a silent wait. The store is the one this module made the group on (init, join_group)."""
+    store, world, rank = _session_store, dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
+    if world == 1:  # no one to wait for
+        return
+    if store is None:
+        raise RuntimeError("a process group made without train.distributed (init or join_group) has no store to "
+                           "leave together on")
     deadline = time.monotonic() + timeout_s
     try:
         arrived = _count_up(store, "trainbox/left", world, deadline)

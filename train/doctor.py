@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from train import checks
 from train.cuda_driver import MIN_DRIVER, driver_problem
-from train.distributed import destroy_and_leave_together, free_port, usable_cores
+from train.distributed import destroy_and_leave_together, free_port, join_group
+from train.identity import usable_cores
 from train.errors import ConfigError
 from train.metrics import nvml
 
@@ -154,8 +155,7 @@ def _allreduce_worker(rank: int, world: int, port: int, use_cuda: bool, queue) -
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=ALLREDUCE_TIMEOUT_S))
+    join_group("nccl" if use_cuda else "gloo", rank, world, timeout=timedelta(seconds=ALLREDUCE_TIMEOUT_S))
     tensor = torch.ones(16 * 2**20 // 4, device=device)  # 16 MiB of float32
     for _ in range(2):
         dist.all_reduce(tensor)

@@ -35,12 +35,13 @@ import torch.nn.functional as F
 
 from train.config import Config
 from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
-from train.distributed import identity, init, is_main, teardown
+from train.distributed import init, teardown
+from train.identity import identity, is_main
 from train.errors import ConfigError, end_process, fail
 from train.models import build_model
 from train.progress import Progress
 from train.runfiles import atomic_write, read_classes, read_config, to_json
-from train.runtime import configure_runtime, pick_device, resolve_precision
+from train.runtime import autocast, configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
 
@@ -63,7 +64,7 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
     confusion = torch.zeros(confusion_of, confusion_of, dtype=torch.int64, device=device)
     for x, y in loader:
         x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with autocast(device, autocast_dtype):
             logits = model(x)
         totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
         totals[1] += (logits.argmax(1) == y).sum()

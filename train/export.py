@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from train.runfiles import atomic_write, to_json
+from train.runfiles import atomic_file, atomic_write, move_into_place, to_json
 from train.data import eval_steps, preprocessing
 from train.errors import ConfigError, end_process, fail
 from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
@@ -71,12 +71,8 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
         save_onnx(to_onnx(program, example, cfg.model.model), out)
         shape = {"format": "onnx", **ONNX_NAMES}
     else:
-        tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}.pt2")  # torch.export.save wants the .pt2 suffix
-        try:
+        with atomic_file(out, suffix=".pt2") as tmp:  # torch.export.save wants the .pt2 suffix
             torch.export.save(program, tmp)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
         shape = {"format": "pt2", "max_batch": MAX_BATCH}
     record = {"weights": str(source), "model": cfg.model.model, "image_size": size, **shape,
               **preprocessing(cfg, classes, *normalisation(cfg))}
@@ -110,7 +106,7 @@ def save_onnx(onnx_program, out: Path) -> None:
         onnx_program.save(str(staging / out.name))
         files = sorted(staging.iterdir(), key=lambda f: f.name == out.name)
         for file in files:
-            os.replace(file, out.with_name(file.name))
+            move_into_place(file, out.with_name(file.name))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

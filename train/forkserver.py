@@ -17,7 +17,9 @@ import os
 import signal
 
 # What a worker runs: the trainer (train.launch imports it) and the evaluation; torch._dynamo, which no
-# module imports but torch.optim loads on first use.
+# module imports but torch.optim's first optimizer loads (torch 2.13.0). Only imported, never called: a torch that no
+# longer loads it costs its import here, one that renames it is skipped (the server ignores an ImportError), and
+# tests/e2e/test_reproducibility.py (imported once, by the server) fails on either.
 PRELOAD = ["torch", "torch._dynamo", "train.launch", "train.evaluate"]
 
 
@@ -29,10 +31,15 @@ def start_fork_server() -> None:
 
 def stop_fork_server() -> None:
     """A launcher that ends before it starts a worker (bad input): the server need not finish its imports
-    while it holds the launcher's output open."""
+    while it holds the launcher's output open.
+
+    multiprocessing has no public way to stop its fork server: this is the one place that reaches inside it
+    (multiprocessing.forkserver._forkserver, its _forkserver_pid and _stop(), as multiprocessing's own tests stop it;
+    checked against CPython 3.11.7, the same from 3.9 to 3.14). tests/unit/test_forkserver.py fails on a Python
+    where they are gone."""
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        server._stop()  # reaps it and forgets it, as multiprocessing's own tests stop it
+        server._stop()  # reaps it and forgets it

@@ -4,20 +4,15 @@
   python -m train.launch        make train and the container: GPUS=N picks the workers, N > 1 via torchrun
                                 (in this process, with the flags the Slurm template uses too)
 
-A worker's errors end here as one line and an exit code (train/errors.py); a worker lost to its peers
-prints where it was and its stack.
+Each worker is train/worker.py's run_worker: its errors end there as one line and an exit code.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import faulthandler
 import functools
 import os
-import signal
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,18 +20,16 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from train import trainer
 from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status, to_json
 from train.checks import preflight
 from train.config import Config, default_run_dir, parse_config
-from train.distributed import PeersNeverCame, first_line, identity, is_main, lost_peer
+from train.identity import identity, is_main
 from train.forkserver import stop_fork_server
 from train.plan import dry_run
-from train.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory, PeerGaveUp,
-                          end_process, fail, one_line)
-from train.watchdog import watchdog
-from train.workers import kill_loader_workers, spawn_workers, workers_for
+from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
+from train.worker import run_worker
+from train.workers import spawn_workers, workers_for
 
 
 def start(cfg: Config) -> int:
@@ -58,70 +51,6 @@ def print_plan(cfg: Config, world: int) -> int:
     if is_main():
         print(to_json(plan.to_dict(), indent=1), flush=True)
     return 0
-
-
-# ---------------------------------------------------------------- one worker
-
-def run_worker(cfg: Config) -> int:
-    """Train as the rank the environment says this process is; every error becomes an exit code."""
-    faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
-    atexit.register(kill_loader_workers)
-    rank = identity().global_rank
-    try:
-        code = trainer.run(cfg)
-        watchdog.pause()  # run()'s objects are freed: the end of the run is over (a notebook lives on unwatched)
-    except (Exception, KeyboardInterrupt) as e:
-        if _interrupted(e):  # a second Ctrl-C (StopSignal): now, without the checkpoint the first asked for
-            if watchdog.claim_report():
-                print(f"error: [rank {rank}] interrupted by a second Ctrl-C during {watchdog.phase}: stopped without "
-                      f"saving; run the same command to resume from the newest checkpoint", file=sys.stderr)
-            return 128 + signal.SIGINT
-        if not watchdog.claim_report():  # the watchdog named the phase and is printing the stacks
-            traceback.print_exception(e, file=sys.stderr)
-            return EXIT_FAILED
-        if isinstance(e, (DataError, OutOfMemory)):  # the rank that met it says so (the first, if several)
-            if getattr(e, "first", True):
-                print(f"error: [rank {rank}] {one_line(e)}", file=sys.stderr)
-        elif isinstance(e, ConfigError) and not isinstance(e, PeerGaveUp):  # every rank raised it; one says so
-            if is_main():
-                print(f"error: {one_line(e)}", file=sys.stderr)
-        if isinstance(e, ConfigError):
-            return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
-        if isinstance(e, PeersNeverCame):  # a rank from the environment alone: the line names its variables
-            print(f"error: [rank {rank}] {e}", file=sys.stderr)
-            return EXIT_FAILED
-        if not lost_peer(e):
-            raise
-        _report_lost_peer(rank, e)
-        return EXIT_FAILED
-    if code == EXIT_STOPPED and "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun reports any non-zero worker as a failure (exit 1, never 75) and would restart it under
-        # --max-restarts: a stop is a clean end for it. train.launch and the Slurm template read
-        # status.json ("stopped") and exit 75.
-        return 0
-    return code
-
-
-def _interrupted(error: BaseException | None) -> bool:
-    """A KeyboardInterrupt, also one that a library turned into another error while unwinding (torch.save)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
-
-
-def _report_lost_peer(rank: int, error: Exception) -> None:
-    print(f"error: [rank {rank}] lost contact with the other workers during {watchdog.phase} "
-          f"({first_line(error)}): another worker died, hung or was stopped (its output says which), or "
-          f"cannot be reached; run the same command to resume from the newest checkpoint. This rank's stack "
-          f"at the failure:", file=sys.stderr)
-    traceback.print_exception(error, file=sys.stderr)
-    faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
 
 
 # ---------------------------------------------------------------- --spawn N
@@ -170,12 +99,23 @@ def launch_main(argv: list[str]) -> int:
     return run_torchrun(nprocs, ns.max_restarts, args, Path(cfg.run.run_dir))
 
 
+def torchrun_argv(nprocs: int, max_restarts: str, trainer_args: list[str]) -> list[str]:
+    """What `torchrun` would be given on a command line: --standalone, N workers, the flags every launch shares, and
+    python -m train with the trainer's arguments."""
+    return ["--standalone", f"--nproc-per-node={nprocs}", *torchrun_flags(max_restarts), "-m", "train", *trainer_args]
+
+
 def run_torchrun(nprocs: int, max_restarts: str, trainer_args: list[str], run_dir: Path) -> int:
-    """torchrun --standalone in this process; a run its workers stopped on a signal exits EXIT_STOPPED."""
+    """torchrun --standalone in this process; a run its workers stopped on a signal exits EXIT_STOPPED.
+
+    In this process, not a child's: a signal to make train's process (docker stop, Ctrl-C) reaches torchrun itself,
+    and its exceptions carry each worker's exit code. torch.distributed.run's get_args_parser and run are what the
+    `torchrun` command runs (its entry point, main, is the two under @record, whose error files are for a training
+    script's own exceptions); both are public by PyTorch's rule (a documented module without __all__, names without an
+    underscore). Checked with torch 2.13.0; tests/unit/test_cluster.py parses torchrun_argv with torch's own parser."""
     for key, value in TORCHRUN_ENV.items():
         os.environ.setdefault(key, value)
-    options = torchrun.get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nprocs}", *torchrun_flags(max_restarts), "-m", "train", *trainer_args])
+    options = torchrun.get_args_parser().parse_args(torchrun_argv(nprocs, max_restarts, trainer_args))
 
     def stopped() -> bool:
         return read_status(run_dir).get("state") == "stopped"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from train.distributed import identity, is_main
+from train.identity import identity, is_main
 from train.runfiles import MetricsFile
 
 log = logging.getLogger("train")
@@ -33,7 +33,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path | None, tensorboard: bool, resume_step: int = 0, tracker=None):
         self.active = run_dir is not None
-        self.tracker = tracker  # MLflow (train/tracking.py), when the run is tracked
+        self.tracker = tracker  # MLflow (train/tracker.py), when the run is tracked
         self._jsonl = None
         self._tb = None
         if not self.active:

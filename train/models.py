@@ -12,6 +12,15 @@ from train.config import Model
 from train.errors import ConfigError
 
 
+# torch.nn's batch and instance normalisation layers by their public classes (their common bases, _BatchNorm and
+# _InstanceNorm, are private to torch): tests/unit/test_weights.py holds them against torch.nn's own, checked with torch
+# 2.13.0, and fails on a torch that adds one.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
+                  nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d)
+
+
 class SmallCNN(nn.Module):
     """Three conv stages (width, 2x, 4x channels) with BatchNorm, then global pooling and a linear head."""
 

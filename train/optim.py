@@ -9,6 +9,7 @@ import torch
 
 from train.config import Config, Optimisation, Schedule
 from train.errors import ConfigError
+from train.models import BATCH_NORMS, INSTANCE_NORMS
 
 
 def _fusable(p: torch.Tensor) -> bool:
@@ -25,8 +26,7 @@ def _keep_this_runs_kernels(optimizer: torch.optim.Optimizer, state_dict: dict) 
 
 
 # The modules whose parameters --norm-weight-decay covers (torchvision's reference and torchvision.ops' own list).
-NORM_CLASSES = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
-                torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)
+NORM_CLASSES = (*BATCH_NORMS, torch.nn.LayerNorm, torch.nn.GroupNorm, *INSTANCE_NORMS, torch.nn.LocalResponseNorm)
 # --transformer-embedding-decay's parameter names, the reference's list as it stands (torchvision's ViT names its
 # position embedding pos_embedding, which this list does not match: there it takes --weight-decay, as in the
 # reference).

@@ -64,10 +64,10 @@ from train.data.folders import PACK_JOURNAL
 from train.data.scan import within
 from train.data.sources import list_source, listed_as, name_of, read_reference, suffix_of
 from train.data.tarindex import DEFAULT_LABEL_KEY
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.errors import EXIT_FAILED, ConfigError, DataError, fail
 from train.progress import Progress
-from train.runfiles import atomic_write, fsync_dir, to_json
+from train.runfiles import atomic_write, file_digest, fsync_dir, move_into_place, to_json
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
 SPLITS = ("train", "val")
@@ -113,14 +113,6 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
     info.size, info.mtime, info.mode = len(data), 0, 0o644
     tar.addfile(info, io.BytesIO(data))
     return tar.offset - tarfile.BLOCKSIZE * ((len(data) + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(2**22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------- one image, in a worker
@@ -301,10 +293,10 @@ def write_shard(dst: Path, name: str, items: Iterator[tuple[bytes, str, bool, in
                 resized += was_resized
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, dst / name)
+    move_into_place(tmp, dst / name)
     atomic_write(dst / f"{name}.idx", array.array("q", [v for r in rows for v in r]).tobytes())
     return {"name": name, "samples": len(rows), "bytes": (dst / name).stat().st_size,
-            "sha256": _sha256(dst / name), "resized": resized}
+            "sha256": file_digest(dst / name), "resized": resized}
 
 
 def pack_split(dst: Path, split: str, samples: list[tuple[object, int]], kept: list[dict], shard_bytes: int,
@@ -395,7 +387,7 @@ def verify(root: Path) -> list[str]:
             path = root / shard["name"]
             if not path.is_file():
                 problems.append(f"{path} is missing")
-            elif path.stat().st_size != shard["bytes"] or _sha256(path) != shard["sha256"]:
+            elif path.stat().st_size != shard["bytes"] or file_digest(path) != shard["sha256"]:
                 problems.append(f"{path} is damaged (size or SHA-256 differs from index.json)")
             elif len(read_idx(path)) != shard["samples"]:
                 problems.append(f"{path}.idx holds {len(read_idx(path))} samples, index.json {shard['samples']}")

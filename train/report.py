@@ -12,7 +12,6 @@ Only the evaluation command imports this module: training never loads matplotlib
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: files only, whatever DISPLAY says
 import matplotlib.pyplot as plt
 import numpy as np
+
+from train.runfiles import atomic_file
 
 CELL_COUNTS_UP_TO = 30  # classes: the counts written in the matrix's cells
 NAMES_UP_TO = 50  # classes: the class names on the matrix's axes and every class in the bar chart
@@ -124,10 +125,6 @@ def save(fig: plt.Figure, path: Path) -> np.ndarray:
     then moved in place)."""
     fig.canvas.draw()
     pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    try:
+    with atomic_file(path, suffix=".png") as tmp:  # imsave reads the format from the name
         plt.imsave(tmp, pixels)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return pixels

@@ -8,17 +8,24 @@ something else is refused in one line before anything is written. What may chang
   Layout           the workers x --batch-size x --grad-accum the run's sample order was laid out for (its first
                    start); a resume on another number of workers keeps the global batch by raising or lowering
                    --grad-accum where it divides (`continue_layout`), and the samples of every step stay the same
+  continued        the config, layout and line of a resume, from the checkpoint itself (each worker's start)
+  data_differences what differs between the data a run trained on (plan.json, classes.json) and the data it finds
+  plan_as_trained  plan.json of a resumed run: its resumes that changed something, the rates each step trained at
 
 Standard library only: the checks run before any worker starts (train/checks.py), and again in each worker against
-the checkpoint itself (train/trainer.py).
+the checkpoint itself (train/build.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from train.config import Config
 
 # What the run is. A setting added to the config must be placed in FIXED or MAY_CHANGE (tests/unit/test_resume.py).
 FIXED = frozenset({
@@ -152,3 +159,64 @@ def saved_length(state: dict, steps_per_epoch: int) -> int:
         return state["max_steps"]
     config = state["config"]
     return config["epochs"] * steps_per_epoch if config.get("epochs") else config["max_steps"]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a start resumed: the checkpoint, the position it holds and what it recorded of the run until then."""
+
+    source: Path
+    position: dict  # the Trainer's: step, epoch, step_in_epoch, eval_owed (whether that step's evaluation is owed)
+    config: dict  # the config it was saved under
+    world_size: int  # the workers that saved it
+    max_steps: int  # the run's length then (a resume may make it longer or shorter)
+
+    @property
+    def step(self) -> int:
+        return self.position["step"]
+
+
+def continued(cfg: Config, state: dict, world: int, run_dir: Path, source: Path) -> tuple[Config, Layout, str]:
+    """The config that continues the checkpoint `state` on `world` workers, the layout its position counts in, and the
+    line a resume on another number of workers says once ('' on as many): the settings it fixes unchanged (else one
+    line), and on another number of workers the --grad-accum that keeps the run's global batch and its steps'
+    samples."""
+    changes = changed_settings(state["config"], cfg.to_dict())
+    if changes:
+        raise ConfigError(refusal(run_dir, changes, source))
+    layout = Layout(**state["layout"]) if "layout" in state else \
+        Layout(state["world_size"], state["batch_size"], state["grad_accum"])
+    opt = cfg.optimisation
+    accum = continue_layout(layout, world, opt.batch_size, opt.grad_accum, opt.grad_accum != layout.grad_accum, run_dir)
+    relaid = relayout_line(layout, world, accum) if world != layout.world_size else ""
+    return (cfg.replace(grad_accum=accum) if accum != opt.grad_accum else cfg), layout, relaid
+
+
+DATA_FIGURES = (("train_samples", "training images"), ("val_samples", "validation images"), ("num_classes", "classes"))
+
+
+def data_differences(saved: dict, saved_classes: list[str] | None, plan, classes: list[str]) -> list[str]:
+    """How the data a resume finds (its plan, its class names) differs from the data the run trained on (`saved`:
+    plan.json, `saved_classes`: classes.json, either {} or None when missing): the same number of images in each
+    split and the same classes, whatever --data-dir now points at."""
+    found = [f"{what} {saved[key]} -> {getattr(plan, key)}" for key, what in DATA_FIGURES
+             if key in saved and saved[key] != getattr(plan, key)]
+    if saved_classes is not None and len(saved_classes) == len(classes) and saved_classes != classes:
+        found.append("the class names differ")
+    return found
+
+
+def plan_as_trained(plan: dict, before: dict, resumed: Resumed | None, current: dict, world: int,
+                    steps_per_epoch: int) -> dict:
+    """plan.json: this start's plan (`plan`), with the run's resumes that changed something (at which step, what) and,
+    for a run made longer or shorter, the learning rates each step trained at: the earlier length's (`before`, the
+    plan.json it finds) before the resume. current: this start's config."""
+    if resumed is None:
+        return plan
+    record = resume_record(resumed.step, resumed.config, current, resumed.world_size, world)
+    plan["resumes"] = before.get("resumes", []) + ([record] if record else [])
+    if resumed.max_steps != plan["max_steps"]:
+        plan["lr"] = spliced_lr(before.get("lr"), plan["lr"], resumed.step, steps_per_epoch)
+    elif before.get("lr"):  # the same length: the rates as trained so far, and on from there as planned
+        plan["lr"] = before["lr"]
+    return plan

@@ -8,7 +8,8 @@ and the host tools read them with the host's python3 too).
   config.json      the config as given; classes.json the class names in label order; plan.json what the run
                    derived from them (write_run_files, read_config, read_classes)
 
-Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder. Every JSON file is strict JSON
+Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder (`atomic_file`, the one way files
+are written across trainbox; `file_digest` the one way a file's SHA-256 is read). Every JSON file is strict JSON
 (to_json): a figure that is not finite (a diverged loss) is written as null, never as NaN or Infinity, which strict
 parsers reject. Where the run directory cannot be made or written, one line names the cause and its fix:
 `run_dir_problem` asks the file system before anything is written (the checks), `write_problem` reads the error a
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -27,6 +29,7 @@ import re
 import stat
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 STATES = ("starting", "running", "stopped", "failed", "done")
@@ -56,19 +59,47 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file, fsync, rename over `path`, fsync the folder. On failure nothing is left."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def move_into_place(tmp: Path, path: Path) -> None:
+    """The file `tmp`, written whole, takes `path`'s name: fsynced, renamed over it, the folder fsynced. A crash leaves
+    the old file or the new one, never a torn one."""
+    fd = os.open(tmp, os.O_RDONLY)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, suffix: str = "") -> Iterator[Path]:
+    """How every file of trainbox is written: under a temporary name beside `path` (the block writes it there; suffix:
+    an ending its writer needs, such as .png), then moved into place (move_into_place) once the block ends. On failure
+    nothing is left."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}{suffix}")
+    try:
+        yield tmp
+        move_into_place(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` as the file `path`, atomically (atomic_file)."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """The hex digest of a file's bytes (SHA-256 unless another algorithm is named)."""
+    with open(path, "rb") as f:
+        if hasattr(hashlib, "file_digest"):  # Python 3.11 and later
+            return hashlib.file_digest(f, algorithm).hexdigest()
+        digest = hashlib.new(algorithm)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+        return digest.hexdigest()
 
 
 def status_record(state: str, step: int, env, **extra) -> dict:

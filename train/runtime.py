@@ -1,5 +1,5 @@
 """A training or evaluation process's runtime: its device, CPU threads and determinism, and autocast
-precision, set once at its start."""
+precision, set once at its start (`autocast`: the one place a forward pass takes it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from train.checks import check_precision
 from train.config import Config
-from train.distributed import Identity, identity, usable_cores
+from train.identity import Identity, identity, usable_cores
 
 log = logging.getLogger("train")
 
@@ -42,3 +42,8 @@ def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
     if cfg.model.precision == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.precision]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The context a forward pass runs in: autocast to `dtype` on the device's type, off for fp32 (None)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

@@ -10,16 +10,19 @@ a deadlocked loader.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import math
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 
 class Watchdog:
-    """One per process (`watchdog` below): `enter(phase, limit_s)` starts a bounded phase,
-    `progress()` re-arms it (cheap: the timers are re-armed at most once a second), `pause()` ends it."""
+    """One per process (`watchdog` below): `begin(label, limit_s)` starts a run whose phases it bounds,
+    `enter(phase)` starts a bounded phase (`during` one inside it), `progress()` re-arms it (cheap: the timers are
+    re-armed at most once a second), `pause()` ends it."""
 
     STUCK = "a peer died, hangs or cannot be reached (or this process is stuck)"
 
@@ -29,26 +32,41 @@ class Watchdog:
         self.label = "rank ?"
         self.limit = math.inf
         self.armed_at = -math.inf
-        # What a process does after its ranks have left (freeing the trainer, its threads, its exit handlers) takes
-        # a second or two: this bounds it, as --timeout-s bounds a phase (begin() sets it from the run's).
-        self.end_limit_s = 120.0
+        # The bound of a run's phases, and of what its process does after its ranks have left (freeing the trainer,
+        # its threads, its exit handlers: a second or two): begin() sets it from the run's --timeout-s.
+        self.run_limit_s = 120.0
         self._thread: threading.Thread | None = None
         self._report = threading.Lock()
         self._reported = False  # this run's one error line is out (the watchdog's or the caller's)
 
-    def begin(self, label: str, end_limit_s: float | None = None) -> None:
+    def begin(self, label: str, limit_s: float | None = None) -> None:
         """A run starts in this process (one per process under a launcher; several where python -m train's
         main is called again, as tests and notebooks do): its phase, its label, and its own error line.
-        end_limit_s: the bound of what the process does after the run's ranks have left."""
+        limit_s: the bound of its phases, and of what the process does after the run's ranks have left."""
         self.pause("start-up")
         with self._report:
             self.label, self._reported = label, False
-        self.end_limit_s = end_limit_s or self.end_limit_s
+        self.run_limit_s = limit_s or self.run_limit_s
 
-    def enter(self, phase: str, limit_s: float, cause: str | None = None) -> None:
-        """cause: what no progress in this phase means, where the caller knows better than STUCK."""
-        self.phase, self.limit, self.cause = phase, limit_s, cause or self.STUCK
+    def enter(self, phase: str, limit_s: float | None = None, cause: str | None = None) -> None:
+        """limit_s: the run's unless given; cause: what no progress in this phase means, where the caller knows
+        better than STUCK."""
+        self.phase, self.limit, self.cause = phase, limit_s or self.run_limit_s, cause or self.STUCK
         self._arm(time.monotonic())
+
+    @contextlib.contextmanager
+    def during(self, phase: str) -> Iterator[None]:
+        """A phase inside the current one (an evaluation or a save inside training), bounded by the run's limit: the
+        current one is entered again once the block ends, not when it raises (the error then names the inner
+        phase)."""
+        phase_outside, limit, cause = self.phase, self.limit, self.cause
+        self.enter(phase)
+        yield
+        if limit == math.inf:
+            self.pause(phase_outside)
+        else:
+            self.enter(phase_outside, limit)
+        self.cause = cause
 
     def progress(self) -> None:
         now = time.monotonic()
@@ -102,6 +120,12 @@ class Watchdog:
                     time.sleep(0.1)  # faulthandler ends the process; a re-arm meanwhile starts over
                 with self._report:  # a near miss: the work went on, so a later error has its line again
                     self._reported = False
+
+
+def watch_limit(timeout_s: float) -> float:
+    """How long a phase may go without progress before the watchdog ends the process: torch's own
+    timeouts (timeout_s) fire first where they can, with a more specific error."""
+    return timeout_s + min(timeout_s, 60)
 
 
 watchdog = Watchdog()

@@ -26,10 +26,13 @@ import torch
 from torch import nn
 
 from train.config import Config, Model
-from train.distributed import gather, identity
+from train.distributed import gather
+from train.identity import identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError
+from train.models import BATCH_NORMS
 from train.progress import Progress
+from train.runfiles import file_digest
 from train.vision import named_weights
 
 log = logging.getLogger("train")
@@ -75,7 +78,7 @@ def freeze(model: nn.Module, names: list[str]) -> None:
             param.requires_grad_(False)
     for name, module in model.named_modules():
         own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and own and frozen.issuperset(own):
+        if isinstance(module, BATCH_NORMS) and own and frozen.issuperset(own):
             module.register_forward_pre_hook(_stay_in_eval)
 
 
@@ -125,7 +128,7 @@ def fetch(entry) -> Path:
             if not path.is_file():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 placed = download(entry.url, path, prefix.group(1) if prefix else None)
-            if not placed and prefix and not _sha256(path).startswith(prefix.group(1)):
+            if not placed and prefix and not file_digest(path).startswith(prefix.group(1)):
                 error = (f"{path} is damaged (its SHA-256 does not start with {prefix.group(1)}), refused: delete it "
                          f"and run again, or place the file from {entry.url} there")
         except DamagedDownload as e:
@@ -175,14 +178,6 @@ def download(url: str, path: Path, sha256_prefix: str | None) -> bool:
         partial.unlink(missing_ok=True)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
     """(state_dict, what the manifest records) of --weights: named weights fetched once per node, a file read
     memory-mapped (fetched=False: the checks before any worker starts, which skip the SHA-256)."""
@@ -206,7 +201,7 @@ def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"--weights {path} holds no state_dict of tensors: give a model.pt, checkpoint or "
                           f"state_dict file")
-    return state, {"weights": spec.weights, "weights_file": str(path), "weights_sha256": _sha256(path) if fetched
+    return state, {"weights": spec.weights, "weights_file": str(path), "weights_sha256": file_digest(path) if fetched
                    else None}
 
 

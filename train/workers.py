@@ -8,7 +8,6 @@ torch once (train/forkserver.py) and waits for all of them; GPUS=N with make pic
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.connection
@@ -22,7 +21,7 @@ from collections.abc import Callable
 import torch.multiprocessing as mp
 
 from train.distributed import free_port
-from train.errors import EXIT_BAD_INPUT, EXIT_STOPPED, ConfigError, end_process
+from train.errors import EXIT_BAD_INPUT, EXIT_STOPPED, ConfigError, end_process, run_exit_handlers
 from train.forkserver import start_fork_server
 
 
@@ -50,7 +49,7 @@ def _spawned(local_rank: int, work: Callable[[], int], nprocs: int, environ: dic
     try:
         end_process(code)
     finally:  # it raised SystemExit: a fork server's child then leaves with os._exit, without exit handlers
-        atexit._run_exitfuncs()
+        run_exit_handlers(join_threads=False)
 
 
 def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import destroy_and_leave_together, free_port, ordered_allreduce_hook
+from train.distributed import destroy_and_leave_together, free_port, join_group, ordered_allreduce_hook
 
 
 # ------------------------------------------------------------ real process groups
@@ -19,7 +19,7 @@ LAYOUTS = [(25, False), (25, True), (0.01, True), (100, True), (0.01, False), (1
 
 def _worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group("gloo", rank, world)
     results = {}
     for bucket_cap_mb, use_hook in LAYOUTS:
         torch.manual_seed(0)

@@ -2,6 +2,7 @@
 test_launchers.py)."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -57,6 +58,7 @@ def test_stop_and_resume_equals_one_uninterrupted_run(reference_2ranks, tmp_path
     run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
     stopped = status(run_dir)
     best = stopped.pop("best", None)  # the evaluation of step 20, if the run got there
+    assert stopped.pop("updated").startswith(time.strftime("%Y-%m-%dT"))  # when it was written
     assert stopped == {"state": "stopped", "step": stop_at, "max_steps": 40, "exit_code": 75}
     assert (best and best["step"]) == (20 if stop_at > 20 else None)
     assert not (run_dir / "model.pt").exists()

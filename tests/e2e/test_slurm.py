@@ -14,7 +14,7 @@ from datetime import datetime
 
 import pytest
 
-import train.cluster as cluster_module
+import train.hostlist as hostlist_module
 from tests.helpers import (CLUSTER_HOST, DEBUG, HOSTLISTS, MALFORMED_HOSTLISTS, RECIPE, REPO, SLURM_LONG,
                            SUFFIXED_HOSTLISTS, assert_bit_identical, assert_mlflow_run_complete, metrics, reached_step,
                            run, the_one_mlflow_run, tracked_env, wait_for)
@@ -61,16 +61,16 @@ def test_hostlists_expand_as_this_clusters_scontrol_expands_them(cluster, tmp_pa
     for hostlist, hosts in HOSTLISTS + SUFFIXED_HOSTLISTS:
         answer = hosts if (hostlist, hosts) in HOSTLISTS or reads_suffixes else None
         assert scontrol(hostlist) == answer, hostlist
-        assert cluster_module.scontrol_hostnames(hostlist, cluster) == answer
-        assert cluster_module.expand_hostlist(hostlist, cluster) == cluster_module.parse_hostlist(hostlist) == hosts
+        assert hostlist_module.scontrol_hostnames(hostlist, cluster) == answer
+        assert hostlist_module.expand_hostlist(hostlist, cluster) == hostlist_module.parse_hostlist(hostlist) == hosts
     for hostlist in MALFORMED_HOSTLISTS:
         assert scontrol(hostlist) is None, hostlist
-        with pytest.raises(cluster_module.PlanError, match="write ranges as"):
-            cluster_module.expand_hostlist(hostlist, cluster)
+        with pytest.raises(hostlist_module.PlanError, match="write ranges as"):
+            hostlist_module.expand_hostlist(hostlist, cluster)
     no_config = {**cluster, "SLURM_CONF": str(tmp_path / "slurm.conf")}
     started = time.monotonic()
-    assert cluster_module.scontrol_hostnames("a[1-2]-ib[3-4]", no_config) is None
-    assert cluster_module.expand_hostlist("a[1-2]-ib[3-4]", no_config) == ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]
+    assert hostlist_module.scontrol_hostnames("a[1-2]-ib[3-4]", no_config) is None
+    assert hostlist_module.expand_hostlist("a[1-2]-ib[3-4]", no_config) == ["a1-ib3", "a1-ib4", "a2-ib3", "a2-ib4"]
     assert time.monotonic() - started < 1
 
 

@@ -193,3 +193,16 @@ def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(cluster.PlanError) as e:
         cluster.plan_sky({**_sky_env(tmp_path, 0), **extra})
     assert message in str(e.value)
+
+
+def test_make_trains_torchrun_in_process_with_the_arguments_torchrun_itself_parses():
+    """train/launch.py runs torch.distributed.run in its own process: torch's own parser reads what it is given."""
+    from torch.distributed import run as torchrun
+
+    from train import launch
+
+    options = torchrun.get_args_parser().parse_args(launch.torchrun_argv(2, "5", ["--preset", "debug"]))
+    assert (options.standalone, options.nproc_per_node, options.max_restarts, options.module) == (True, "2", 5, True)
+    assert options.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" and options.shutdown_timeout == 100
+    assert (options.training_script, options.training_script_args) == ("train", ["--preset", "debug"])
+    assert callable(torchrun.run)

@@ -189,14 +189,14 @@ def test_modules_of_one_concern_take_their_section():
     """docs/development.md: a module that reads one concern takes its section, not the whole config."""
     import inspect
 
-    from train import augment, ema, models, optim, tracking, weights
+    from train import augment, ema, models, optim, tracker, tracking, weights
 
     takes = {models.build_model: "Model", models.check_model_spec: "Model", weights.read_weights: "Model",
              weights.fitted: "Model", weights.frozen_names: "Model", weights.resolve: "Model",
              optim.build_optimizer: "Optimisation", optim.decay_groups: "Optimisation",
              optim.build_scheduler: "Schedule", augment.BatchAugment: "Augmentation",
              augment.BatchAugment.wanted: "Augmentation", ema.adjusted_decay: "Regularisation",
-             tracking.start_tracking: "Tracking", tracking.tracking_uri: "Tracking",
+             tracker.start_tracking: "Tracking", tracking.tracking_uri: "Tracking",
              tracking.experiment_name: "Tracking"}
     for function, section in takes.items():
         first = next(p for p in inspect.signature(function).parameters.values() if p.name != "self")

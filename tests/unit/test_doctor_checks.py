@@ -7,7 +7,8 @@ import socket
 import pytest
 
 from train import doctor
-from train.distributed import free_port, usable_cores
+from train.distributed import free_port
+from train.identity import usable_cores
 
 
 @pytest.fixture(autouse=True)

@@ -3,10 +3,10 @@
 import pytest
 
 from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
-from train.cluster import PlanError, expand_hostlist, parse_hostlist
+from train.hostlist import PlanError, expand_hostlist, parse_hostlist
 from train.cluster import master_port as slurm_master_port
 from train.checks import check_rendezvous_variables
-from train.distributed import from_environment, resolve_identity
+from train.identity import from_environment, resolve_identity
 from train.errors import ConfigError
 
 

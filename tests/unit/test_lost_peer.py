@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch.distributed import ProcessGroupGloo
 
 from train.distributed import PeersTimedOut, agree_on_session, lost_peer
 

@@ -24,7 +24,7 @@ from train.bench.photos import make_photos
 from train.config import parse_config
 from train.data import ShardSplit, build_datasets, build_train_loader, build_val_loader
 from train.data.decode import load_image
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.errors import ConfigError, DataError
 from train.data.folders import imagefolder_split
 from train.pack import JOURNAL, pack, shrink, verify, write_shard

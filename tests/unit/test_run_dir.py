@@ -25,8 +25,8 @@ NOBODY = 65534
 
 
 def meet(run_dir: Path) -> dict:
-    """What the checks say of run_dir, then what the worker meets preparing it (train/trainer.py
-    _prepare_run_dir: the folder, then its first file) and says of that error."""
+    """What the checks say of run_dir, then what the worker meets preparing it (train/build.py
+    prepare_run_dir: the folder, then its first file) and says of that error."""
     found = run_dir_problem(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -185,15 +185,13 @@ def test_only_ownership_gets_the_chown_advice(tmp_path, mounted):
 
 def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
     """The worker's own preparation of its run directory (every rank learns rank 0's line, as a ConfigError)."""
-    from types import SimpleNamespace
-
+    from train.build import prepare_run_dir
     from train.errors import ConfigError
-    from train.trainer import Trainer
 
     run_dir = tmp_path / "notes.txt"
     run_dir.write_text("x")
     with pytest.raises(ConfigError) as e:
-        Trainer._prepare_run_dir(SimpleNamespace(run_dir=run_dir))
+        prepare_run_dir(run_dir)
     assert str(e.value) == run_dir_problem(run_dir) == meet(run_dir)["met"]
 
 

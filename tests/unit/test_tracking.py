@@ -5,7 +5,7 @@ import pytest
 
 from train.config import Config
 from train.errors import ConfigError
-from train.tracking import RECORD, check_uri, continues_a_tracked_run, experiment_name, tracking_uri, _reason
+from train.tracking import RECORD, check_uri, continues_a_tracked_run, experiment_name, failure_reason, tracking_uri
 
 
 @pytest.mark.parametrize("uri", ["http://mlflow:5000", "https://mlflow.example.org", "http://10.0.0.5:5000/"])
@@ -48,5 +48,5 @@ def test_a_restart_a_requeue_or_a_tracked_run_directory_continues(tmp_path):
 def test_a_failure_is_reported_by_its_cause():
     long = ("API request to http://h:5000/api/2.0/mlflow/runs/log-batch failed with exception HTTPConnectionPool("
             "host='h', port=5000): Max retries exceeded with url: ... [Errno 111] Connection refused'))")
-    assert _reason(RuntimeError(long)) == "Connection refused"
-    assert _reason(RuntimeError("x" * 300)) == "x" * 160 + "..."
+    assert failure_reason(RuntimeError(long)) == "Connection refused"
+    assert failure_reason(RuntimeError("x" * 300)) == "x" * 160 + "..."

@@ -58,10 +58,10 @@ def rank_1_of_2(monkeypatch):
 
     import torch.distributed as dist
 
-    from train import distributed, trainer
+    from train import distributed, identity, worker
 
-    monkeypatch.setattr(distributed, "_identity", distributed.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
-    monkeypatch.setattr(trainer, "is_main", lambda: False)
+    monkeypatch.setattr(identity, "_identity", identity.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
+    monkeypatch.setattr(worker, "is_main", lambda: False)
     host = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", host.port, 2, False, timeout=datetime.timedelta(seconds=5))
     monkeypatch.setattr(distributed, "_session_store", dist.PrefixStore("trainbox/0/", client))
@@ -70,7 +70,7 @@ def rank_1_of_2(monkeypatch):
 
 def _end(tmp_path, message="out of memory during start-up"):
     from train.errors import OutOfMemory
-    from train.trainer import end_unrecoverable
+    from train.worker import end_unrecoverable
 
     error = OutOfMemory(message)
     end_unrecoverable(error, tmp_path, None)

@@ -88,3 +88,36 @@ def test_a_phase_whose_caller_knows_what_no_progress_means_says_that(capfd):
     watchdog.enter("training", 1e6)  # the next phase says what it always says
     assert watchdog.cause == Watchdog.STUCK
     watchdog.pause()
+
+
+def test_a_phase_inside_another_gives_the_outer_phase_back_with_its_limit():
+    from train.watchdog import Watchdog
+
+    watchdog = Watchdog()
+    watchdog.begin("rank 0", limit_s=50.0)
+    watchdog.enter("training")
+    try:
+        with watchdog.during("evaluation at step 10"):
+            assert (watchdog.phase, watchdog.limit) == ("evaluation at step 10", 50.0)
+        assert (watchdog.phase, watchdog.limit, watchdog.cause) == ("training", 50.0, Watchdog.STUCK)
+        try:
+            with watchdog.during("the checkpoint save of step 20"):
+                raise OSError("disk full")
+        except OSError:
+            pass
+        assert watchdog.phase == "the checkpoint save of step 20"  # the error names where it happened
+    finally:
+        watchdog.pause()
+
+
+def test_a_phase_inside_an_unbounded_one_leaves_no_timer_behind():
+    """A save outside training (a test, a notebook): once it ends, nothing may end the process later."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    probe = ("import time\nfrom train.watchdog import watchdog\nwatchdog.begin('rank 0', limit_s=1.0)\n"
+             "with watchdog.during('the checkpoint save of step 1'):\n    pass\ntime.sleep(2.5)\nprint('alive')\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stdout) == (0, "alive\n"), proc.stderr[-2000:]

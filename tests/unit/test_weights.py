@@ -159,3 +159,26 @@ def test_a_cifar_run_from_named_weights_trains_and_evaluates_at_one_size():
         cfg = parse_config(["--dataset", "cifar10", "--model", "resnet50", "--weights", "DEFAULT", *argv])
         assert image_transforms(cfg, True)(image).shape[-1] == image_transforms(cfg, False)(image).shape[-1] == size
         assert eval_steps(cfg)[1] == size
+
+
+def _subclasses(cls: type) -> set[type]:
+    found = set(cls.__subclasses__())
+    return found.union(*(_subclasses(sub) for sub in found))
+
+
+@pytest.mark.parametrize("base, public", [("batchnorm._BatchNorm", "BATCH_NORMS"),
+                                          ("instancenorm._InstanceNorm", "INSTANCE_NORMS")])
+def test_the_public_normalisation_classes_are_every_layer_of_torchs_private_base(base, public):
+    """--freeze (BatchNorm in eval mode) and --norm-weight-decay name torch.nn's layers by their public classes: each
+    layer of torch.nn built on the private base is one of them (or made from one), and each of them is such a layer.
+    A torch that moves the base or adds a layer fails here."""
+    import importlib
+
+    from train import models
+
+    module, name = base.split(".")
+    private = getattr(importlib.import_module(f"torch.nn.modules.{module}"), name)
+    layers = {c for c in _subclasses(private) if c.__module__.startswith("torch.nn.")}
+    chosen = getattr(models, public)
+    assert layers and all(issubclass(layer, chosen) for layer in layers), layers
+    assert set(chosen) <= layers

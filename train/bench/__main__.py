@@ -16,7 +16,7 @@ from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_row
 from train.bench.gpu import GPU_KNOBS, gpu_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.sources import source_rows
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.errors import ConfigError, fail
 from train.runfiles import to_json
 

@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.data import make_shapes, prepare_inputs
-from train.distributed import destroy_and_leave_together, free_port
+from train.distributed import destroy_and_leave_together, free_port, join_group
 from train.models import SmallCNN
 from train.runfiles import read_metrics
 
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _init(rank: int, world: int, port: int, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group("gloo", rank, world)
 
 
 def _bare_worker(rank: int, spec: dict) -> None:
@@ -73,7 +72,7 @@ def _bare_gpu(spec: dict) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    join_group("nccl", 0, 1, device_id=device)
     g = torch.Generator(device=device).manual_seed(0)
     size, batch = spec["image_size"], spec["batch"]
     images = torch.randint(0, 256, (spec["samples"], 3, size, size), dtype=torch.uint8, device=device, generator=g)

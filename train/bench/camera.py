@@ -25,7 +25,7 @@ from train.bench.photos import images_per_s, resized_box, write_photos
 from train.config import parse_config
 from train.data import ShardSplit, image_transforms, load_image
 from train.data.decode import decode
-from train.distributed import usable_cores
+from train.identity import usable_cores
 from train.pack import pack
 
 MAX_SIDE = 512

@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 from train import vision
 from train.data.decode import as_tensor, load_image
 from train.data.scan import FolderScan, scan_split, within
-from train.distributed import gather, identity
+from train.distributed import gather
+from train.identity import identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError, DataError
 

@@ -20,7 +20,7 @@ from train.data.samplers import SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
 from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
-from train.distributed import identity, usable_cores
+from train.identity import identity, usable_cores
 
 
 class TensorLoader:

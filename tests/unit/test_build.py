@@ -1,0 +1,77 @@
+"""The build step (train/build.py) in this process, one rank without a process group: the parts a run trains with,
+made in the order a bit-identical resume depends on, and a second build resuming where a checkpoint left off."""
+
+import json
+
+import torch
+
+from train import runfiles
+from train.augment import BatchAugment
+from train.build import build
+from train.config import parse_config
+from train.data import build_datasets
+from train.models import build_model
+
+CPU = torch.device("cpu")
+
+
+def _cfg(run_dir, *flags):
+    return parse_config(["--preset", "debug", "--model-ema", "--mixup-alpha", "0.2", "--run-dir", str(run_dir),
+                         *flags])
+
+
+def test_a_fresh_build_makes_every_part_and_writes_the_run_files(tmp_path):
+    cfg = _cfg(tmp_path)
+    parts = build(cfg, tmp_path, CPU)
+    parts.metrics.close()
+
+    assert parts.cfg == cfg and parts.resumed is None and (parts.run_dir, parts.device) == (tmp_path, CPU)
+    assert parts.model is parts.raw_model  # no process group: nothing wraps it
+    assert parts.precision is None and not parts.scaler.is_enabled()
+    assert isinstance(parts.augment, BatchAugment) and parts.ema is not None
+    assert parts.scheduler is parts.checkpointer.scheduler and parts.checkpointer.model is parts.raw_model
+    assert [len(g["params"]) for g in parts.optimizer.param_groups] == \
+        [len(g["params"]) for g in parts.plan.param_groups]
+    assert parts.criterion.label_smoothing == cfg.regularisation.label_smoothing
+    assert [n.tolist() for n in parts.norm] == [torch.tensor(parts.plan.normalize[k]).view(1, 3, 1, 1).tolist()
+                                                for k in ("mean", "std")]
+    # The run's files: the plan as trained, the config, the status of a run that starts at step 0.
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(runfiles.to_json(parts.plan.to_dict()))
+    assert runfiles.read_config(tmp_path) == cfg.to_dict()
+    assert runfiles.read_status(tmp_path)["state"] == "running" and runfiles.read_status(tmp_path)["step"] == 0
+
+
+def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_last(tmp_path):
+    """What bit identity rests on: every rank makes the same data and weights from --seed, and a fresh start then
+    trains from its rank's own stream (seed x 7919 + rank), nothing drawn from it before the first step."""
+    cfg = _cfg(tmp_path, "--seed", "3")  # not 0: its rank 0 stream would be the seed's own
+    torch.rand(7)  # whatever was drawn before
+    parts = build(cfg, tmp_path, CPU)
+    after_build = torch.get_rng_state()
+    parts.metrics.close()
+    torch.manual_seed(cfg.run.seed)
+    _, _, num_classes = build_datasets(cfg)
+    model = build_model(cfg.model, num_classes)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, parts.raw_model.state_dict()[name]), name
+    torch.manual_seed(cfg.run.seed * 7919 + 0)
+    assert torch.equal(after_build, torch.get_rng_state())
+
+
+def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
+    first = build(_cfg(tmp_path), tmp_path, CPU)
+    with torch.no_grad():
+        for p in first.raw_model.parameters():
+            p.add_(1.0)  # weights only a resume can give back
+    first.checkpointer.save({"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}, "a test")
+    first.metrics.close()
+
+    parts = build(_cfg(tmp_path, "--max-steps", "60"), tmp_path, CPU)  # a longer run
+    parts.metrics.close()
+    assert parts.resumed.position == {"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}
+    assert parts.resumed.max_steps == 40
+    assert all(torch.equal(a, b) for a, b in zip(parts.raw_model.state_dict().values(),
+                                                 first.raw_model.state_dict().values(), strict=True))
+    plan = runfiles.read_json(tmp_path / "plan.json")
+    assert plan["max_steps"] == 60 and plan["resumes"] == [{"step": 12, "changed": {"max_steps": [40, 60]}}]
+    assert runfiles.read_status(tmp_path)["step"] == 12
