@@ -158,7 +158,7 @@ def work_unit(nodeid: str) -> str:
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduling by scope, with work_unit as the scope and the collection's order kept."""
-    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - a worker never schedules
+    from xdist.scheduler import LoadScopeScheduling
 
     class ByWorkUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

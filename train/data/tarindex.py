@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from train.data.scan import IMAGE_EXTENSIONS
-from train.distributed import broadcast_from_main, is_main, usable_cores
+from train.distributed import broadcast_from_main
+from train.identity import is_main, usable_cores
 from train.errors import ConfigError
 from train.progress import Progress
 from train.runfiles import atomic_write, to_json
