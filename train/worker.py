@@ -144,10 +144,12 @@ def run(cfg: Config) -> int:
                 # A stop or a failure leaves within the launchers' grace periods (torchrun's, compose's).
                 tracker.close(outcome, cfg.launch.timeout_s if outcome == "FINISHED" else min(cfg.launch.timeout_s, 30))
             # This frame's objects (the trainer, its loaders and their workers) are freed as it returns, after the
-            # peers have left: bounded too. The caller ends the phase once it has them back (run_worker).
-            watchdog.enter("the end of the run (freeing the trainer)",
-                           cause="freeing the trainer's objects (its loaders' workers, what the process group left) "
-                                 "did not end")
+            # peers have left: bounded too. The caller ends the phase once it has them back (run_worker). An error
+            # keeps its phase's name for its line, and the process's exit is bounded (errors.end_process).
+            if clean:
+                watchdog.enter("the end of the run (freeing the trainer)",
+                               cause="freeing the trainer's objects (its loaders' workers, what the process group "
+                                     "left) did not end")
 
 
 def resolve_run_dir(cfg: Config) -> Path:
