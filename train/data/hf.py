@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from array import array
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,8 +36,9 @@ _opened: dict[tuple[str, str], tuple[list, list[int]]] = {}  # this process's me
 
 
 def _column(file: str, column: str) -> tuple[list, list[int]]:
-    """An Arrow file's column as its chunks and where each starts, memory-mapped once per process (a loader worker
-    opens its own on its first read; a forked one keeps its parent's)."""
+    """An Arrow file's image column as (bytes, path) arrays per chunk (None where the column has no such part) and
+    where each chunk starts, memory-mapped once per process (a loader worker opens its own on its first read; a
+    forked one keeps its parent's)."""
     key = (file, column)
     if key not in _opened:
         pa = arrow()
@@ -46,10 +48,16 @@ def _column(file: str, column: str) -> tuple[list, list[int]]:
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"cannot read {file} ({str(e).splitlines()[0]}): check the storage, or save the dataset "
                             f"again, then run the same command to resume") from None
-        starts = [0]
+        parts, starts = [], [0]
         for chunk in chunks:
+            if pa.types.is_struct(chunk.type):  # an Image feature: its parts, a row without one null in both
+                fields = dict(zip((f.name for f in chunk.type), chunk.flatten(), strict=True))
+                parts.append((fields.get("bytes"), fields.get("path")))
+            else:
+                parts.append((None, chunk) if pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type)
+                             else (chunk, None))
             starts.append(starts[-1] + len(chunk))
-        _opened[key] = chunks, starts
+        _opened[key] = parts, starts
     return _opened[key]
 
 
@@ -58,19 +66,18 @@ class HfRow(NamedTuple):
     file: str  # the Arrow file (save_to_disk's, or one made of a Parquet file)
     row: int  # in that file
     column: str
-    kind: str  # Columns.image_kind
     root: str  # DIR: a relative path is relative to it
     split: str
     index: int  # the row in its split
 
-    def cell(self):
-        chunks, starts = _column(self.file, self.column)
+    def cell(self) -> tuple[bytes | None, str | None]:
+        """The row's image bytes and path, either None where the row has none."""
+        parts, starts = _column(self.file, self.column)
         chunk = bisect.bisect_right(starts, self.row) - 1
-        return chunks[chunk][self.row - starts[chunk]].as_py()
+        return tuple(None if part is None else part[self.row - starts[chunk]].as_py() for part in parts[chunk])
 
     def path(self) -> str | None:
-        cell = self.cell()
-        return cell.get("path") if isinstance(cell, dict) else cell if self.kind == "path" else None
+        return self.cell()[1]
 
     def name(self) -> str:
         path = self.path()
@@ -78,9 +85,7 @@ class HfRow(NamedTuple):
 
     def image(self, then: str) -> bytes:
         """The image's bytes: the cell's, else the file it names. then: what to do after mending it."""
-        cell = self.cell()
-        data, path = (cell.get("bytes"), cell.get("path")) if isinstance(cell, dict) else \
-            (cell, None) if self.kind == "bytes" else (None, cell)
+        data, path = self.cell()
         if data is not None:
             return data
         if not path:
@@ -113,7 +118,8 @@ class HfSplit(Dataset):
 
     def __init__(self, root: Path, split: SplitFiles, columns: Columns, labels: Labels, files: list[Path] | None):
         self.root, self.split, self.columns, self.listing = root, split, columns, labels
-        self.classes, self.classes_from, self.labels = labels.classes, labels.classes_from, labels.labels
+        self.classes, self.classes_from = labels.classes, labels.classes_from
+        self.labels = array("q", labels.labels.tolist())  # an int a read, not a tensor's element
         self.files = [str(f) for f in files] if files is not None else None  # None: a dry run reads no image
         self.starts = [0]
         for count in labels.counts:
@@ -126,14 +132,14 @@ class HfSplit(Dataset):
         if self.files is None:
             raise RuntimeError("a dry run's dataset reads no image")
         shard = bisect.bisect_right(self.starts, index) - 1
-        return HfRow(self.files[shard], index - self.starts[shard], self.columns.image, self.columns.image_kind,
-                     str(self.root), self.split.name, index)
+        return HfRow(self.files[shard], index - self.starts[shard], self.columns.image, str(self.root),
+                     self.split.name, index)
 
     def name(self, index: int) -> str:
         return self.row(index).name()
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return as_tensor(self.row(index).image("run the same command to resume")), int(self.labels[index])
+        return as_tensor(self.row(index).image("run the same command to resume")), self.labels[index]
 
     def describe(self) -> dict:
         what = "Arrow file(s) (save_to_disk)" if self.split.format == "arrow" else "Parquet file(s)"
@@ -200,5 +206,5 @@ def hf_listing(root: Path, image_column: str, label_column: str, train_split: st
         arrows = files.files if files.format == "arrow" else \
             arrow_files(root, files, columns.image, quiet=progress_to is None, stream=progress_to)
         dataset = HfSplit(root, files, columns, labels, arrows)
-        out[split] = (labels.classes, [(dataset.row(i), int(labels.labels[i])) for i in range(len(dataset))])
+        out[split] = (labels.classes, [(dataset.row(i), dataset.labels[i]) for i in range(len(dataset))])
     return out
