@@ -45,7 +45,7 @@ def _column(file: str, column: str) -> tuple[list, list[int]]:
         try:
             with pa.memory_map(file) as source:
                 chunks = pa.ipc.open_stream(source).read_all().column(column).chunks
-        except (OSError, pa.ArrowException) as e:
+        except (OSError, KeyError, pa.ArrowException) as e:
             raise DataError(f"cannot read {file} ({str(e).splitlines()[0]}): check the storage, or save the dataset "
                             f"again, then run the same command to resume") from None
         parts, starts = [], [0]
@@ -70,14 +70,19 @@ class HfRow(NamedTuple):
     split: str
     index: int  # the row in its split
 
-    def cell(self) -> tuple[bytes | None, str | None]:
-        """The row's image bytes and path, either None where the row has none."""
+    def _parts(self) -> tuple[tuple, int]:
         parts, starts = _column(self.file, self.column)
         chunk = bisect.bisect_right(starts, self.row) - 1
-        return tuple(None if part is None else part[self.row - starts[chunk]].as_py() for part in parts[chunk])
+        return parts[chunk], self.row - starts[chunk]
+
+    def cell(self) -> tuple[bytes | None, str | None]:
+        """The row's image bytes and path, either None where the row has none."""
+        parts, at = self._parts()
+        return tuple(None if part is None else part[at].as_py() for part in parts)
 
     def path(self) -> str | None:
-        return self.cell()[1]
+        (_, paths), at = self._parts()
+        return None if paths is None else paths[at].as_py()
 
     def name(self) -> str:
         path = self.path()

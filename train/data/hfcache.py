@@ -73,10 +73,11 @@ def _convert(root: Path, split: SplitFiles, column: str, folder: Path, record: d
                     for group in range(parquet.num_row_groups):
                         writer.write_table(parquet.read_row_group(group, columns=[column]))
                 os.replace(tmp, final)
-            except pa.ArrowException as e:
+            except (KeyError, pa.ArrowException) as e:
                 tmp.unlink(missing_ok=True)
-                raise ConfigError(f"cannot read {path} ({str(e).splitlines()[0]}): a damaged or incomplete Parquet "
-                                  f"file: copy it again") from None
+                raise ConfigError(f"cannot read the column {column!r} of {path} ({str(e).splitlines()[0]}): a damaged "
+                                  f"or incomplete Parquet file, or one without that column: copy it again, or give "
+                                  f"every file of the split the same columns") from None
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
