@@ -117,9 +117,10 @@ def write_plain_tars(folder: Path, root: Path, per_shard: int = 11, label_key: s
     return root
 
 
-# Hugging Face's datasets, run where it is installed: argv[1] a JSON file of {folder: plan}, each plan {"form": "disk"
-# or "parquet" or "dataset" (one saved Dataset), "splits": {name: [[image, label], ...]}, "classes": [...]}; an image is a path (read from the
-# dataset's folder where relative), ["bytes", path] for the file's bytes (no path), or null, as a label may be.
+# Hugging Face's datasets, run where it is installed: argv[1] a JSON file of {folder: plan}, each plan {"form": "disk",
+# "parquet" or "dataset" (one saved Dataset), "splits": {name: [[image, label], ...]}, "classes": [...]}; an image is
+# a path (read from the dataset's folder where relative), ["bytes", path] for the file's bytes (no path), or null, as
+# a label may be.
 HF_WRITER = """
 import json, os, pathlib, sys
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value

@@ -1,7 +1,8 @@
 """Every source trains the same model: one set of images as an ImageFolder, a label file, WebDataset tars written by
 webdataset's own ShardWriter and a Hugging Face dataset's Parquet files written by `datasets` (tests/sources.py) gives
 the same weights bit for bit under one seed; on the label file and the Parquet files a run stopped and resumed, and on
-the tars a run whose worker is killed (kill -9) and restarted by torchrun, end as the uninterrupted run does. The same samples batch by batch are tests/unit/test_sources.py's (in-process, every source and path)."""
+the tars a run whose worker is killed (kill -9) and restarted by torchrun, end as the uninterrupted run does. The same
+samples batch by batch are tests/unit/test_sources.py's (in-process, every source and path)."""
 
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ class HfSplit(Dataset):
     def describe(self) -> dict:
         what = "Arrow file(s) (save_to_disk)" if self.split.format == "arrow" else "Parquet file(s)"
         split = f"the {self.split.name!r} split" if self.split.name != WHOLE else "the one split"
-        return {"kind": "hf (a Hugging Face dataset)", "from": f"{split} of {self.root}: {len(self.split.files)} {what}",
+        return {"kind": "hf (a Hugging Face dataset)",
+                "from": f"{split} of {self.root}: {len(self.split.files)} {what}",
                 "order": "the split's rows in the dataset's order (its files in order)",
                 "classes_from": self.classes_from}
 
