@@ -122,7 +122,7 @@ class HfSplit(Dataset):
     FileBytes wrapper around it) and its class index; name(i) says the row."""
 
     def __init__(self, root: Path, split: SplitFiles, columns: Columns, labels: Labels, files: list[Path] | None):
-        self.root, self.split, self.columns, self.listing = root, split, columns, labels
+        self.root, self.split, self.columns = root, split, columns
         self.classes, self.classes_from = labels.classes, labels.classes_from
         self.labels = array("q", labels.labels.tolist())  # an int a read, not a tensor's element
         self.files = [str(f) for f in files] if files is not None else None  # None: a dry run reads no image
