@@ -9,7 +9,7 @@
   hfdisk      a Hugging Face dataset on disk (save_to_disk's folder, or Parquet files): its splits, columns, labels
   hfcache     a Parquet split's image column as Arrow files, made once (beside it, or in the run folder)
   hf          such a dataset read row by row from memory-mapped Arrow files, its checks, make pack's listing of it
-  sources     each source as (path or tar member, label) pairs in its fixed order: what make pack packs
+  sources     each source as (path, tar member or dataset row, label) pairs in its fixed order: what make pack packs
   decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
               workers or on the GPU (--decode gpu)
   transforms  the per-image recipe (torchvision's reference presets), the evaluation's steps, normalisation
