@@ -14,6 +14,7 @@ from train.data import build_datasets, check_hf
 from train.data.hf import hf_splits
 from train.data.tarindex import CACHE, FALLBACK
 from train.errors import ConfigError, DataError
+from train.pack import main as pack_main
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,13 @@ def test_a_bad_image_is_one_line_naming_its_row_when_the_loader_meets_it(made):
         with pytest.raises(DataError) as e:
             train[row]
         assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+
+
+def test_make_pack_of_a_bad_row_stops_with_one_line_naming_it(made, tmp_path, capsys):
+    dst = tmp_path / "shards"
+    assert pack_main([str(made["odd"]), str(dst), "--workers", "2", "--val-split", "validation"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: cannot read image row 2 of the train split of {made['odd']} ({made['root']}/odd/"
+                       f"empty.png) (an empty file, 0 bytes): replace the file, then run the same command to continue "
+                       f"the pack"), err
+    assert not (dst / "index.json").exists()
