@@ -96,8 +96,16 @@ def find_splits(root: Path) -> dict[str, SplitFiles]:
     return _parquet_splits(root)
 
 
-def is_hf(root: Path) -> bool:
-    return root.is_dir() and bool(find_splits(root))
+def is_hf(root: Path, train_split: str = "train") -> bool:
+    """Whether root holds a Hugging Face dataset, by a few looks: make pack tells the sources apart by it, and an
+    ImageFolder's class folders are not listed."""
+    if not root.is_dir():
+        return False
+    if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file() or \
+            any((p / "state.json").is_file() for p in root.iterdir() if p.is_dir()):
+        return True
+    return any(any(folder.glob("*.parquet")) for folder in (root, root / "data", root / train_split,
+                                                             root / "data" / train_split) if folder.is_dir())
 
 
 def pick_splits(root: Path, found: dict[str, SplitFiles], train_split: str, val_split: str,

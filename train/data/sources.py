@@ -31,13 +31,13 @@ SPLITS = ("train", "val")
 Reference = str | tuple  # a file's path, (tar, offset, size, suffix), or an HfRow
 
 
-def source_kind(src: Path) -> str:
+def source_kind(src: Path, train_split: str = "train") -> str:
     if is_pack(src):
         raise ConfigError(f"{src} is a trainbox pack already (index.json, or an unfinished pack's journal): train on "
                           f"it with --dataset shards --data-dir {src}")
     if has_label_files(src):
         return "csv"
-    if is_hf(src):
+    if is_hf(src, train_split):
         return "hf"
     return "tars" if has_split(src, "train") else "imagefolder"
 
@@ -65,7 +65,7 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
     if not src.is_dir():
         raise ConfigError(f"SRC {src} is not a folder: give an ImageFolder, a folder of label files (train.csv, "
                           f"val.csv), of WebDataset tars or a Hugging Face dataset saved to disk")
-    kind = source_kind(src)
+    kind = source_kind(src, train_split or "train")
     check_knobs(kind, src, path_column, label_column, label_key, bool(image_column or train_split or val_split))
     if kind == "hf":
         return kind, hf_listing(src, image_column, label_column, train_split or "train", val_split, progress_to)
