@@ -27,11 +27,11 @@ from torch.utils.data import Dataset
 
 from train.data.decode import as_tensor
 from train.data.hfcache import arrow_files, shared_arrow_files
-from train.data.hfdisk import WHOLE, Columns, Labels, SplitFiles, arrow, columns_of, find_splits, pick_splits, \
-    read_labels
+from train.data.hfdisk import WHOLE, Columns, Labels, SplitFiles, arrow, columns_of, find_splits, read_labels
 from train.data.scan import IMAGE_EXTENSIONS
 from train.errors import ConfigError, DataError
 
+VAL_SPLITS = ("validation", "val", "test")
 _opened: dict[tuple[str, str], tuple[list, list[int]]] = {}  # this process's memory-mapped columns, by file
 
 
@@ -153,6 +153,32 @@ class HfSplit(Dataset):
                 "from": f"{split} of {self.root}: {len(self.split.files)} {what}",
                 "order": "the split's rows in the dataset's order (its files in order)",
                 "classes_from": self.classes_from}
+
+
+def pick_splits(root: Path, found: dict[str, SplitFiles], train_split: str, val_split: str,
+                wanted: tuple[str, ...]) -> dict[str, SplitFiles]:
+    """The splits trainbox calls train and val (those of `wanted`): --train-split, and --val-split or the first of
+    VAL_SPLITS the dataset has."""
+    if not found:
+        raise ConfigError(f"{root} holds no Hugging Face dataset: save one there with save_to_disk, or give Parquet "
+                          f"files as {root}/data/train-00000-of-00001.parquet (or {root}/train/*.parquet)")
+    if WHOLE in found:
+        if "train" in wanted:
+            raise ConfigError(f"{root} is one saved Dataset, a single split: training needs a training and a "
+                              f"validation split: save a DatasetDict (ds.train_test_split(test_size=0.1, seed=0)"
+                              f".save_to_disk(...)) and point --data-dir at it")
+        return {"val": found[WHOLE]}
+    have = ", ".join(sorted(found))
+    val = val_split or next((name for name in VAL_SPLITS if name in found), "")
+    names = {"train": train_split, "val": val}
+    for split, flag in (("train", "--train-split"), ("val", "--val-split")):
+        if split in wanted and names[split] not in found:
+            what = f"no split {names[split]!r}" if names[split] else f"none of the splits {', '.join(VAL_SPLITS)}"
+            raise ConfigError(f"{root} has {what} (it has: {have}): name the {split} split with {flag}")
+    if names["train"] == names["val"] and len(wanted) == 2:
+        raise ConfigError(f"{root}: --train-split and --val-split both name {names['train']!r}: the model would be "
+                          f"scored on images it trained on: give the validation split its own name")
+    return {split: found[names[split]] for split in wanted}
 
 
 def read_splits(root: Path, image_column: str = "", label_column: str = "", train_split: str = "train",

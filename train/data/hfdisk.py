@@ -27,7 +27,6 @@ from train.errors import ConfigError
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
-VAL_SPLITS = ("validation", "val", "test")
 SHARD_TAIL = re.compile(r"-\d+(?:-of-\d+)?(?:-[0-9a-f]{6,})?$")  # -00000-of-00004, and the old -<fingerprint>
 WHOLE = ""  # the one split of a single saved Dataset
 
@@ -106,32 +105,6 @@ def is_hf(root: Path, train_split: str = "train") -> bool:
         return True
     return any(any(folder.glob("*.parquet")) for folder in (root, root / "data", root / train_split,
                                                              root / "data" / train_split) if folder.is_dir())
-
-
-def pick_splits(root: Path, found: dict[str, SplitFiles], train_split: str, val_split: str,
-                wanted: tuple[str, ...]) -> dict[str, SplitFiles]:
-    """The splits trainbox calls train and val (those of `wanted`): --train-split, and --val-split or the first of
-    VAL_SPLITS the dataset has."""
-    if not found:
-        raise ConfigError(f"{root} holds no Hugging Face dataset: save one there with save_to_disk, or give Parquet "
-                          f"files as {root}/data/train-00000-of-00001.parquet (or {root}/train/*.parquet)")
-    if WHOLE in found:
-        if "train" in wanted:
-            raise ConfigError(f"{root} is one saved Dataset, a single split: training needs a training and a "
-                              f"validation split: save a DatasetDict (ds.train_test_split(test_size=0.1, seed=0)"
-                              f".save_to_disk(...)) and point --data-dir at it")
-        return {"val": found[WHOLE]}
-    have = ", ".join(sorted(found))
-    val = val_split or next((name for name in VAL_SPLITS if name in found), "")
-    names = {"train": train_split, "val": val}
-    for split, flag in (("train", "--train-split"), ("val", "--val-split")):
-        if split in wanted and names[split] not in found:
-            what = f"no split {names[split]!r}" if names[split] else f"none of the splits {', '.join(VAL_SPLITS)}"
-            raise ConfigError(f"{root} has {what} (it has: {have}): name the {split} split with {flag}")
-    if names["train"] == names["val"] and len(wanted) == 2:
-        raise ConfigError(f"{root}: --train-split and --val-split both name {names['train']!r}: the model would be "
-                          f"scored on images it trained on: give the validation split its own name")
-    return {split: found[names[split]] for split in wanted}
 
 
 def schema_of(split: SplitFiles, file: Path | None = None):
