@@ -48,8 +48,8 @@ TEST_WORKERS ?= 3
 BENCH_ARGS ?=
 # Flags for `make chaos`, e.g. CHAOS_ARGS="--trials 5 --launchers torchrun,make --faults kill"
 CHAOS_ARGS ?=
-# `make pack`: the dataset to pack (an ImageFolder, label files or another tool's WebDataset tars), and the folder
-# for its shards
+# `make pack`: the dataset to pack (an ImageFolder, label files, another tool's WebDataset tars or a Hugging Face
+# dataset saved to disk), and the folder for its shards
 SRC ?=
 DST ?=
 # ... the processes that read and resize the images (empty: every usable core)
@@ -58,7 +58,8 @@ WORKERS ?=
 MAX_SIDE ?=
 # ... and the JPEG quality of those it re-encodes (empty: 90)
 QUALITY ?=
-# ... more flags of python -m train.pack, e.g. PACK_ARGS="--label-column y" (label files' columns, tars' --label-key)
+# ... more flags of python -m train.pack, e.g. PACK_ARGS="--label-column y" (label files' columns, tars' --label-key,
+# a Hugging Face dataset's --image-column, --label-column, --train-split, --val-split)
 PACK_ARGS ?=
 # `make evaluate`, `make export`: the run's folder
 RUN ?=
@@ -95,6 +96,8 @@ SKY_VENV ?= .venv-sky
 ONNX_VENV ?= .venv-onnx
 # webdataset's environment (`make wds-setup`), from tests/webdataset.lock: the tests write tars with its ShardWriter
 WDS_VENV ?= .venv-wds
+# Hugging Face datasets' environment (`make hf-setup`), from tests/hf.lock: the tests write datasets with it
+HF_VENV ?= .venv-hf
 # (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
@@ -146,7 +149,8 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test check bench pack evaluate export onnx-setup chaos build image \
-  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup env doctor enroot apptainer lock clean
+  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup hf-setup env doctor enroot apptainer \
+  lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -183,7 +187,7 @@ check: $(STAMP) ## the edit-test loop (minutes): the unit tests and one short ru
 bench: $(STAMP) ## benchmark: trainbox vs a bare DDP loop, scaling, comm, input, checkpoints (BENCH_ARGS=...)
 	$(PY) -m train.bench $(BENCH_ARGS)
 
-pack: $(STAMP) ## an ImageFolder, label files or tars as tar shards: SRC=folder DST=folder [WORKERS= MAX_SIDE= QUALITY=]
+pack: $(STAMP) ## an ImageFolder, label files, tars or an HF dataset as tar shards: SRC= DST= [WORKERS= MAX_SIDE=]
 	@test -n "$(SRC)" -a -n "$(DST)" || { echo "error: give both folders: make pack SRC=/nas/datasets/mydata" \
 	  "DST=/nas/datasets/mydata-shards" >&2; exit 2; }
 	$(PY) -m train.pack "$(SRC)" "$(DST)" $(PACK_FLAGS) $(PACK_ARGS)
@@ -284,6 +288,13 @@ $(WDS_VENV)/.installed: tests/webdataset.lock
 	$(WDS_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/webdataset.lock
 	@touch $@
 
+hf-setup: $(HF_VENV)/.installed ## Hugging Face datasets in .venv-hf (tests/hf.lock): the tests' writer of HF datasets
+
+$(HF_VENV)/.installed: tests/hf.lock
+	@test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/hf.lock
+	@touch $@
+
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files
 	$(PYTHON) -m train.hostenv --file $(ENV_FILE) --image $(IMAGE) \
 	  $(if $(DATA_DIR),--data-dir $(DATA_DIR)) $(if $(RUNS_DIR),--runs-dir $(RUNS_DIR)) \
@@ -323,6 +334,8 @@ lock: ## re-resolve the lock of TORCH_FLAVOUR from pyproject.toml (needs uv; cu1
 	  -o tests/skypilot.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/webdataset.in \
 	  -o tests/webdataset.lock)
+	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) tests/hf.in \
+	  -o tests/hf.lock)
 	$(if $(filter cu130,$(TORCH_FLAVOUR)),uv pip compile --generate-hashes $(LOCK_FLAGS_cu130) docker/onnx.in \
 	  -c requirements.lock -o docker/onnx.lock)
 

@@ -1,15 +1,19 @@
 """One set of real images (the built-in drawn shapes, saved as PNG and JPEG files) as every source trainbox reads: an
-ImageFolder, label files, WebDataset tars written by webdataset's own ShardWriter (in .venv-wds, `make wds-setup`)
-and tars written by Python's tarfile in the same layout; each in the ImageFolder's order, so that every source gives
-the same samples."""
+ImageFolder, label files, WebDataset tars written by webdataset's own ShardWriter (in .venv-wds, `make wds-setup`),
+tars written by Python's tarfile in the same layout, and Hugging Face datasets written by `datasets` itself
+(save_to_disk and to_parquet, in .venv-hf, `make hf-setup`); each in the ImageFolder's order, so that every source
+gives the same samples."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
+import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 from PIL import Image
@@ -19,6 +23,7 @@ from train.data import SHAPE_CLASSES, make_shapes
 from train.data.scan import scan_split
 
 WDS_PYTHON = REPO / ".venv-wds" / "bin" / "python"
+HF_PYTHON = REPO / ".venv-hf" / "bin" / "python"
 # webdataset's ShardWriter, run where webdataset is installed: argv[1] a JSON list of [key, image file, label],
 # argv[2] the shard pattern, argv[3] the samples per shard.
 SHARD_WRITER = """
@@ -110,3 +115,83 @@ def write_plain_tars(folder: Path, root: Path, per_shard: int = 11, label_key: s
                     add_member(tar, f"{key}{Path(path).suffix}", Path(path).read_bytes())
     (root / "classes.json").write_text(json.dumps(classes))
     return root
+
+
+# Hugging Face's datasets, run where it is installed: argv[1] a JSON file of {folder: plan}, each plan {"form": "disk",
+# "parquet" or "dataset" (one saved Dataset), "splits": {name: [[image, label], ...]}, "classes": [...]}; an image is
+# a path (read from the dataset's folder where relative), ["bytes", path] for the file's bytes (no path), or null, as
+# a label may be.
+HF_WRITER = """
+import json, os, pathlib, sys
+from datasets import ClassLabel, Dataset, DatasetDict, Features, Image, Value
+def image(value):
+    return {"bytes": pathlib.Path(value[1]).read_bytes(), "path": None} if isinstance(value, list) else value
+def table(rows, features):
+    image_column, label_column = features
+    return Dataset.from_dict({image_column: [image(i) for i, _ in rows], label_column: [l for _, l in rows]},
+                             features=features)
+for out, plan in json.loads(pathlib.Path(sys.argv[1]).read_text()).items():
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chdir(out)
+    splits = plan["splits"]
+    if plan["form"] in ("disk", "dataset"):  # an Image column of paths (save_to_disk embeds the files), a ClassLabel
+        features = Features({"image": Image(), "label": ClassLabel(names=plan["classes"])})
+        if plan["form"] == "dataset":  # one saved Dataset: a single split
+            table(next(iter(splits.values())), features).save_to_disk(str(out))
+        else:
+            DatasetDict({name: table(rows, features) for name, rows in splits.items()}).save_to_disk(
+                str(out), num_shards={name: min(2, len(rows)) for name, rows in splits.items()})
+    else:  # Parquet as push_to_hub lays it out; columns img and labels (class names)
+        features = Features({"img": Image(), "labels": Value("string")})
+        for name, rows in splits.items():
+            shards = 2 if len(rows) > 1 else 1
+            for i in range(shards):
+                table(rows, features).shard(shards, i, contiguous=True).to_parquet(
+                    str(out / "data" / f"{name}-{i:05d}-of-{shards:05d}.parquet"))
+"""
+
+
+def write_hf(plans: dict[Path, dict]) -> None:
+    """Hugging Face datasets written by `datasets` itself (.venv-hf, `make hf-setup`, on first use), one plan
+    (HF_WRITER's) per folder, all in one process (its import takes seconds)."""
+    with one_at_a_time("hf-setup"):  # test workers at once would install into the one .venv-hf
+        make("hf-setup", timeout=600)
+    spec = Path(tempfile.mkstemp(suffix=".json")[1])
+    spec.write_text(json.dumps({str(folder): plan for folder, plan in plans.items()}))
+    try:
+        subprocess.run([str(HF_PYTHON), "-c", HF_WRITER, str(spec)], check=True, capture_output=True, timeout=300,
+                       env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                            "HF_HOME": str(spec.with_suffix(".hf-home"))})
+    finally:
+        spec.unlink()
+        shutil.rmtree(spec.with_suffix(".hf-home"), ignore_errors=True)
+
+
+def hf_disk_plan(folder: Path) -> dict:
+    """The ImageFolder as a DatasetDict saved to disk (root/dataset_dict.json, root/train/ in 2 Arrow files,
+    root/validation/): an Image column of its files (their bytes embedded by save_to_disk) and a ClassLabel of its
+    class names, in its order."""
+    splits, classes = {}, None
+    for split, name in (("train", "train"), ("val", "validation")):
+        classes, samples = listing(folder, split)
+        splits[name] = [[path, label] for path, label in samples]
+    return {"form": "disk", "splits": splits, "classes": classes}
+
+
+def hf_parquet_plan(folder: Path, root: Path) -> dict:
+    """The ImageFolder as Parquet files in root (root/data/train-0000N-of-00002.parquet, root/data/validation-...),
+    columns img and labels (class names): the training split's images as paths relative to root, the validation
+    split's as their bytes, without a path."""
+    splits = {}
+    for split, name in (("train", "train"), ("val", "validation")):
+        classes, samples = listing(folder, split)
+        splits[name] = [[os.path.relpath(p, root) if split == "train" else ["bytes", p], classes[label]]
+                        for p, label in samples]
+    return {"form": "parquet", "splits": splits}
+
+
+def write_hf_sources(folder: Path, disk: Path, parquet: Path) -> tuple[Path, Path]:
+    """The ImageFolder as a saved DatasetDict in `disk` and as Parquet files in `parquet` (the plans above)."""
+    write_hf({disk: hf_disk_plan(folder), parquet: hf_parquet_plan(folder, parquet)})
+    return disk, parquet

@@ -16,7 +16,7 @@ import torch
 
 from train import checkpoint
 from train.config import Config, launch_run_dir
-from train.data import check_cifar, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
+from train.data import check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
 from train.identity import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
@@ -50,6 +50,9 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         check_labelfiles(Path(cfg.data.data_dir), cfg.data.path_column, cfg.data.label_column)
     if cfg.data.dataset == "shards":  # a pack's index, or another tool's tars indexed once (and cached)
         check_shards(Path(cfg.data.data_dir), cfg.data.label_key)
+    if cfg.data.dataset == "hf":  # the layout, the columns and every label (the label column alone is read)
+        check_hf(Path(cfg.data.data_dir), cfg.data.image_column, cfg.data.label_column, cfg.data.train_split,
+                 cfg.data.val_split)
     check_model_spec(cfg.model)
     check_weights(cfg)
     check_decay_groups(cfg)
@@ -135,9 +138,9 @@ def check_precision(cfg: Config, on_cpu: bool) -> None:
         raise ConfigError(f"--precision {cfg.model.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and cfg.model.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "csv", "shards"):
+    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "csv", "shards", "hf"):
         raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.data.dataset} has none: use it with "
-                          f"--dataset imagefolder, csv or shards, or drop it")
+                          f"--dataset imagefolder, csv, shards or hf, or drop it")
     if cfg.data.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 

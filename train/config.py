@@ -70,15 +70,21 @@ class Data:
     dataset: str = _field("shapes", "shapes: built-in, no download; cifar10; imagefolder (DATA_DIR/train, "
                                     "DATA_DIR/val); csv (label files: DATA_DIR/train.csv and val.csv, or .tsv, "
                                     ".jsonl: a path and a label per row); shards (make pack's, or WebDataset tars of "
-                                    "another tool); synthetic: random images for benchmarks (learns nothing)",
-                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "synthetic"))
-    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv and shards")
+                                    "another tool); hf (a Hugging Face dataset: save_to_disk's folder, or Parquet "
+                                    "files); synthetic: random images for benchmarks (learns nothing)",
+                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "hf", "synthetic"))
+    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards and hf")
     path_column: str = _field("", "csv: the label files' column of image paths; empty: the first of path, image, "
                                   "file, filename, filepath")
     label_column: str = _field("", "csv: the label files' column of labels (class names, or indices into "
-                                   "classes.txt); empty: the first of label, class, category, target")
+                                   "classes.txt); empty: the first of label, class, category, target; hf: the "
+                                   "dataset's label column; empty: label, else labels, else its one ClassLabel")
     label_key: str = _field("cls", "shards of another tool: each sample's label is the integer in its <key>.LABEL_KEY "
                                    "member, else its .json member's LABEL_KEY field")
+    image_column: str = _field("", "hf: the dataset's image column (an Image feature, bytes or paths); empty: image, "
+                                   "else img, else its one Image column")
+    train_split: str = _field("train", "hf: the split to train on")
+    val_split: str = _field("", "hf: the split to evaluate on; empty: the first of validation, val, test it has")
     download: bool = _field(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
     image_size: int = _field(32, "image side in pixels (shapes generates at it; others resize to it); with named "
                                  "--weights on image files: their crop unless given")
@@ -370,7 +376,7 @@ def inert(cfg: Config) -> dict[str, str]:
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
           "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
-         f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards or cifar10)"),
+         f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
         (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
@@ -383,8 +389,14 @@ def inert(cfg: Config) -> dict[str, str]:
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
         (("download",), cfg.data.dataset != "cifar10",
          f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
-        (("path_column", "label_column"), cfg.data.dataset != "csv",
+        (("path_column",), cfg.data.dataset != "csv",
          f"with --dataset {cfg.data.dataset} (it names the columns of label files): drop it, or pass --dataset csv"),
+        (("label_column",), cfg.data.dataset not in ("csv", "hf"),
+         f"with --dataset {cfg.data.dataset} (it names the label column of label files or of a Hugging Face dataset): "
+         f"drop it, or pass --dataset csv or hf"),
+        (("image_column", "train_split", "val_split"), cfg.data.dataset != "hf",
+         f"with --dataset {cfg.data.dataset} (it names a column or a split of a Hugging Face dataset): drop it, or "
+         f"pass --dataset hf"),
         (("label_key",), cfg.data.dataset != "shards",
          f"with --dataset {cfg.data.dataset} (it names the label of WebDataset tars): drop it, or pass --dataset "
          f"shards"),

@@ -1,8 +1,9 @@
 """Packed shards for big image datasets: `make pack SRC=... DST=...` (python -m train.pack SRC DST).
 
 A source (an ImageFolder: SRC/train/<class>/*, SRC/val/<class>/*; label files: SRC/train.csv and val.csv, or .tsv,
-.jsonl; another tool's WebDataset tars: SRC/train-*.tar, SRC/val-*.tar or SRC/train/, SRC/val/) becomes tar shards
-in the WebDataset layout, which other tools read as they are (webdataset, wids, tar):
+.jsonl; another tool's WebDataset tars: SRC/train-*.tar, SRC/val-*.tar or SRC/train/, SRC/val/; a Hugging Face dataset
+saved to disk, or its Parquet files) becomes tar shards in the WebDataset layout, which other tools read as they are
+(webdataset, wids, tar):
 
   DST/train-000000.tar ...     members <key>.<ext> (the image's bytes) and <key>.cls (class index)
   DST/train-000000.tar.idx     per sample: data offset, size, class (int64 x 3): random access, no scan
@@ -15,7 +16,8 @@ metadata round trips, and the dataset's length comes from index.json without lis
 
 SRC is listed as training lists it (train/data/sources.py: each source's classes, and its images as (file or tar
 member, label) in the source's own order: an ImageFolder's as torchvision's ImageFolder lists it, its links held to
-the folder; a label file's rows in order; tars by sorted name, their samples in tar order). DST is neither SRC nor
+the folder; a label file's rows in order; tars by sorted name, their samples in tar order; a Hugging Face dataset's
+rows in order, its training split and its validation split packed as train and val). DST is neither SRC nor
 inside it (both resolved), and holds nothing but a pack's own files: a new or empty folder, or a stopped pack's,
 which is continued.
 
@@ -142,7 +144,7 @@ def prepared(reference, max_side: int | None, quality: int | None) -> tuple[byte
         raise DataError(f"cannot read image {name} (an empty file, 0 bytes): replace the file, then run the same "
                         f"command to continue the pack")
     if max_side is None or _longer_side(data, name) <= max_side:
-        return data, suffix_of(reference), False
+        return data, suffix_of(reference, data), False
     image = shrink(decode(as_tensor(data), name), max_side)
     return bytes(vision.io.encode_jpeg(image, quality=quality).numpy()), ".jpg", True
 
@@ -342,15 +344,18 @@ def _remove_temporary(dst: Path) -> None:
 
 def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1, max_side: int | None = None,
          quality: int | None = None, progress_to: TextIO | None = None, progress_every: float | None = None,
-         path_column: str = "", label_column: str = "", label_key: str = DEFAULT_LABEL_KEY) -> dict:
+         path_column: str = "", label_column: str = "", label_key: str = DEFAULT_LABEL_KEY, image_column: str = "",
+         train_split: str = "", val_split: str = "") -> dict:
     """Pack src into dst (or continue a stopped pack there); returns the index. progress_to: a stream for the
-    progress line (None: none). path_column, label_column: label files' columns; label_key: tars' labels."""
+    progress line (None: none). path_column, label_column: label files' columns; label_key: tars' labels;
+    image_column, label_column, train_split, val_split: a Hugging Face dataset's."""
     if (dst / "index.json").exists():
         raise ConfigError(f"{dst} already holds a pack: pick a new DST or delete it first")
     check_destination(src, dst)
     with Progress(f"listing {src}", unit="files", stream=progress_to, every=progress_every, last=False,
                   quiet=progress_to is None) as listing:
-        kind, splits = list_source(src, listing.advance, path_column, label_column, label_key, progress_to)
+        kind, splits = list_source(src, listing.advance, path_column, label_column, label_key, progress_to,
+                                   image_column, train_split, val_split)
     for split, (_, samples) in splits.items():
         if not samples:
             raise ConfigError(f"{src / split} has no images: put images in {src / split}/<class>/")
@@ -433,8 +438,9 @@ def summary(index: dict, dst: Path, workers: int) -> str:
 def main(argv: list[str]) -> int:
     parser = _OneLineParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", nargs="?", help="the source: an ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*), "
-                                               "label files (SRC/train.csv, SRC/val.csv; .tsv, .jsonl) or another "
-                                               "tool's WebDataset tars (SRC/train-*.tar, SRC/val-*.tar)")
+                                               "label files (SRC/train.csv, SRC/val.csv; .tsv, .jsonl), another "
+                                               "tool's WebDataset tars (SRC/train-*.tar, SRC/val-*.tar) or a Hugging "
+                                               "Face dataset (save_to_disk's folder, or Parquet files)")
     parser.add_argument("dst", help="the folder for the shards (new, or a stopped pack's to continue it)")
     parser.add_argument("--workers", type=int, help="processes that read and resize the images (default: every "
                                                     "usable core)")
@@ -446,7 +452,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--path-column", default="", help="label files: the column of image paths (default: the "
                                                           "first of path, image, file, filename, filepath)")
     parser.add_argument("--label-column", default="", help="label files: the column of labels (default: the first of "
-                                                           "label, class, category, target)")
+                                                           "label, class, category, target); a Hugging Face "
+                                                           "dataset's (default: label, else labels)")
+    parser.add_argument("--image-column", default="", help="a Hugging Face dataset: the column of images (default: "
+                                                           "image, else img)")
+    parser.add_argument("--train-split", default="", help="a Hugging Face dataset: the split packed as train "
+                                                          "(default: train)")
+    parser.add_argument("--val-split", default="", help="a Hugging Face dataset: the split packed as val (default: "
+                                                        "the first of validation, val, test)")
     parser.add_argument("--label-key", default=DEFAULT_LABEL_KEY,
                         help="tars: the label's member suffix, else its key in the sample's .json")
     parser.add_argument("--verify", action="store_true", help="check DST's shards (counts, SHA-256) and exit")
@@ -466,7 +479,8 @@ def main(argv: list[str]) -> int:
         workers = ns.workers or usable_cores()
         index = pack(Path(ns.src), Path(ns.dst), int(ns.shard_mb * 2**20), workers, ns.max_side, ns.quality,
                      progress_to=sys.stderr, path_column=ns.path_column, label_column=ns.label_column,
-                     label_key=ns.label_key)
+                     label_key=ns.label_key, image_column=ns.image_column, train_split=ns.train_split,
+                     val_split=ns.val_split)
     except ConfigError as e:
         return fail(str(e))
     except BrokenProcessPool:  # a worker killed: by the OOM killer on a huge image, or by hand

@@ -22,6 +22,7 @@ CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction p
             "train pipeline, one loader worker", "eval pipeline, one loader worker",
             "packed shards: time to the first batch", "packed shards: samples/s over an epoch",
             "label file: images/s on one core", "WebDataset tars of another tool: images/s on one core",
+            "Hugging Face dataset: images/s on one core",
             "label-file check",
             "camera-sized photos, train pipeline on one core: shards packed with MAX_SIDE=512 / loose originals",
             "make pack MAX_SIDE=512 of camera-sized photos: images/s with")

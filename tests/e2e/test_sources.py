@@ -1,7 +1,8 @@
-"""Every source trains the same model: one set of images as an ImageFolder, a label file and WebDataset tars written by
-webdataset's own ShardWriter (tests/sources.py) gives the same weights bit for bit under one seed; on the tars a run
-stopped and resumed, and a run whose worker is killed (kill -9) and restarted by torchrun, end as the uninterrupted
-run does. The same samples batch by batch are tests/unit/test_sources.py's (in-process, every source and path)."""
+"""Every source trains the same model: one set of images as an ImageFolder, a label file, WebDataset tars written by
+webdataset's own ShardWriter and a Hugging Face dataset's Parquet files written by `datasets` (tests/sources.py) gives
+the same weights bit for bit under one seed; on the label file and the Parquet files a run stopped and resumed, and on
+the tars a run whose worker is killed (kill -9) and restarted by torchrun, end as the uninterrupted run does. The same
+samples batch by batch are tests/unit/test_sources.py's (in-process, every source and path)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, end_hung, env_for_tests,
                            python_cmd, reached_step, run, status, wait_for, worker_pid)
-from tests.sources import draw_imagefolder, write_label_files, write_wds_shards
+from tests.sources import draw_imagefolder, hf_parquet_plan, write_hf, write_label_files, write_wds_shards
 
 # 128 training images: 4 steps an epoch on 2 workers of 16; 80 steps (a few seconds: long enough for a kill to land
 # mid-run), a checkpoint every 10, the loss every 2
@@ -26,7 +27,9 @@ COMMON = [*DEBUG, "--num-workers", 0, "--max-steps", 80, "--log-every", 2, "--sa
 def data(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("sources")
     folder = draw_imagefolder(root / "folder", classes=4, train=128, val=32, size=20)
-    return {"imagefolder": ["--dataset", "imagefolder", "--data-dir", folder],
+    write_hf({root / "hf": hf_parquet_plan(folder, root / "hf")})
+    return {"hf": ["--dataset", "hf", "--data-dir", root / "hf"],
+            "imagefolder": ["--dataset", "imagefolder", "--data-dir", folder],
             "csv": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "csv")],
             "shards": ["--dataset", "shards", "--data-dir", write_wds_shards(folder, root / "wds", per_shard=40)]}
 
@@ -55,6 +58,21 @@ def test_a_label_file_stopped_and_resumed_trains_the_imagefolders_model(referenc
     assert_same_final_figures(run_dir, reference)
     same_data(run_dir, reference)
     assert json.loads((run_dir / "plan.json").read_text())["source"]["kind"] == "csv"
+
+
+def test_a_hugging_face_dataset_stopped_and_resumed_trains_the_imagefolders_model(reference, data, tmp_path):
+    """Parquet files: made Arrow files once by rank 0 (beside them), read by both ranks; stopped, resumed."""
+    run_dir = tmp_path / "hf"
+    run(python_cmd(*COMMON, *data["hf"], "--spawn", 2, "--run-dir", run_dir, "--stop-at", 13), expect=75)
+    assert status(run_dir)["step"] == 13 and (data["hf"][3] / ".trainbox-index" / "hf-train.json").is_file()
+    resumed = run(python_cmd(*COMMON, *data["hf"], "--spawn", 2, "--run-dir", run_dir))
+    assert f"resumed from {run_dir}/checkpoints/step_00000013.pt" in resumed.stderr
+    assert_bit_identical(run_dir, reference)
+    assert_same_final_figures(run_dir, reference)
+    same_data(run_dir, reference)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["source"]["kind"] == "hf (a Hugging Face dataset)"
+    assert plan["source"]["classes_from"] == "the label names of the train split, sorted"
 
 
 def test_tars_with_a_worker_killed_and_restarted_train_the_imagefolders_model(reference, data, tmp_path):

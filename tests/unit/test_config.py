@@ -110,6 +110,10 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (["--dataset", "imagefolder", "--path-column", "file"], "--path-column file"),
     (["--dataset", "shards", "--label-column", "y"], "--label-column y"),
     (["--dataset", "csv", "--label-key", "y"], "--label-key y"),
+    (["--dataset", "hf", "--path-column", "file"], "--path-column file"),
+    (["--dataset", "csv", "--image-column", "img"], "--image-column img"),
+    (["--dataset", "imagefolder", "--train-split", "train"], "--train-split train"),
+    (["--dataset", "shards", "--val-split", "test"], "--val-split test"),
     (["--model", "resnet18", "--width", "8"], "--width 8"),
     (["--momentum", "0.5"], "--momentum 0.5"),
     (["--no-nesterov"], "--no-nesterov"),
@@ -155,6 +159,8 @@ def _typed(text: str):
     ["--train-samples", "100", "--val-samples", "50"],
     ["--dataset", "csv", "--path-column", "file", "--label-column", "y"],
     ["--dataset", "shards", "--label-key", "y"],
+    ["--dataset", "hf", "--image-column", "img", "--label-column", "fine_label", "--train-split", "train",
+     "--val-split", "test"],
 ])
 def test_the_same_settings_where_they_act_are_accepted(argv):
     parse_config(argv)

@@ -1,7 +1,8 @@
 """Every source of the same images gives the same samples: an ImageFolder, label files (csv, tsv, jsonl), WebDataset
-tars written by webdataset's own ShardWriter and tars written by Python's tarfile, each in the ImageFolder's order
-(tests/sources.py), give the same (image, label) batches bit for bit (whatever the loader workers, the resume point
-or --decode), the same plan counts and classes, and the same packed shards."""
+tars written by webdataset's own ShardWriter, tars written by Python's tarfile, and Hugging Face datasets written by
+`datasets` itself (save_to_disk, and Parquet), each in the ImageFolder's order (tests/sources.py), give the same
+(image, label) batches bit for bit (whatever the loader workers, the resume point or --decode), the same plan counts
+and classes, and the same packed shards."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import tarfile
 import pytest
 import torch
 
-from tests.sources import draw_imagefolder, write_label_files, write_plain_tars, write_wds_shards
+from tests.sources import draw_imagefolder, write_hf_sources, write_label_files, write_plain_tars, write_wds_shards
 from train.config import parse_config
 from train.data import build_datasets, build_train_loader, build_val_loader
 from train.data.tarindex import load_split
@@ -19,7 +20,7 @@ from train.pack import main as pack_main
 from train.pack import pack
 from train.plan import dry_run
 
-SOURCES = ["imagefolder", "csv", "tsv", "jsonl", "webdataset", "tarfile"]
+SOURCES = ["imagefolder", "csv", "tsv", "jsonl", "webdataset", "tarfile", "hf-disk", "hf-parquet"]
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,7 @@ def sources(tmp_path_factory) -> dict:
     """Each source's flags (--dataset, --data-dir and its own), the same images in each."""
     root = tmp_path_factory.mktemp("sources")
     folder = draw_imagefolder(root / "folder")
+    disk, parquet = write_hf_sources(folder, root / "hf-disk", root / "hf-parquet")
     return {
         "imagefolder": ["--dataset", "imagefolder", "--data-dir", folder],
         "csv": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "csv")],
@@ -35,6 +37,8 @@ def sources(tmp_path_factory) -> dict:
         "webdataset": ["--dataset", "shards", "--data-dir", write_wds_shards(folder, root / "wds")],
         "tarfile": ["--dataset", "shards", "--data-dir", write_plain_tars(folder, root / "tarfile"),
                     "--label-key", "label"],
+        "hf-disk": ["--dataset", "hf", "--data-dir", disk],
+        "hf-parquet": ["--dataset", "hf", "--data-dir", parquet],
     }
 
 
@@ -72,7 +76,7 @@ def test_every_source_gives_the_imagefolders_samples_bit_for_bit(sources, refere
     assert_same(batches(config(sources[source], "gpu")), train)  # read by the workers, decoded by the trainer
 
 
-@pytest.mark.parametrize("source", ["csv", "webdataset"])
+@pytest.mark.parametrize("source", ["csv", "webdataset", "hf-parquet"])
 def test_loader_workers_and_a_resume_mid_epoch_change_nothing(sources, reference, source):
     train, _ = reference
     assert_same(batches(config(sources[source], "cpu", 2)), train)
@@ -94,6 +98,8 @@ def test_every_source_plans_the_same_counts_and_classes(sources):
         "jsonl": ("csv", "the label names of train.jsonl, sorted"),
         "webdataset": ("shards (WebDataset tars of another tool)", "classes.txt, in its order"),
         "tarfile": ("shards (WebDataset tars of another tool)", "classes.json, in its order"),
+        "hf-disk": ("hf (a Hugging Face dataset)", "the ClassLabel names of the column 'label', in their order"),
+        "hf-parquet": ("hf (a Hugging Face dataset)", "the label names of the train split, sorted"),
     }
     assert plans["csv"]["source"]["order"] == "the label file's rows, in its order"
     assert plans["webdataset"]["source"]["train"].startswith("5 tar(s) in ")  # 30 images, 7 a shard
@@ -122,8 +128,8 @@ def test_pack_makes_the_same_shards_from_every_source(sources, tmp_path):
         index = pack(flags[3], tmp_path / source, shard_bytes=20_000, workers=1 + workers % 2, **options)
         packed[source] = {split: (info["classes"], [(s["name"], s["sha256"]) for s in info["shards"]])
                           for split, info in index["splits"].items()}
-        assert index["source_kind"] == {"imagefolder": "imagefolder", "webdataset": "tars",
-                                        "tarfile": "tars"}.get(source, "csv")
+        assert index["source_kind"] == {"imagefolder": "imagefolder", "webdataset": "tars", "tarfile": "tars",
+                                        "hf-disk": "hf", "hf-parquet": "hf"}.get(source, "csv")
     for source in SOURCES:
         assert packed[source] == packed["imagefolder"], source
     assert len(packed["csv"]["train"][1]) > 1

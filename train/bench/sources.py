@@ -1,12 +1,14 @@
-"""The sources' rows: images/s on one core from a label file and from another tool's WebDataset tars against the
-same images as an ImageFolder, and the label-file check over a million generated rows against Python's csv.reader
-reading the same file."""
+"""The sources' rows: images/s on one core from a label file, from another tool's WebDataset tars and from a Hugging
+Face dataset (saved to disk; and as Parquet files, made Arrow files once) against the same images as an ImageFolder,
+and the label-file check over a million generated rows against Python's csv.reader reading the same file."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import random
+import shutil
 import tarfile
 import time
 from pathlib import Path
@@ -16,10 +18,13 @@ import torch
 from train.bench.arms import median, row
 from train.config import parse_config
 from train.data import SeededSample, build_datasets, check_labelfiles
+from train.data.hfdisk import arrow
 from train.data.scan import scan_split
 from train.data.tarindex import CACHE
 
 PER_TAR = 1000  # samples per tar, as img2dataset's default of 10,000 would leave too few tars here
+PER_BATCH = 1000  # rows per Arrow record batch, as save_to_disk writes them
+PER_GROUP = 100  # rows per Parquet row group: `datasets`' size for image datasets
 
 
 def write_sources(folder: Path, out: Path) -> tuple[Path, Path]:
@@ -48,6 +53,40 @@ def write_sources(folder: Path, out: Path) -> tuple[Path, Path]:
     return csvs, tars
 
 
+def write_hf(folder: Path, out: Path) -> tuple[Path, Path]:
+    """The ImageFolder as save_to_disk writes a DatasetDict (per split an Arrow stream of an Image column, the files'
+    bytes with their names, and a ClassLabel column, the features in the schema's "huggingface" metadata, state.json)
+    and as Parquet files as push_to_hub lays them out (data/train-00000-of-00001.parquet); made once."""
+    pa = arrow()
+    disk, parquet = out / "many-files-hf", out / "many-files-hf-parquet"
+    if (disk / "done").exists():
+        return disk, parquet
+    for root in (disk, parquet):
+        shutil.rmtree(root, ignore_errors=True)
+    for split, name in (("train", "train"), ("val", "validation")):
+        classes, samples = scan_split(folder / split)
+        features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
+        schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                            ("label", pa.int64())], metadata={"huggingface": json.dumps({"info": {"features":
+                                                                                                   features}})})
+        (disk / name).mkdir(parents=True)
+        (parquet / "data").mkdir(parents=True, exist_ok=True)
+        with pa.OSFile(str(disk / name / "data-00000-of-00001.arrow"), "wb") as sink, \
+                pa.ipc.new_stream(sink, schema) as arrows, \
+                pa.parquet.ParquetWriter(parquet / "data" / f"{name}-00000-of-00001.parquet", schema) as parquets:
+            for start in range(0, len(samples), PER_BATCH):
+                rows = samples[start:start + PER_BATCH]
+                table = pa.table({"image": [{"bytes": Path(p).read_bytes(), "path": Path(p).name} for p, _ in rows],
+                                  "label": [label for _, label in rows]}, schema=schema)
+                arrows.write_table(table)
+                parquets.write_table(table, row_group_size=PER_GROUP)
+        (disk / name / "state.json").write_text(json.dumps({"_data_files": [{"filename":
+                                                                             "data-00000-of-00001.arrow"}]}))
+    (disk / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    (disk / "done").touch()
+    return disk, parquet
+
+
 def images_per_s(dataset, count: int) -> float:
     """The first `count` training samples read, decoded and augmented here, each under its own seed, as a loader
     worker does them (one thread)."""
@@ -59,14 +98,16 @@ def images_per_s(dataset, count: int) -> float:
 
 
 def source_rows(out: Path, size: dict, rounds: int) -> list[dict]:
-    """Label file / ImageFolder and tars / ImageFolder, images/s on one core (CIFAR-sized PNGs, the packed-shards
-    row's folder); the label-file check's rows/s over 1,000,000 generated rows."""
+    """Label file / ImageFolder, tars / ImageFolder and a Hugging Face dataset / ImageFolder, images/s on one core
+    (CIFAR-sized PNGs, the packed-shards row's folder); the label-file check's rows/s over 1,000,000 generated rows."""
     folder = out / "many-files"  # made by shard_rows
     csvs, tars = write_sources(folder, out)
+    disk, parquet = write_hf(folder, out)
     common = ["--image-size", 32, "--num-workers", 0]
     arms = {"imagefolder": ["--dataset", "imagefolder", "--data-dir", folder], "csv": ["--dataset", "csv",
-            "--data-dir", csvs], "tars": ["--dataset", "shards", "--data-dir", tars]}
-    for path in (tars / CACHE).glob("*"):  # the index made anew: its time is this run's first start
+            "--data-dir", csvs], "tars": ["--dataset", "shards", "--data-dir", tars],
+            "hf": ["--dataset", "hf", "--data-dir", disk], "parquet": ["--dataset", "hf", "--data-dir", parquet]}
+    for path in [*(tars / CACHE).glob("*"), *(parquet / CACHE).glob("*")]:  # made anew: timed as a first start
         path.unlink()
     datasets, listed = {}, {}
     for name, flags in arms.items():
@@ -93,7 +134,12 @@ def source_rows(out: Path, size: dict, rounds: int) -> list[dict]:
                 f"{detail}, tars {seen['tars']:.0f}/s (read by offset); both splits ready in: ImageFolder "
                 f"{listed['imagefolder']:.1f} s (listed), csv {listed['csv']:.1f} s (checked), tars "
                 f"{listed['tars']:.1f} s (indexed: {len(datasets['tars']):,} samples, "
-                f"{len(list(tars.glob('train-*.tar')))} tars)")]
+                f"{len(list(tars.glob('train-*.tar')))} tars)"),
+            row("Hugging Face dataset: images/s on one core, hf / the same ImageFolder",
+                [h / f for h, f in zip(speeds["hf"], speeds["imagefolder"], strict=True)],
+                f"{detail}, hf {seen['hf']:.0f}/s (save_to_disk's Arrow files, memory-mapped), its Parquet files "
+                f"{seen['parquet']:.0f}/s (made Arrow files once); both splits ready in: hf {listed['hf']:.1f} s "
+                f"(labels checked), Parquet {listed['parquet']:.1f} s (labels checked, the image column converted)")]
     return rows + [label_check_row(out, 20_000 if size["quick"] else 1_000_000, rounds)]
 
 

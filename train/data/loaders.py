@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from train.config import Config
 from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, read_bytes
 from train.data.folders import ShardSplit, check_imagefolder, cifar_split, imagefolder_split, is_pack, path_of
+from train.data.hf import hf_splits
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.data.samplers import SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
@@ -49,7 +50,8 @@ def class_names(dataset) -> list[str]:
 def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None):
     """(train, val, num_classes). File datasets get their transforms; images stay uint8 (normalised on device).
     train=False: the validation set alone (train is None; an ImageFolder needs no train/ then). run_dir: where the
-    index of another tool's tars goes when their folder cannot be written (train/data/tars.py)."""
+    index of another tool's tars (train/data/tars.py), or the Arrow files made of a Hugging Face dataset's Parquet
+    files (train/data/hfcache.py), go when their folder cannot be written."""
     root = Path(cfg.data.data_dir)
     if not train:
         val = validation_set(cfg, root, run_dir)
@@ -59,7 +61,7 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
         train_set = kind(cfg.data.train_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 1)
     elif cfg.data.dataset == "cifar10":
         train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.data.download)
-    elif cfg.data.dataset in ("shards", "csv"):
+    elif cfg.data.dataset in ("shards", "csv", "hf"):
         splits = source_splits(cfg, root, ("train", "val"), run_dir)
         return *(wrapped(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
@@ -74,7 +76,12 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
 
 
 def source_splits(cfg: Config, root: Path, splits: tuple[str, ...], run_dir: Path | None = None) -> dict:
-    """The splits of a file source that gives (bytes, label): a pack's, another tool's tars, a label file's."""
+    """The splits of a file source that gives (bytes, label): a pack's, another tool's tars, a label file's, a
+    Hugging Face dataset's (a dry run reads its labels alone)."""
+    data = cfg.data
+    if data.dataset == "hf":
+        return hf_splits(root, data.image_column, data.label_column, data.train_split, data.val_split, splits, run_dir,
+                         images=not cfg.run.dry_run)
     if cfg.data.dataset == "csv":
         listings = read_labelfiles(root, cfg.data.path_column, cfg.data.label_column, splits)
         return {split: LabelFileSplit(listing) for split, listing in listings.items()}
@@ -95,7 +102,7 @@ def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
         return kind(cfg.data.val_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 2)
     if cfg.data.dataset == "cifar10":
         return cifar_split(root, False, image_transforms(cfg, False))
-    if cfg.data.dataset in ("shards", "csv"):
+    if cfg.data.dataset in ("shards", "csv", "hf"):
         return wrapped(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
     check_imagefolder(root, ("val",))
     if cfg.data.decode == "gpu":

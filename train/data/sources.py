@@ -1,14 +1,16 @@
 """Every file source as what make pack packs: per split, its classes and its samples as (reference, label) pairs in the
-source's fixed order, the order training reads it in. A reference is an image file's path (str), or a tar member
-(tar, offset, size, suffix) of another tool's WebDataset tars.
+source's fixed order, the order training reads it in. A reference is an image file's path (str), a tar member
+(tar, offset, size, suffix) of another tool's WebDataset tars, or a row of a Hugging Face dataset (HfRow).
 
   imagefolder   SRC/train/<class>/*, SRC/val/<class>/*      the classes sorted, each one's images in os.walk's order
   csv           SRC/train.csv, SRC/val.csv (.tsv, .jsonl)   the rows' order (train/data/labelfiles.py)
   tars          SRC/train-*.tar, ... or SRC/train/*.tar     the tars sorted by name, their samples in tar order
                                                             (train/data/tars.py)
+  hf            SRC/dataset_dict.json, SRC/train/*.arrow    the split's rows in the dataset's order
+                (save_to_disk), or Parquet files            (train/data/hf.py, hfdisk.py: the layouts)
 
-A folder with label files is read as one; else a folder with tars as tars; else as an ImageFolder. A trainbox pack is
-not a source (it is packed already).
+A folder with label files is read as one; else a Hugging Face dataset as one; else a folder with tars as tars; else as
+an ImageFolder. A trainbox pack is not a source (it is packed already).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 from pathlib import Path
 
 from train.data.folders import check_imagefolder, is_pack
+from train.data.hf import HfRow, hf_listing
+from train.data.hfdisk import is_hf
 from train.data.labelfiles import has_label_files, read_labelfiles
 from train.data.scan import scan_split
 from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
@@ -24,37 +28,47 @@ from train.data.tars import classes_of
 from train.errors import ConfigError, DataError
 
 SPLITS = ("train", "val")
-Reference = str | tuple  # a file's path, or (tar, offset, size, suffix)
+Reference = str | tuple  # a file's path, (tar, offset, size, suffix), or an HfRow
 
 
-def source_kind(src: Path) -> str:
+def source_kind(src: Path, train_split: str = "train") -> str:
     if is_pack(src):
         raise ConfigError(f"{src} is a trainbox pack already (index.json, or an unfinished pack's journal): train on "
                           f"it with --dataset shards --data-dir {src}")
     if has_label_files(src):
         return "csv"
+    if is_hf(src, train_split):
+        return "hf"
     return "tars" if has_split(src, "train") else "imagefolder"
 
 
-def check_knobs(kind: str, src: Path, path_column: str, label_column: str, label_key: str) -> None:
-    """The knobs of one kind of source, given for another: one line."""
-    if kind != "csv" and (path_column or label_column):
-        raise ConfigError(f"--path-column and --label-column name the columns of label files, and {src} has none "
-                          f"(train.csv, .tsv or .jsonl): drop them")
+def check_knobs(kind: str, src: Path, path_column: str, label_column: str, label_key: str, hf_knobs: bool) -> None:
+    """The knobs of one kind of source, given for another: one line. hf_knobs: a Hugging Face dataset's column or
+    split named."""
+    if kind != "csv" and path_column or kind not in ("csv", "hf") and label_column:
+        raise ConfigError(f"--path-column and --label-column name the columns of label files (--label-column also a "
+                          f"Hugging Face dataset's), and {src} has none (train.csv, .tsv or .jsonl): drop them")
+    if kind != "hf" and hf_knobs:
+        raise ConfigError(f"--image-column, --train-split and --val-split name the columns and splits of a Hugging "
+                          f"Face dataset, and {src} is none (no dataset_dict.json, saved Dataset or Parquet files): "
+                          f"drop them")
     if kind != "tars" and label_key != DEFAULT_LABEL_KEY:
         raise ConfigError(f"--label-key names the label of WebDataset tars, and {src} holds none: drop it")
 
 
 def list_source(src: Path, counted=None, path_column: str = "", label_column: str = "",
-                label_key: str = DEFAULT_LABEL_KEY, progress_to=None) -> tuple[str, dict]:
+                label_key: str = DEFAULT_LABEL_KEY, progress_to=None, image_column: str = "", train_split: str = "",
+                val_split: str = "") -> tuple[str, dict]:
     """(kind, {split: (classes, [(reference, label)])}) of src, in its order. counted: called with the entries of
     each folder an ImageFolder's listing reads (a progress line); progress_to: the stream of the tars' indexing
-    line (None: none)."""
+    line, or of a Parquet split's conversion (None: none)."""
     if not src.is_dir():
         raise ConfigError(f"SRC {src} is not a folder: give an ImageFolder, a folder of label files (train.csv, "
-                          f"val.csv) or of WebDataset tars")
-    kind = source_kind(src)
-    check_knobs(kind, src, path_column, label_column, label_key)
+                          f"val.csv), of WebDataset tars or a Hugging Face dataset saved to disk")
+    kind = source_kind(src, train_split or "train")
+    check_knobs(kind, src, path_column, label_column, label_key, bool(image_column or train_split or val_split))
+    if kind == "hf":
+        return kind, hf_listing(src, image_column, label_column, train_split or "train", val_split, progress_to)
     if kind == "csv":
         listings = read_labelfiles(src, path_column, label_column)
         return kind, {split: (listing.classes, [(listing.path(i), listing.labels[i]) for i in range(len(listing))])
@@ -77,16 +91,23 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
 
 
 def name_of(reference: Reference) -> str:
+    if isinstance(reference, HfRow):
+        return reference.name()
     return reference if isinstance(reference, str) else f"{reference[0]} (the member at byte {reference[1]})"
 
 
-def suffix_of(reference: Reference) -> str:
-    """The member suffix the image keeps in a pack: its file's (lowercase), or its tar member's."""
+def suffix_of(reference: Reference, data: bytes) -> str:
+    """The member suffix the image (data) keeps in a pack: its file's (lowercase), its tar member's, or a row's (its
+    path's, else by its first bytes)."""
+    if isinstance(reference, HfRow):
+        return reference.suffix(data)
     return Path(reference).suffix.lower() if isinstance(reference, str) else reference[3]
 
 
 def read_reference(reference: Reference, then: str) -> bytes:
     """The image's bytes; a file or member that cannot be read is one line naming it (then: what to do after)."""
+    if isinstance(reference, HfRow):
+        return reference.image(then)
     try:
         if isinstance(reference, str):
             return Path(reference).read_bytes()
@@ -106,4 +127,6 @@ def listed_as(src: Path, reference: Reference) -> str:
     """A reference as the listing digest records it: relative to SRC where it is inside it."""
     if isinstance(reference, str):
         return reference.removeprefix(os.path.join(str(src), ""))
+    if isinstance(reference, HfRow):
+        return f"{reference.split} row {reference.index} ({Path(reference.file).name} row {reference.row})"
     return f"{Path(reference[0]).relative_to(src)}:{reference[1]}:{reference[2]}"

@@ -158,7 +158,7 @@ def _stats(root: Path, tars: list[Path]) -> list[dict]:
     return out
 
 
-def _cache_dirs(root: Path, run_dir: Path | None) -> list[Path]:
+def cache_dirs(root: Path, run_dir: Path | None) -> list[Path]:
     beside = [root / CACHE]
     if run_dir is None:
         return beside
@@ -225,7 +225,7 @@ def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = No
     run folder, else kept in memory)."""
     tars = find_tars(root, (split,))[split]
     stats = _stats(root, tars)
-    folders = _cache_dirs(root, run_dir)
+    folders = cache_dirs(root, run_dir)
     for folder in folders:
         cached = _read_cache(folder, root, split, tars, stats, label_key)
         if cached is not None:
