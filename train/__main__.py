@@ -18,7 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from train.config import launch_run_dir, parse_config
+from train.cli import parse_config
+from train.runfiles import launch_run_dir
 from train.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
 from train.forkserver import start_fork_server
 from train.runfiles import failed_in_this_launch

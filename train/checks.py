@@ -15,7 +15,8 @@ import pynvml
 import torch
 
 from train import checkpoint
-from train.config import Config, launch_run_dir
+from train.config import Config
+from train.runfiles import launch_run_dir
 from train.data import check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
 from train.identity import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError

@@ -1,32 +1,19 @@
-"""The one config object, its presets, and the command line derived from it.
+"""The one config object: its sections (each setting with its default, its help line and its checks), the
+presets, and what a config means where it is read (the recipe, the steps of a run given in epochs).
 
-Precedence, lowest first: field defaults < --preset < --config FILE < command-line flags.
-Every mistake (unknown key, wrong type, bad value) raises ConfigError with one line that
+The command line and config files are read into it by train/cli.py (parse_config); a run folder's config.json
+by Config.from_dict. Every mistake (unknown key, wrong type, bad value) raises ConfigError with one line that
 names the cause and the fix; __main__ prints it and exits 2 before any process starts.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
-import json
-import os
-import time
 import typing
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from train.errors import ConfigError
-from train.vision import evaluation_transforms
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: tomli where installed
-    try:
-        import tomli as tomllib
-    except ModuleNotFoundError:
-        tomllib = None
 
 
 def _field(default, help: str, choices: tuple | None = None):
@@ -264,7 +251,7 @@ class Config:
         parts: dict[str, dict] = {name: {} for name in SECTIONS}
         for name, value in values.items():
             if name not in SECTION_OF:
-                raise _unknown_key(name, "config")
+                raise unknown_key(name, "config")
             parts[SECTION_OF[name]][name] = value
         return cls(**{name: kind(**parts[name]) for name, kind in SECTIONS.items()})
 
@@ -286,12 +273,12 @@ class Config:
                     "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
         for name in positive:
             if self.setting(name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
+                raise ConfigError(f"--{flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
         non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
                         "momentum", "epochs", "warmup_epochs")
         for name in non_negative:
             if self.setting(name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
+                raise ConfigError(f"--{flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
         if self.data.num_workers < -1:
             raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {self.data.num_workers}: pass -1, 0 (load "
                               f"in the training process) or a worker count")
@@ -311,21 +298,21 @@ class Config:
         for f in settings():
             choices = f.metadata.get("choices")
             if choices and self.setting(f.name) not in choices:
-                raise ConfigError(f"--{_flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
+                raise ConfigError(f"--{flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
                                   f"got {self.setting(f.name)!r}: pass one of those")
 
     def validate_recipe(self) -> None:
         """The recipe knobs: ranges, and the knobs a setting needs."""
         for name in ("label_smoothing", "random_erase", "warmup_decay"):
             if not 0 <= self.setting(name) <= 1:
-                raise ConfigError(f"--{_flag(name)} must be within [0, 1], got {self.setting(name)}: pass a fraction")
+                raise ConfigError(f"--{flag(name)} must be within [0, 1], got {self.setting(name)}: pass a fraction")
         for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
                      "transformer_embedding_decay", "train_crop_size", "val_resize_size", "val_crop_size"):
             if self.setting(name) is not None and self.setting(name) < 0:
-                raise ConfigError(f"--{_flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
+                raise ConfigError(f"--{flag(name)} must be >= 0, got {self.setting(name)}: pass 0 or more")
         for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
             if self.setting(name) <= 0:
-                raise ConfigError(f"--{_flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
+                raise ConfigError(f"--{flag(name)} must be > 0, got {self.setting(name)}: pass a positive value")
         schedule, ema_decay = self.schedule, self.regularisation.model_ema_decay
         if not 0 < schedule.lr_gamma <= 1 or not 0 < ema_decay < 1:
             raise ConfigError(f"--lr-gamma must be within (0, 1] and --model-ema-decay within (0, 1), got "
@@ -367,69 +354,6 @@ def recipe(cfg: Config) -> str:
     return "imagenet" if cfg.data.image_size >= IMAGENET_FROM else "cifar"
 
 
-def inert(cfg: Config) -> dict[str, str]:
-    """The settings this config never reads, each with why and the fix: given by a user, they are refused
-    (parse_config), never ignored."""
-    small = ("--augment cifar" if cfg.augmentation.augment == "cifar"
-             else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
-    rules: list[tuple[tuple[str, ...], bool, str]] = [
-        (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
-          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
-         f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
-         f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
-        (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
-         f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
-        (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
-         cfg.data.dataset not in BUILT_IN and recipe(cfg) == "cifar",
-         f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
-         f"--augment imagenet"),
-        (("ra_magnitude",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "ra",
-         f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment ra"),
-        (("augmix_severity",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "augmix",
-         f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
-        (("download",), cfg.data.dataset != "cifar10",
-         f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
-        (("path_column",), cfg.data.dataset != "csv",
-         f"with --dataset {cfg.data.dataset} (it names the columns of label files): drop it, or pass --dataset csv"),
-        (("label_column",), cfg.data.dataset not in ("csv", "hf"),
-         f"with --dataset {cfg.data.dataset} (it names the label column of label files or of a Hugging Face dataset): "
-         f"drop it, or pass --dataset csv or hf"),
-        (("image_column", "train_split", "val_split"), cfg.data.dataset != "hf",
-         f"with --dataset {cfg.data.dataset} (it names a column or a split of a Hugging Face dataset): drop it, or "
-         f"pass --dataset hf"),
-        (("label_key",), cfg.data.dataset != "shards",
-         f"with --dataset {cfg.data.dataset} (it names the label of WebDataset tars): drop it, or pass --dataset "
-         f"shards"),
-        (("width",), cfg.model.model != "cnn", f"with --model {cfg.model.model} (it sizes the built-in cnn): drop it"),
-        (("momentum", "nesterov"), cfg.optimisation.optimizer != "sgd",
-         f"with --optimizer {cfg.optimisation.optimizer}: drop it, or pass --optimizer sgd"),
-        (("lr_step_size",), cfg.schedule.lr_scheduler != "step",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step"),
-        (("lr_gamma",), cfg.schedule.lr_scheduler not in ("step", "multistep"),
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step or multistep"),
-        (("lr_milestones",), cfg.schedule.lr_scheduler != "multistep",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler multistep"),
-        (("min_lr_ratio",), cfg.schedule.lr_scheduler != "cosine",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler cosine"),
-        (("warmup_method", "warmup_decay"), not (cfg.schedule.warmup_epochs or cfg.schedule.warmup_steps),
-         "without a warm-up (--warmup-steps 0): drop it, or give the warm-up a length"),
-        (("model_ema_steps", "model_ema_decay"), not cfg.regularisation.model_ema,
-         "without --model-ema: drop it, or pass --model-ema"),
-    ]
-    found: dict[str, str] = {}
-    for names, applies, why in rules:
-        for name in names if applies else ():
-            found.setdefault(name, why)
-    return found
-
-
-def check_no_effect(cfg: Config, given: dict[str, str]) -> None:
-    """A setting the user gave (given: name -> where) that this config never reads is one line, not ignored."""
-    for name, why in inert(cfg).items():
-        if name in given:
-            raise ConfigError(f"{given[name]} has no effect {why}")
-
-
 def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
     """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
     if not cfg.run.epochs:
@@ -439,159 +363,11 @@ def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
     return cfg.run.epochs * steps_per_epoch, warmup
 
 
-def default_run_dir(started: float | None = None) -> str:
-    """runs/<start time>, the run directory when --run-dir is not given."""
-    return time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
-
-
-def launch_run_dir(cfg: Config) -> str:
-    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
-    parent), so the attempts it restarts after a failure resume the same run instead of starting new ones."""
-    if cfg.run.run_dir:
-        return cfg.run.run_dir
-    return default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
-
-
-def process_start_time(pid: int | str = "self") -> float:
-    """When this process (or pid) started (Unix time), from /proc; the import of this module elsewhere."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
-
-
-
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _field_type(name: str) -> type:
-    """The field's type; for an optional field (float | None: unset means something of its own), its type when set."""
-    kind = typing.get_type_hints(SECTIONS[SECTION_OF[name]])[name]
-    return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
-
-
-def _coerce(name: str, value, source: str):
-    """Check a value from a config file against the field's type (ints are accepted for floats)."""
-    kind = _field_type(name)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: {name} must be true or false, got {value!r}")
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{source}: {name} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _unknown_key(key: str, source: str) -> ConfigError:
+def unknown_key(key: str, source: str) -> ConfigError:
     close = difflib.get_close_matches(key, list(SECTION_OF), n=1)
     hint = f": did you mean {close[0]}?" if close else ": see python -m train --help"
     return ConfigError(f"{source}: unknown key {key!r}{hint}")
-
-
-def load_config_file(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {path} not found: pass an existing .json or .toml file to --config")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read config file {path} ({why}): pass a readable UTF-8 .json or .toml "
-                          f"file") from None
-    try:
-        if p.suffix == ".toml":
-            if tomllib is None:
-                raise ConfigError(f"config file {path}: TOML needs Python >= 3.11 (or tomli): use a .json file")
-            data = tomllib.loads(text)
-        elif p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ConfigError(f"config file {path}: use a .json or .toml file")
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"config file {path} is malformed ({str(e).splitlines()[0]}): fix the syntax") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a table of keys, not {type(data).__name__}")
-    out = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        if name not in SECTION_OF:
-            raise _unknown_key(key, f"config file {path}")
-        out[name] = _coerce(name, value, f"config file {path}")
-    return out
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a user's mistake is one line and a ConfigError instead of usage + exit."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see python -m train --help)")
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    """The command line, derived from Config: one flag per field, grouped in --help by the field's section."""
-    parser = _OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
-                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    groups = {name: parser.add_argument_group(name, kind.__doc__) for name, kind in SECTIONS.items()}
-    groups["run"].add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
-    for f in settings():
-        group, kind = groups[SECTION_OF[f.name]], _field_type(f.name)
-        help_text = f.metadata['help'] + ("" if f.default is None else f" (default: {f.default!r})")
-        flag = f"--{_flag(f.name)}"
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            choices = f.metadata.get("choices")
-            group.add_argument(flag, type=kind, help=help_text, metavar=None if choices else f.name.upper(),
-                               choices=[c for c in choices if c] if choices else None)
-    return parser
-
-
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Build the resolved Config from defaults, preset, config file and flags; raise ConfigError."""
-    args = vars(get_args_parser().parse_args(argv))
-    config_path = args.pop("config", None)
-    file_values = load_config_file(config_path) if config_path else {}
-    preset = args.get("preset", file_values.get("preset", ""))
-    if preset not in PRESETS and preset != "":
-        raise ConfigError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
-    given = {**file_values, **args}  # what the user set (a preset's values are defaults, not choices)
-    for length, steps in (("epochs", "max_steps"), ("warmup_epochs", "warmup_steps")):
-        if given.get(length) and steps in given:
-            raise ConfigError(f"--{_flag(length)} and --{_flag(steps)} both set the same length: give one of them")
-    values = {**PRESETS.get(preset, {}), **file_values, **args}
-    cfg = Config.from_dict(values)
-    cfg.validate()
-    cfg = _weights_sizes(cfg, given)
-    where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
-             **{k: f"--{'no-' if v is False else ''}{_flag(k)}{'' if isinstance(v, bool) else f' {v}'}"
-                for k, v in args.items()}}
-    check_no_effect(cfg, where)
-    return cfg
-
-
-def _weights_sizes(cfg: Config, given: dict) -> Config:
-    """Named --weights bring their own evaluation transforms (resize R, crop C, interpolation): on image files they
-    are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
-    (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win."""
-    if not cfg.model.weights or cfg.data.dataset in BUILT_IN:
-        return cfg
-    own = evaluation_transforms(cfg.model.model, cfg.model.weights)  # torchvision is imported for named weights only
-    if own is None:  # a file
-        return cfg
-    resize, crop, interpolation = own
-    image_size = cfg.data.image_size if "image_size" in given else crop
-    sizes = {"image_size": image_size}
-    if "val_resize_size" not in given:
-        sizes["val_resize_size"] = (cfg.augmentation.val_crop_size or image_size) * resize // crop
-    if "interpolation" not in given and interpolation in ("bilinear", "bicubic"):
-        sizes["interpolation"] = interpolation
-    return cfg.replace(**sizes)

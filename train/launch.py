@@ -23,7 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.runfiles import read_status, to_json
 from train.checks import preflight
-from train.config import Config, default_run_dir, parse_config
+from train.config import Config
+from train.cli import parse_config
+from train.runfiles import default_run_dir
 from train.identity import identity, is_main
 from train.forkserver import stop_fork_server
 from train.plan import dry_run

@@ -39,46 +39,25 @@ the loose files.
 from __future__ import annotations
 
 import argparse
-import array
-import hashlib
-import io
-import json
-import multiprocessing
 import os
-import re
-import signal
 import sys
-import tarfile
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TextIO
 
-import torch
-from PIL import Image
 
-from train import vision
 from train.data import read_idx, read_index
-from train.data.decode import as_tensor, decode
-from train.data.folders import PACK_JOURNAL
 from train.data.scan import within
-from train.data.sources import list_source, listed_as, name_of, read_reference, suffix_of
+from train.data.sources import list_source
 from train.data.tarindex import DEFAULT_LABEL_KEY
 from train.identity import usable_cores
-from train.errors import EXIT_FAILED, ConfigError, DataError, fail
+from train.errors import EXIT_FAILED, ConfigError, fail
+from train.packimages import QUALITY, Workers
+from train.packshards import OURS, TEMPORARY, Journal, continued, listing_digest, pack_split, remove_temporary
 from train.progress import Progress
-from train.runfiles import atomic_write, file_digest, fsync_dir, move_into_place, to_json
+from train.runfiles import atomic_write, file_digest, fsync_dir, to_json
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
-SPLITS = ("train", "val")
-QUALITY = 90  # the JPEG quality of a resized image unless --quality says otherwise
-CHUNK = 8  # images per task handed to a worker: few round trips for small files, little memory for big ones
-JOURNAL = PACK_JOURNAL
-# What a pack writes in DST (and, with a leading dot and a .tmp ending, its temporary files)
-OURS = re.compile(rf"({'|'.join(SPLITS)})(-\d{{6}}\.tar(\.idx)?|\.json)|index\.json|{re.escape(JOURNAL)}")
-TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp(\.\d+)?")
 FILESYSTEMS_OWN = {"lost+found"}  # in a fresh filesystem's top folder: a DST may be one
 
 
@@ -109,239 +88,6 @@ def check_destination(src: Path, dst: Path) -> None:
                           f"{', ...' if len(foreign) > 3 else ''}): pick a new or empty DST, or move them out")
 
 
-def _member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
-    """Add one member; return the offset of its data in the tar file."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    tar.addfile(info, io.BytesIO(data))
-    return tar.offset - tarfile.BLOCKSIZE * ((len(data) + tarfile.BLOCKSIZE - 1) // tarfile.BLOCKSIZE)
-
-
-# ---------------------------------------------------------------- one image, in a worker
-
-def shrink(image: torch.Tensor, max_side: int) -> torch.Tensor:
-    """A uint8 image (C x H x W) with its longer side brought down to max_side: torchvision's
-    Resize(size=None, max_size=max_side), bilinear and antialiased."""
-    return vision.v2.functional.resize(image, size=None, max_size=max_side, antialias=True)
-
-
-def _longer_side(data: bytes, path: str) -> int:
-    """From the image's header (PIL reads no pixels for it); decoded where PIL cannot read the header."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return max(image.size)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return max(decode(as_tensor(data), path).shape[1:])
-
-
-def prepared(reference, max_side: int | None, quality: int | None) -> tuple[bytes, str, bool]:
-    """The image as its shard holds it: (bytes, member suffix, whether it was resized). Without max_side, or
-    with its longer side at most max_side, the file's (or tar member's) own bytes; else decoded as training decodes
-    it, shrunk and encoded as a JPEG. reference: a file's path, or a tar member (train/data/sources.py)."""
-    reference = str(reference) if isinstance(reference, Path) else reference
-    data, name = read_reference(reference, "run the same command to continue the pack"), name_of(reference)
-    if not data:  # a shard would hold an empty sample, which no decoder reads
-        raise DataError(f"cannot read image {name} (an empty file, 0 bytes): replace the file, then run the same "
-                        f"command to continue the pack")
-    if max_side is None or _longer_side(data, name) <= max_side:
-        return data, suffix_of(reference, data), False
-    image = shrink(decode(as_tensor(data), name), max_side)
-    return bytes(vision.io.encode_jpeg(image, quality=quality).numpy()), ".jpg", True
-
-
-def prepare_chunk(references: list, max_side: int | None, quality: int | None) -> list[tuple[bytes, str, bool]]:
-    return [prepared(reference, max_side, quality) for reference in references]
-
-
-def _worker_start() -> None:
-    torch.set_num_threads(1)  # one core per worker: WORKERS=N uses N cores
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the pack in its main process alone
-
-
-class Workers:
-    """`count` processes that prepare the images (read, and resize with max_side), handed back in order;
-    with count 1, this process at one thread. A few chunks per worker are in flight, not the whole split."""
-
-    def __init__(self, count: int, max_side: int | None, quality: int | None):
-        self.count, self.max_side, self.quality = count, max_side, quality
-        self.pool: ProcessPoolExecutor | None = None
-        self.threads = torch.get_num_threads()
-
-    def __enter__(self) -> Workers:
-        if self.count > 1:
-            if self.max_side:
-                vision.preload("io", "v2")
-            # Forked (a fast start): every worker is started by the first submit, before any thread runs here.
-            self.pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("fork"),
-                                            initializer=_worker_start)
-            self.pool.submit(int).result()
-        else:
-            torch.set_num_threads(1)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-        torch.set_num_threads(self.threads)
-
-    def prepared(self, references: list) -> Iterator[tuple[bytes, str, bool]]:
-        step = max(1, min(CHUNK, len(references) // (4 * self.count)))  # a few chunks per worker, even for a few
-        chunks = (references[i:i + step] for i in range(0, len(references), step))
-        if self.pool is None:
-            for chunk in chunks:
-                yield from prepare_chunk(chunk, self.max_side, self.quality)
-            return
-        pending: deque = deque()
-        try:
-            for chunk in chunks:
-                pending.append(self.pool.submit(prepare_chunk, chunk, self.max_side, self.quality))
-                if len(pending) >= 2 * self.count:
-                    yield from pending.popleft().result()
-            while pending:
-                yield from pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
-
-
-# ---------------------------------------------------------------- the journal: continuing a stopped pack
-
-def _settings_differ(was: dict, now: dict) -> list[str]:
-    """What differs between a stopped pack's settings and this command's, as the knobs name it."""
-    differ = []
-    for key, knob in (("max_side", "MAX_SIDE"), ("quality", "QUALITY")):
-        if was.get(key) != now[key]:
-            before = f"{knob}={was[key]}" if was.get(key) is not None else f"no {knob}"
-            differ.append(f"{before} (now {now[key] if now[key] is not None else 'none'})")
-    if was.get("shard_bytes") != now["shard_bytes"]:
-        differ.append(f"--shard-mb {was.get('shard_bytes', 0) / 2**20:g} (now {now['shard_bytes'] / 2**20:g})")
-    if was.get("listing") != now["listing"]:
-        differ.append("another listing of SRC (images added, removed or renamed since)")
-    return differ
-
-
-def read_journal(dst: Path) -> tuple[dict, list[dict]]:
-    """(settings, finished shards in order) from DST's journal; a line cut short by a kill is not a shard."""
-    settings, *lines = (dst / JOURNAL).read_text().split("\n")
-    shards = []
-    for line in lines:
-        try:
-            shards.append(json.loads(line))
-        except ValueError:
-            break
-    return json.loads(settings), shards
-
-
-def _intact(dst: Path, shard: dict) -> bool:
-    """A finished shard still as the journal recorded it (by size: the SHA-256 is for --verify)."""
-    tar, idx = dst / shard["name"], dst / f"{shard['name']}.idx"
-    return tar.is_file() and tar.stat().st_size == shard["bytes"] and idx.is_file() and \
-        idx.stat().st_size == 24 * shard["samples"]
-
-
-def continued(dst: Path, settings: dict) -> list[dict]:
-    """The shards a stopped pack in DST finished, to keep; nothing for a new DST. A stopped pack of other
-    settings, or shards that no journal explains, stop the pack with one line before anything is written."""
-    if not (dst / JOURNAL).is_file():
-        if dst.is_dir() and any(OURS.fullmatch(p.name) for p in dst.iterdir()):
-            raise ConfigError(f"{dst} holds shards but no record of the pack that wrote them (.pack-journal.jsonl): "
-                              f"pick a new DST, or delete the shards first")
-        return []
-    try:
-        was, shards = read_journal(dst)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{dst / JOURNAL} cannot be read ({e}): pick a new DST, or delete DST's shards and "
-                          f"the journal first") from None
-    if differ := _settings_differ(was, settings):
-        raise ConfigError(f"{dst} holds an unfinished pack made with {'; '.join(differ)}: run the command that "
-                          f"started it to finish it, or pick a new DST")
-    kept = []
-    for shard in shards:  # up to the first that is gone or cut short: the pack redoes it and what follows
-        if not _intact(dst, shard):
-            break
-        kept.append(shard)
-    return kept
-
-
-class Journal:
-    """DST/.pack-journal.jsonl: the settings on its first line, then one line per finished shard, appended
-    and fsynced once the shard and its .idx are in place. Removed after index.json is written."""
-
-    def __init__(self, dst: Path, settings: dict, kept: list[dict]):
-        self.path = dst / JOURNAL
-        atomic_write(self.path, "".join(to_json(r) + "\n" for r in [settings, *kept]).encode())
-
-    def add(self, shard: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(to_json(shard) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------- the pack
-
-def write_shard(dst: Path, name: str, items: Iterator[tuple[bytes, str, bool, int, int]]) -> dict:
-    """One shard from items (bytes, suffix, resized, sample index, label): under a temporary name, fsynced,
-    renamed; then its .idx. Returns its record."""
-    tmp = dst / f".{name}.tmp"
-    rows, resized = [], 0
-    with open(tmp, "wb") as f:
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for data, suffix, was_resized, index, label in items:
-                key = f"{index:09d}"
-                offset = _member(tar, f"{key}{suffix}", data)
-                _member(tar, f"{key}.cls", str(label).encode())
-                rows.append((offset, len(data), label))
-                resized += was_resized
-        f.flush()
-        os.fsync(f.fileno())
-    move_into_place(tmp, dst / name)
-    atomic_write(dst / f"{name}.idx", array.array("q", [v for r in rows for v in r]).tobytes())
-    return {"name": name, "samples": len(rows), "bytes": (dst / name).stat().st_size,
-            "sha256": file_digest(dst / name), "resized": resized}
-
-
-def pack_split(dst: Path, split: str, samples: list[tuple[object, int]], kept: list[dict], shard_bytes: int,
-               workers: Workers, journal: Journal, progress: Progress) -> list[dict]:
-    """The split's shards after those kept from a stopped pack, cut at about shard_bytes each."""
-    shards = [s for s in kept if s["name"].startswith(f"{split}-")]
-    start = sum(s["samples"] for s in shards)
-    images = workers.prepared([path for path, _ in samples[start:]])
-
-    def items():  # one shard's: at least one image, then until shard_bytes
-        nonlocal start
-        count = size = 0
-        while start < len(samples) and (count == 0 or size < shard_bytes):
-            data, suffix, resized = next(images)
-            yield data, suffix, resized, start, samples[start][1]
-            count, size, start = count + 1, size + len(data), start + 1
-            progress.advance()
-
-    while start < len(samples):
-        shard = write_shard(dst, f"{split}-{len(shards):06d}.tar", items())
-        journal.add(shard)
-        shards.append(shard)
-    wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split,
-            "shardlist": [{"url": s["name"], "nsamples": s["samples"]} for s in shards]}
-    atomic_write(dst / f"{split}.json", to_json(wids, indent=1).encode())
-    return shards
-
-
-def _listing_digest(src: Path, splits: dict) -> str:
-    digest = hashlib.sha256()
-    for split, (_, samples) in splits.items():
-        for reference, label in samples:
-            digest.update(f"{split}\t{label}\t{listed_as(src, reference)}\n".encode())
-    return digest.hexdigest()
-
-
-def _remove_temporary(dst: Path) -> None:
-    """What a stopped pack was writing when it stopped: never a finished file."""
-    for path in dst.iterdir():
-        if (match := TEMPORARY.fullmatch(path.name)) and OURS.fullmatch(match["name"]):
-            path.unlink()
-
-
 def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1, max_side: int | None = None,
          quality: int | None = None, progress_to: TextIO | None = None, progress_every: float | None = None,
          path_column: str = "", label_column: str = "", label_key: str = DEFAULT_LABEL_KEY, image_column: str = "",
@@ -360,11 +106,11 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1,
         if not samples:
             raise ConfigError(f"{src / split} has no images: put images in {src / split}/<class>/")
     quality = (quality or QUALITY) if max_side else None
-    settings = {"listing": _listing_digest(src, splits), "shard_bytes": shard_bytes, "max_side": max_side,
+    settings = {"listing": listing_digest(src, splits), "shard_bytes": shard_bytes, "max_side": max_side,
                 "quality": quality}
     kept = continued(dst, settings)
     dst.mkdir(parents=True, exist_ok=True)
-    _remove_temporary(dst)
+    remove_temporary(dst)
     journal = Journal(dst, settings, kept)
     total, done = sum(len(s) for _, s in splits.values()), sum(s["samples"] for s in kept)
     if kept and progress_to:

@@ -20,7 +20,8 @@ import torch
 
 from train.augment import BatchAugment
 from train.checks import check_steps
-from train.config import Config, launch_run_dir, steps_for_epochs
+from train.config import Config, steps_for_epochs
+from train.runfiles import launch_run_dir
 from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of
 from train.ema import adjusted_decay
 from train.errors import ConfigError

@@ -1,5 +1,6 @@
-"""The run directory's small files, each written and read here alone (standard library only: the cluster plan
-and the host tools read them with the host's python3 too).
+"""The run directory: its name (launch_run_dir: --run-dir, else runs/<start time>, a torchrun launch's own start) and
+its small files, each written and read here alone (standard library only: the cluster plan and the host tools read
+them with the host's python3 too).
 
   status.json      the run's state for scripts that decide whether to resume (write_status, read_status)
   manifest.json    what the latest start ran on, earlier starts under "previous" (write_manifest, read_json)
@@ -336,3 +337,30 @@ def _immutable(folder: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def default_run_dir(started: float | None = None) -> str:
+    """runs/<start time>, the run directory when --run-dir is not given."""
+    return time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
+
+
+def launch_run_dir(cfg) -> str:
+    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
+    parent), so the attempts it restarts after a failure resume the same run instead of starting new ones."""
+    if cfg.run.run_dir:
+        return cfg.run.run_dir
+    return default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
+
+
+def process_start_time(pid: int | str = "self") -> float:
+    """When this process (or pid) started (Unix time), from /proc; the import of this module elsewhere."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
 from train.checkpointer import capture_rng, restore_rng
-from train.config import process_start_time
+from train.runfiles import process_start_time
 from train.data import origin, prepare_inputs
 from train.distributed import StopSignal, broadcast_from_main, gather
 from train.identity import identity, is_main

@@ -23,7 +23,8 @@ import torch
 from train import checkpoint as ckpt
 from train import runfiles
 from train.build import build
-from train.config import Config, launch_run_dir, process_start_time
+from train.config import Config
+from train.runfiles import launch_run_dir, process_start_time
 from train.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, init, lost_peer,
                                peer_unrecoverable, teardown)
 from train.identity import PeersNeverCame, first_line, identity, is_main

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from tests.helpers import DEBUG, PEAKED, PY, REPO, make, python_cmd, run, snapshot
-from train.config import Config, parse_config
+from train.config import Config
+from train.cli import parse_config
 from train.data import build_datasets, prepare_inputs
 from train.models import build_model
 

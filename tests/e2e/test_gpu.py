@@ -103,7 +103,7 @@ def test_a_recipe_with_gpu_decode_augments_as_the_cpu_path_and_resumes_exactly(t
 def first_batches(common: list[str]) -> tuple[dict, object, object]:
     """The first training batch of epoch 0 on the CPU path and on --decode gpu, on the GPU; and the GPU
     path's loader and sampler, for a control draw."""
-    from train.config import parse_config
+    from train.cli import parse_config
     from train.data import build_datasets, build_train_loader
 
     loaded = {}

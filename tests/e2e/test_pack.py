@@ -12,7 +12,9 @@ from tests.processes import alive, in_session
 from train import vision
 from train.bench.photos import make_photos
 from train.data import ShardSplit, load_image
-from train.pack import JOURNAL, pack, shrink, verify
+from train.pack import pack, verify
+from train.packimages import shrink
+from train.packshards import JOURNAL
 
 
 def photos(root, train: int, val: int):

@@ -149,7 +149,7 @@ def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(sc
     weights after each step are read from a checkpoint per step."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from train.config import parse_config
+    from train.cli import parse_config
     from train.models import build_model
 
     run_dir = tmp_path / "run"

@@ -11,7 +11,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import DEBUG, PEAKED, REPO, metrics, python_cmd, run, status, torchrun_cmd
-from train.config import parse_config
+from train.cli import parse_config
 from train.models import build_model
 
 

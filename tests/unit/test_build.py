@@ -8,7 +8,7 @@ import torch
 from train import runfiles
 from train.augment import BatchAugment
 from train.build import build
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets
 from train.models import build_model
 

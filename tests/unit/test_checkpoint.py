@@ -117,7 +117,7 @@ def test_every_load_in_the_trainer_is_weights_only():
 def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
-    from train.config import parse_config
+    from train.cli import parse_config
     from train.models import SmallCNN
     from train.optim import build_optimizer, decay_groups
 
@@ -147,7 +147,7 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
 
 def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
     """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
-    from train.config import parse_config
+    from train.cli import parse_config
     from train.optim import build_optimizer, decay_groups
 
     model = torch.nn.Module()

@@ -8,7 +8,7 @@ import torch
 from train import checkpoint as ckpt
 from train import runfiles
 from train.checkpointer import Checkpointer, capture_rng, newest_checkpoint, restore_rng
-from train.config import parse_config
+from train.cli import parse_config
 from train.ema import ModelEma
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler, schedule_lengths

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from train.config import PRESETS, SECTION_OF, Config, ConfigError, get_args_parser, parse_config, settings
+from train.config import PRESETS, SECTION_OF, Config, ConfigError, settings
+from train.cli import get_args_parser, parse_config
 
 
 def test_every_field_has_a_default_and_help():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import SeededSample, ShardSampler, build_val_loader, make_shapes
 
 

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from train.bench.photos import make_photos
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import DeviceDecoder, build_datasets, build_train_loader, build_val_loader
 from train.errors import DataError
 

@@ -3,7 +3,8 @@
 import pytest
 
 from train.checks import check_steps
-from train.config import parse_config, steps_for_epochs
+from train.config import steps_for_epochs
+from train.cli import parse_config
 from train.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.sources import draw_imagefolder, hf_disk_plan, hf_parquet_plan, listing, write_hf
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets, check_hf
 from train.data.hf import hf_splits
 from train.data.tarindex import CACHE, FALLBACK

@@ -70,7 +70,7 @@ def test_a_rank_from_the_environment_without_a_rendezvous_address_is_refused_in_
 
 def test_spawn_with_rank_variables_in_the_environment_is_refused_naming_them(monkeypatch):
     from train.checks import preflight
-    from train.config import parse_config
+    from train.cli import parse_config
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from train import vision
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets, image_transforms
 from train.data.decode import as_tensor, decode, decode_batch, device_jpegs, load_image, plain_kind, read_bytes
 from train.errors import DataError

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from train.checks import preflight
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.errors import ConfigError, DataError

@@ -21,13 +21,15 @@ from PIL import Image
 
 from train import vision
 from train.bench.photos import make_photos
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import ShardSplit, build_datasets, build_train_loader, build_val_loader
 from train.data.decode import load_image
 from train.identity import usable_cores
 from train.errors import ConfigError, DataError
 from train.data.folders import imagefolder_split
-from train.pack import JOURNAL, pack, shrink, verify, write_shard
+from train.pack import pack, verify
+from train.packimages import shrink
+from train.packshards import JOURNAL, write_shard
 from train.pack import main as pack_main
 
 

@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler as S
 from torchvision.transforms import v2
 
 from tests.unit.test_recipe_knobs import reference_groups
-from train.config import parse_config
+from train.cli import parse_config
 from train.models import build_model
 from train.plan import dry_run
 

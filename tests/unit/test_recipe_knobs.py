@@ -9,7 +9,7 @@ from torchvision.ops._utils import split_normalization_params
 from torchvision.transforms import v2
 
 from train.augment import BatchAugment
-from train.config import parse_config
+from train.cli import parse_config
 from train.errors import ConfigError
 from train.data import image_transforms, eval_steps
 from train.ema import ModelEma, adjusted_decay

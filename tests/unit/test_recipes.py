@@ -9,7 +9,7 @@ from torchvision import models
 from torchvision import transforms as v1
 from torchvision.transforms import v2
 
-from train.config import parse_config
+from train.cli import parse_config
 from train.config import recipe
 from train.data import eval_resize, image_transforms
 

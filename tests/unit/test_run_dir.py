@@ -198,7 +198,7 @@ def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
 def test_without_run_dir_the_checks_look_at_the_folder_runs_is_made_in(tmp_path, monkeypatch):
     """runs/<start time>, made by the run: a file named runs in the working folder stops it before any worker."""
     from train.checks import preflight
-    from train.config import parse_config
+    from train.cli import parse_config
     from train.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.sources import draw_imagefolder, write_hf_sources, write_label_files, write_plain_tars, write_wds_shards
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets, build_train_loader, build_val_loader
 from train.data.tarindex import load_split
 from train.pack import main as pack_main

@@ -15,7 +15,7 @@ from PIL import Image
 
 from tests.sources import add_member
 from train.checks import preflight
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import build_datasets
 from train.data.tarindex import CACHE, FALLBACK, find_tars, load_split
 from train.data.tars import check_shards, tar_splits

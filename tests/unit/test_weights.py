@@ -4,7 +4,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import prepare_inputs
 from train.errors import ConfigError
 from train.models import build_model

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from train.config import parse_config
+from train.cli import parse_config
 from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DataError, OutOfMemory, PeerGaveUp
 from train.identity import PeersNeverCame
 from train.watchdog import watchdog

@@ -22,7 +22,7 @@ from PIL import Image
 
 from train.bench.arms import median, row
 from train.bench.photos import images_per_s, resized_box, write_photos
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import ShardSplit, image_transforms, load_image
 from train.data.decode import decode
 from train.identity import usable_cores

@@ -24,7 +24,7 @@ from PIL import Image
 from torchvision import transforms
 
 from train.bench.arms import median, row
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import image_transforms, eval_resize, load_image
 from train.errors import ConfigError
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from train.bench.arms import median, row
-from train.config import parse_config
+from train.cli import parse_config
 from train.data import SeededSample, build_datasets, check_labelfiles
 from train.data.hfdisk import arrow
 from train.data.scan import scan_split
