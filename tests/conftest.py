@@ -26,7 +26,8 @@ from train.distributed import free_port
 # bridge of fixed names): one worker runs them all, first.
 ENGINES = ("test_docker", "test_slurm", "test_services", "test_skypilot")
 # Then the modules that take longest (measured), so that none is left to run alone at the end; the rest as collected.
-LONGEST = ("test_faults", "test_reproducibility", "test_published_recipes", "test_evaluate", "test_bench",
+# test_make first: it makes the default run (600 steps), which the engines' compose test waits for.
+LONGEST = ("test_make", "test_faults", "test_reproducibility", "test_published_recipes", "test_evaluate", "test_bench",
            "test_export", "test_restarts", "test_sources", "test_tracking")
 
 

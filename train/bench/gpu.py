@@ -16,7 +16,7 @@ from train.data import build_train_loader, default_num_workers
 # ---------------------------------------------------------------- GPU rows
 
 GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory",
-             "jpeg")
+             "jpeg", "ema", "mixup")
 
 
 class _HostImages(torch.utils.data.Dataset):
@@ -54,7 +54,9 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
              "without channels_last": ("no-channels-last", None),
              "torch.compile": ("compile", ["--compile"]),
              "bucket_cap_mb 100": ("bucket-cap-mb", ["--bucket-cap-mb", 100]),
-             "static_graph": ("static-graph", ["--static-graph"])}
+             "static_graph": ("static-graph", ["--static-graph"]),
+             "--model-ema (every step)": ("ema", ["--model-ema", "--model-ema-steps", 1]),
+             "--mixup-alpha 0.2 --cutmix-alpha 1.0": ("mixup", ["--mixup-alpha", 0.2, "--cutmix-alpha", 1.0])}
     knobs = {name: extra for name, (key, extra) in knobs.items() if key in only}
     foreach, pinned = [], []
     bare = {"gpu": True, "samples": 1024, "image_size": 224, "batch": size["gpu_batch"],
