@@ -16,6 +16,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 from tests.helpers import REPO, make, one_at_a_time
@@ -195,3 +196,23 @@ def write_hf_sources(folder: Path, disk: Path, parquet: Path) -> tuple[Path, Pat
     """The ImageFolder as a saved DatasetDict in `disk` and as Parquet files in `parquet` (the plans above)."""
     write_hf({disk: hf_disk_plan(folder), parquet: hf_parquet_plan(folder, parquet)})
     return disk, parquet
+
+
+def batches(cfg, start: int = 0, val: bool = False) -> list:
+    """The batches one rank of one worker reads from cfg's data: the validation loader's, or the training loader's
+    of epoch 1 from sample `start` on."""
+    from train.data import build_datasets, build_train_loader, build_val_loader
+
+    train_set, val_set, _ = build_datasets(cfg)
+    if val:
+        return list(build_val_loader(cfg, val_set, 0, 1, pin_memory=False))
+    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False)
+    sampler.set_epoch(1, start=start)
+    return list(loader)
+
+
+def assert_same_batches(a: list, b: list) -> None:
+    """The same images, bit for bit (the loaders' uint8, decoded on the trainer), with the same labels, in order."""
+    assert len(a) == len(b) > 0
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
+        assert xa.dtype == xb.dtype == torch.uint8 and torch.equal(xa, xb) and torch.equal(ya, yb)

@@ -19,10 +19,11 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.sources import assert_same_batches, batches
 from train import vision
 from train.bench.photos import make_photos
 from train.cli import parse_config
-from train.data import ShardSplit, build_datasets, build_train_loader, build_val_loader
+from train.data import ShardSplit, build_datasets
 from train.data.decode import load_image
 from train.identity import usable_cores
 from train.errors import ConfigError, DataError
@@ -88,28 +89,17 @@ def config(root, dataset, decode="cpu", workers=0):
 
 
 def loaded(cfg, start=0, val=False):
-    train_set, val_set, classes = build_datasets(cfg)
-    assert classes == 3
-    if val:
-        return list(build_val_loader(cfg, val_set, 0, 1, pin_memory=False))
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False)
-    sampler.set_epoch(1, start=start)
-    return list(loader)
-
-
-def assert_same(a, b):
-    assert len(a) == len(b) > 0
-    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert build_datasets(cfg)[2] == 3
+    return batches(cfg, start, val)
 
 
 def test_the_shards_give_the_loose_files_batches_bit_for_bit(folder, packed):
     loose = loaded(config(folder, "imagefolder"))
-    assert_same(loaded(config(packed, "shards")), loose)
-    assert_same(loaded(config(packed, "shards", workers=2)), loose)  # whatever the worker count
-    assert_same(loaded(config(packed, "shards", workers=2), start=8), loose[2:])  # resumed mid-epoch
-    assert_same(loaded(config(packed, "shards", decode="gpu")), loose)  # decoded in the training process
-    assert_same(loaded(config(packed, "shards"), val=True), loaded(config(folder, "imagefolder"), val=True))
+    assert_same_batches(loaded(config(packed, "shards")), loose)
+    assert_same_batches(loaded(config(packed, "shards", workers=2)), loose)  # whatever the worker count
+    assert_same_batches(loaded(config(packed, "shards", workers=2), start=8), loose[2:])  # resumed mid-epoch
+    assert_same_batches(loaded(config(packed, "shards", decode="gpu")), loose)  # decoded in the training process
+    assert_same_batches(loaded(config(packed, "shards"), val=True), loaded(config(folder, "imagefolder"), val=True))
 
 
 def test_verify_finds_a_damaged_shard_and_reading_it_names_the_sample(packed, tmp_path):

@@ -10,11 +10,11 @@ import shutil
 import tarfile
 
 import pytest
-import torch
 
-from tests.sources import draw_imagefolder, write_hf_sources, write_label_files, write_plain_tars, write_wds_shards
+from tests.sources import (assert_same_batches, batches, draw_imagefolder, write_hf_sources, write_label_files,
+                           write_plain_tars, write_wds_shards)
 from train.cli import parse_config
-from train.data import build_datasets, build_train_loader, build_val_loader
+from train.data import build_datasets
 from train.data.tarindex import load_split
 from train.pack import main as pack_main
 from train.pack import pack
@@ -47,21 +47,6 @@ def config(flags, decode="cpu", workers=0, *extra):
                          "--num-workers", str(workers), "--decode", decode, *extra])
 
 
-def batches(cfg, start=0, val=False):
-    train_set, val_set, _ = build_datasets(cfg)
-    if val:
-        return list(build_val_loader(cfg, val_set, 0, 1, pin_memory=False))
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False)
-    sampler.set_epoch(1, start=start)
-    return list(loader)
-
-
-def assert_same(a, b):
-    assert len(a) == len(b) > 0
-    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
-        assert xa.dtype == xb.dtype == torch.uint8 and torch.equal(xa, xb) and torch.equal(ya, yb)
-
-
 @pytest.fixture(scope="module")
 def reference(sources) -> tuple[list, list]:
     cfg = config(sources["imagefolder"])
@@ -71,16 +56,16 @@ def reference(sources) -> tuple[list, list]:
 @pytest.mark.parametrize("source", SOURCES[1:])
 def test_every_source_gives_the_imagefolders_samples_bit_for_bit(sources, reference, source):
     train, val = reference
-    assert_same(batches(config(sources[source])), train)
-    assert_same(batches(config(sources[source]), val=True), val)
-    assert_same(batches(config(sources[source], "gpu")), train)  # read by the workers, decoded by the trainer
+    assert_same_batches(batches(config(sources[source])), train)
+    assert_same_batches(batches(config(sources[source]), val=True), val)
+    assert_same_batches(batches(config(sources[source], "gpu")), train)  # read by the workers, decoded by the trainer
 
 
 @pytest.mark.parametrize("source", ["csv", "webdataset", "hf-parquet"])
 def test_loader_workers_and_a_resume_mid_epoch_change_nothing(sources, reference, source):
     train, _ = reference
-    assert_same(batches(config(sources[source], "cpu", 2)), train)
-    assert_same(batches(config(sources[source], "cpu", 2), start=8), train[2:])
+    assert_same_batches(batches(config(sources[source], "cpu", 2)), train)
+    assert_same_batches(batches(config(sources[source], "cpu", 2), start=8), train[2:])
 
 
 def test_every_source_plans_the_same_counts_and_classes(sources):
