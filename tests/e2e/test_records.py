@@ -5,9 +5,10 @@ and writes no model of it. Every JSON file it leaves is strict JSON."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.helpers import DEBUG, metrics, python_cmd, run, snapshot, status
+from tests.helpers import DEBUG, make, metrics, python_cmd, run, snapshot, status, torchrun_cmd
 from train import checkpoint as ckpt
 
 
@@ -71,3 +72,23 @@ def test_a_diverged_run_stops_with_exit_2_and_keeps_only_finite_weights(tmp_path
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     for path in json_files(run_dir):
         strict_json(path)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "make train"])
+def test_a_diverged_run_fails_under_torchrun_and_make_train_too(tmp_path, launcher):
+    """The same divergence under torchrun, and under make train (torchrun with restarts: each restart of a diverged
+    run ends at once, exit 2 again): a non-zero exit, the one line, status failed, no model."""
+    run_dir = tmp_path / "run"
+    args = [*DEBUG, "--lr", "1e6", "--log-every", "1", "--device", "cpu", "--run-dir", run_dir]
+    if launcher == "torchrun":
+        proc = run(torchrun_cmd(2, *args), expect=None)
+    else:
+        proc = make("train", "RUNTIME=local", "GPUS=2", "ARGS=" + " ".join(map(str, args)), expect=None)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "the run diverged" in proc.stderr or "were no longer finite" in proc.stderr, proc.stderr[-3000:]
+    assert "a restart cannot mend that: try a lower --lr" in proc.stderr
+    recorded = strict_json(run_dir / "status.json")
+    assert (recorded["state"], recorded["exit_code"]) == ("failed", 2) and "diverged" in recorded["error"]
+    assert not any((run_dir / name).exists() for name in ("model.pt", "best.pt", "model_ema.pt"))
+    if launcher == "make train":
+        assert "trainbox: the workers stopped on the error above (exit 2)" in proc.stderr, proc.stderr[-3000:]
