@@ -32,8 +32,12 @@ def main(argv: list[str]) -> int:
         return fail(str(e))
     if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
         return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
-    if cfg.launch.spawn > 0 and not cfg.run.dry_run:  # the workers' fork server imports torch and the trainer meanwhile
+    if cfg.launch.spawn > 0 and not cfg.run.dry_run:
+        # --spawn N: the fork server imports torch and the trainer, once; this launcher never does (train/workers.py)
         start_fork_server()
+        from train.workers import spawn_run  # noqa: PLC0415
+
+        return spawn_run(cfg)
     # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer
     # at once.
     from train.launch import start  # noqa: PLC0415

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -28,7 +27,8 @@ from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.errors import ConfigError, note_process_group
-from train.identity import Identity, from_environment, identity, is_main, peers_never_came, waiting_because
+from train.identity import (Identity, from_environment, identity, is_main, peers_never_came,
+                            waiting_because)
 from train.watchdog import watch_limit, watchdog
 
 
@@ -345,9 +345,3 @@ def gather(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value, group=_control_group)
     return out
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

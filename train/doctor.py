@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from train import checks
 from train.cuda_driver import MIN_DRIVER, driver_problem
-from train.distributed import destroy_and_leave_together, free_port, join_group
+from train.distributed import destroy_and_leave_together, join_group
+from train.identity import free_port
 from train.identity import usable_cores
 from train.errors import ConfigError
 from train.metrics import nvml

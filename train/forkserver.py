@@ -3,7 +3,8 @@
 A fresh interpreter per worker (the "spawn" start method) imports torch, and torch._dynamo (torch's own
 optimizer imports it), in every worker: about 2 s of CPU each before any work, N times over on the same cores.
 Forked from a server that imported them, a worker starts at once. python -m train starts the server right
-after reading its flags, so that it imports while the launcher itself does. The server never touches CUDA
+after reading its flags; the launcher itself never imports torch: the checks that need it run in one more child
+of the server (train/workers.py's spawn_run), so torch is imported once per launch. The server never touches CUDA
 (importing torch does not initialise it), so its children may, as torch requires of a start method: spawn or
 forkserver, never fork. Standard library only: importing this imports nothing heavy.
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 from train.cluster import master_port
@@ -154,3 +155,10 @@ def is_main() -> bool:
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity: a cgroup or taskset may give it fewer)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launcher's MASTER_PORT."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

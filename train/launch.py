@@ -1,6 +1,7 @@
 """Starting the workers, after the checks (train/checks.py) passed:
 
-  start(cfg)                    python -m train: this process is one worker, or --spawn N local ones
+  start(cfg)                    python -m train: this process is the one worker (or its --dry-run's plan)
+  check(cfg)                    the checks alone, as --spawn N's launcher has them made (train/workers.py)
   python -m train.launch        make train and the container: GPUS=N picks the workers, N > 1 via torchrun
                                 (in this process, with the flags the Slurm template uses too)
 
@@ -10,7 +11,6 @@ Each worker is train/worker.py's run_worker: its errors end there as one line an
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -27,23 +27,30 @@ from train.config import Config
 from train.cli import parse_config
 from train.runfiles import default_run_dir
 from train.identity import identity, is_main
-from train.forkserver import stop_fork_server
 from train.plan import dry_run
 from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
 from train.worker import run_worker
-from train.workers import spawn_workers, workers_for
+from train.workers import workers_for
 
 
 def start(cfg: Config) -> int:
-    """python -m train, once the config parsed."""
+    """python -m train, once the config parsed (--spawn N's launcher: train/workers.py's spawn_run)."""
     try:
         preflight(cfg)
         if cfg.run.dry_run:
             return print_plan(cfg, cfg.launch.spawn or identity().world_size)
     except ConfigError as e:
-        stop_fork_server()
         return fail(str(e))
-    return spawn(cfg) if cfg.launch.spawn else run_worker(cfg)
+    return run_worker(cfg)
+
+
+def check(cfg: Config) -> int:
+    """The checks of a --spawn N run, in a child of its fork server: 0, or the mistake's line and EXIT_BAD_INPUT."""
+    try:
+        preflight(cfg)
+    except ConfigError as e:
+        return fail(str(e))
+    return 0
 
 
 def print_plan(cfg: Config, world: int) -> int:
@@ -53,14 +60,6 @@ def print_plan(cfg: Config, world: int) -> int:
     if is_main():
         print(to_json(plan.to_dict(), indent=1), flush=True)
     return 0
-
-
-# ---------------------------------------------------------------- --spawn N
-
-def spawn(cfg: Config) -> int:
-    """Start cfg.spawn local training workers and wait for all of them; signals are passed on to them."""
-    cfg = cfg.replace(run_dir=cfg.run.run_dir or default_run_dir())  # one run folder for them all
-    return spawn_workers(cfg.launch.spawn, functools.partial(run_worker, cfg))
 
 
 # ---------------------------------------------------------------- python -m train.launch (make train)

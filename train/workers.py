@@ -1,7 +1,10 @@
 """Local worker processes, for training and evaluation alike: --spawn N forks them from a server that imported
-torch once (train/forkserver.py) and waits for all of them; GPUS=N with make picks how many.
+torch once (train/forkserver.py) and waits for all of them; GPUS=N with make picks how many. Standard library only:
+python -m train --spawn N's launcher imports neither torch nor the trainer (its fork server does, once).
 
+  spawn_run(cfg)             python -m train --spawn N: the checks, then the workers, all forked from the server
   spawn_workers(n, work)     n local workers, each running work() as its rank; signals passed on to them
+  Job(module, function, *a)  work named by its module, so that the launcher need not import it to start it
   workers_for(gpus, visible) GPUS=... as (local workers, force the CPU)
   kill_loader_workers()      registered at exit by every worker: its DataLoader workers must not outlive it
 """
@@ -9,20 +12,76 @@ torch once (train/forkserver.py) and waits for all of them; GPUS=N with make pic
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # its exit hook must be registered before ours (see kill_loader_workers)
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
-import torch.multiprocessing as mp
-
-from train.distributed import free_port
+from train.config import Config
 from train.errors import EXIT_BAD_INPUT, EXIT_STOPPED, ConfigError, end_process, run_exit_handlers
-from train.forkserver import start_fork_server
+from train.forkserver import start_fork_server, stop_fork_server
+from train.identity import free_port
+from train.runfiles import default_run_dir
+
+
+class Job:
+    """A function named by its module and name, with its arguments: pickled by name for the fork server's child,
+    which imported the module already (train/forkserver.py's PRELOAD), so that the launcher never imports it."""
+
+    def __init__(self, module: str, function: str, *args: Any) -> None:
+        self.module, self.function, self.args = module, function, args
+
+    def __call__(self) -> int:
+        return getattr(importlib.import_module(self.module), self.function)(*self.args)
+
+
+def spawn_run(cfg: Config) -> int:
+    """python -m train --spawn N: the checks that need torch (train/checks.py's preflight) in one child of the fork
+    server, then the N workers from the same server. A mistake is the child's one line and exit code 2, before any
+    worker starts."""
+    start_fork_server()  # python -m train started it already
+    code = _exit_code(_start(_checked, Job("train.launch", "check", cfg)))
+    if code != 0:
+        stop_fork_server()
+        return code
+    cfg = cfg.replace(run_dir=cfg.run.run_dir or default_run_dir())  # one run folder for them all
+    return spawn_workers(cfg.launch.spawn, Job("train.worker", "run_worker", cfg))
+
+
+def _start(target: Callable, *args: Any) -> multiprocessing.process.BaseProcess:
+    """A child of the fork server, with this process's environment as it is now (the server's is as it was when it
+    started)."""
+    process = multiprocessing.get_context("forkserver").Process(target=target, args=(dict(os.environ), *args))
+    process.start()
+    return process
+
+
+def _exit_code(process: multiprocessing.process.BaseProcess) -> int:
+    """A process's exit code once it ended; killed by signal N: 128 + N, as a shell says."""
+    process.join()
+    return process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
+
+
+def _checked(environ: dict[str, str], check: Job) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.exit(check())
+
+
+def _die_with_parent() -> None:
+    """SIGINT when the process that forked this one (the fork server, which ends with the launcher) dies, as
+    torch.multiprocessing's workers have it: prctl(PR_SET_PDEATHSIG), Linux only."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
 
 
 def kill_loader_workers() -> None:
@@ -37,13 +96,16 @@ def kill_loader_workers() -> None:
                 child.join(5)
 
 
-def _spawned(local_rank: int, work: Callable[[], int], nprocs: int, environ: dict[str, str]) -> None:
+def _spawned(environ: dict[str, str], local_rank: int, work: Callable[[], int], nprocs: int) -> None:
+    _die_with_parent()
     os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
     os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
     try:
         code = work()
-    except Exception:  # noqa: BLE001 - torch.multiprocessing would keep the traceback to itself
+    except KeyboardInterrupt:  # SIGINT: the launcher is gone (above), or Ctrl-C before the trainer took it
+        return
+    except Exception:  # noqa: BLE001 - the traceback, then exit code 1
         traceback.print_exc()
         code = 1
     try:
@@ -58,11 +120,10 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     start_fork_server()  # train/forkserver.py: python -m train started it already
-    context = mp.start_processes(_spawned, args=(work, nprocs, dict(os.environ)), nprocs=nprocs, join=False,
-                                 start_method="forkserver")
+    processes = [_start(_spawned, rank, work, nprocs) for rank in range(nprocs)]
 
     def forward(signum, _frame):
-        for process in context.processes:
+        for process in processes:
             if process.is_alive() and signum != signal.SIGINT:  # Ctrl-C already reaches the whole group
                 os.kill(process.pid, signum)
 
@@ -73,7 +134,7 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
     # outranks a clean stop (75); a worker killed by signal N reports 128 + N, as a shell does. After an
     # error a restart cannot mend (2), the others are given a moment: they lose contact with it at once,
     # read its line and end with the same code (rank 0 records it in status.json).
-    waiting = {p.sentinel: p for p in context.processes}
+    waiting = {p.sentinel: p for p in processes}
     failed, deadline = None, None
     while waiting:
         ready = multiprocessing.connection.wait(list(waiting), timeout=None if deadline is None else
@@ -83,9 +144,7 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
                 other.kill()
             deadline = None
         for sentinel in ready:
-            process = waiting.pop(sentinel)
-            process.join()
-            code = process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
+            code = _exit_code(waiting.pop(sentinel))
             if failed is None and code not in (0, EXIT_STOPPED):
                 failed = code
                 if code == EXIT_BAD_INPUT:
@@ -93,7 +152,7 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
                     continue
                 for other in waiting.values():
                     other.kill()  # not SIGTERM: that asks for a checkpoint, which needs the dead rank
-    return failed if failed is not None else max(p.exitcode for p in context.processes)
+    return failed if failed is not None else max(p.exitcode for p in processes)
 
 
 def workers_for(gpus: str, visible: int) -> tuple[int, bool]:

@@ -125,15 +125,16 @@ def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, 
              expected.replace("{tmp}", str(tmp_path)))
 
 
-def test_a_busy_rendezvous_port_is_named(finished_run, capsys, monkeypatch):
+def test_a_busy_rendezvous_port_is_named(finished_run, capfd, monkeypatch):
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
-        _refused(finished_run, capsys, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
-    # The workers' fork server, started before the checks (train/forkserver.py), went with the refusal: it
-    # would otherwise import torch on, holding the launcher's output open.
+        # capfd: --spawn's checks run in a child of the workers' fork server (train/workers.py), which writes the
+        # line to the launcher's stderr itself
+        _refused(finished_run, capfd, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
+    # The fork server went with the refusal: it would otherwise wait on, holding the launcher's output open.
     assert not [p for p in children(os.getpid()) if "multiprocessing.forkserver" in cmdline(p)]
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import destroy_and_leave_together, free_port, join_group, ordered_allreduce_hook
+from train.distributed import destroy_and_leave_together, join_group, ordered_allreduce_hook
+from train.identity import free_port
 
 
 # ------------------------------------------------------------ real process groups

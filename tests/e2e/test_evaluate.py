@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status, tracked_env
 from train import report
-from train.distributed import free_port
+from train.identity import free_port
 
 
 def _equal_to_the_final_evaluation(run_dir, report):

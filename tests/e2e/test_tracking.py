@@ -15,7 +15,7 @@ from mlflow.exceptions import MlflowException
 from tests.helpers import (DEBUG, LONG, PY, MlflowServer, assert_bit_identical, assert_mlflow_run_complete, metrics,
                            python_cmd, reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for,
                            worker_pid)
-from train.distributed import free_port
+from train.identity import free_port
 from train.tracking import KEY_TAG, RECORD
 
 

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from train import doctor
-from train.distributed import free_port
+from train.identity import free_port
 from train.identity import usable_cores
 
 

@@ -19,7 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.data import make_shapes, prepare_inputs
-from train.distributed import destroy_and_leave_together, free_port, join_group
+from train.distributed import destroy_and_leave_together, join_group
+from train.identity import free_port
 from train.models import SmallCNN
 from train.runfiles import read_metrics
 

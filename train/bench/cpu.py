@@ -18,10 +18,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import checkpoint as ckpt
-from train.bench.arms import _init, bare_arm, drain, median, row, trainer_arm
+from train.bench.arms import _init, bare_arm, drain, free_port, median, row, trainer_arm
 from train.cli import parse_config
 from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes
-from train.distributed import destroy_and_leave_together, free_port
+from train.distributed import destroy_and_leave_together
 from train.models import SmallCNN
 from train.pack import pack
 
