@@ -98,6 +98,10 @@ def kill_loader_workers() -> None:
 
 def _spawned(environ: dict[str, str], local_rank: int, work: Callable[[], int], nprocs: int) -> None:
     _die_with_parent()
+    # A child of the fork server inherits "forkserver" as its default start method; a worker's DataLoader workers
+    # would then come from yet another server and import torch and torchvision each. The platform's default, as
+    # under torchrun or srun: they are forked from this worker.
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
     os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")

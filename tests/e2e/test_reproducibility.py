@@ -19,9 +19,18 @@ def reference_2ranks(reference_run):
 
 def test_spawned_workers_are_forked_from_one_server_that_imported_torch(tmp_path):
     """--spawn N: torch (and torch._dynamo, which torch's optimizer loads) is imported once, by the fork server its
-    checks and workers come from, whatever N; never by the launcher, never by a worker (train/forkserver.py,
-    train/workers.py)."""
-    proc = run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 2, "--spawn", 3,
+    checks and workers come from, whatever N; never by the launcher, never by a worker, never by a worker's
+    DataLoader workers, forked from it as under torchrun (train/forkserver.py, train/workers.py)."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / "data" / split / c).mkdir(parents=True)
+            for i in range(12):
+                colour = (20 * i, 200 if c == "a" else 0, 90)
+                Image.new("RGB", (20, 20), colour).save(tmp_path / "data" / split / c / f"{i}.png")
+    images = ["--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--image-size", 16, "--num-workers", 1]
+    proc = run([PY, "-X", "importtime", *python_cmd(*DEBUG, *images, "--batch-size", 4, "--max-steps", 2, "--spawn", 3,
                                                     "--run-dir", tmp_path / "run")[1:]])
     imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert imported.count("torch") == 1 and imported.count("torch._dynamo") == 1, proc.stderr[-3000:]
