@@ -77,8 +77,8 @@ def _checked(environ: dict[str, str], check: Job) -> None:
 
 
 def _die_with_parent() -> None:
-    """SIGINT when the process that forked this one (the fork server, which ends with the launcher) dies, as
-    torch.multiprocessing's workers have it: prctl(PR_SET_PDEATHSIG), Linux only."""
+    """SIGINT when the process that forked this one (the fork server) dies, as torch.multiprocessing's workers have
+    it: prctl(PR_SET_PDEATHSIG), Linux only."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
@@ -107,7 +107,7 @@ def _spawned(environ: dict[str, str], local_rank: int, work: Callable[[], int], 
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
     try:
         code = work()
-    except KeyboardInterrupt:  # SIGINT: the launcher is gone (above), or Ctrl-C before the trainer took it
+    except KeyboardInterrupt:  # SIGINT: the fork server is gone (above), or Ctrl-C before the trainer took it
         return
     except Exception:  # noqa: BLE001 - the traceback, then exit code 1
         traceback.print_exc()
