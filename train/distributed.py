@@ -27,8 +27,7 @@ from torch.distributed.rendezvous import rendezvous
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.errors import ConfigError, note_process_group
-from train.identity import (Identity, from_environment, identity, is_main, peers_never_came,
-                            waiting_because)
+from train.identity import Identity, from_environment, identity, is_main, peers_never_came, waiting_because
 from train.watchdog import watch_limit, watchdog
 
 
