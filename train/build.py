@@ -34,9 +34,9 @@ from train.health import DivergenceGuard
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler, schedule_lengths
-from train.plan import Plan, make_plan, precision_name
+from train.plan import Plan, make_plan
 from train.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.runtime import resolve_precision
+from train.runtime import DTYPES, resolve_precision
 from train.tracker import Tracker, start_tracking
 from train.weights import fitted, freeze, frozen_names, read_weights
 
@@ -82,7 +82,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
     layout, relaid = Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum), ""
     if state is not None:
         cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
-    precision = resolve_precision(cfg, device)
+    precision = resolve_precision(cfg, device)  # its name: the plan's; DTYPES[precision]: autocast's dtype
     # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
     initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
     prepare_run_dir(run_dir)
@@ -92,7 +92,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
     names = class_names(train_set)
     raw_model = model_on(cfg, num_classes, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).
-    plan = make_plan(cfg, world, device.type, precision_name(precision), train_set, val_set, num_classes, raw_model,
+    plan = make_plan(cfg, world, device.type, precision, train_set, val_set, num_classes, raw_model,
                      str(run_dir), layout=layout)
     # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
     saved_plan = runfiles.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
@@ -101,7 +101,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
     norm = tuple(torch.tensor(plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
     train_loader, sampler, val_loader = loaders(cfg, plan, layout, train_set, val_set, device)
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
     scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
@@ -116,16 +116,16 @@ def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
         log.info("%s", relaid)
     model = wrapped(raw_model, cfg, device, world)
     step = resumed.step if resumed else 0
-    write_run_files(cfg, run_dir, device, precision, plan, names, saved_plan, resumed, weights, checkpointer)
+    write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
     tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
     checkpointer.tracker = tracker
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step,
                             tracker=tracker)
     telemetry = GpuTelemetry(device)
-    window = LogWindow(device, world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum)
+    window = LogWindow(device, plan.global_batch)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
     augment = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
-    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=precision, norm=norm,
+    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], norm=norm,
                  train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
                  criterion=criterion, augment=augment, optimizer=optimizer, scheduler=checkpointer.scheduler,
                  scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
@@ -200,7 +200,7 @@ def wrapped(model: torch.nn.Module, cfg: Config, device: torch.device, world: in
     return model
 
 
-def write_run_files(cfg: Config, run_dir: Path, device: torch.device, precision: torch.dtype | None, plan: Plan,
+def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan,
                     names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
                     checkpointer: Checkpointer) -> None:
     """config.json, classes.json, plan.json (as trained: this start's plan after saved_plan's), manifest.json and
@@ -220,8 +220,7 @@ def write_run_files(cfg: Config, run_dir: Path, device: torch.device, precision:
     if is_main():
         log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                  run_dir, ident.world_size, ident.launcher, device.type, plan.max_steps, plan.steps_per_epoch,
-                 ident.world_size * cfg.optimisation.batch_size * cfg.optimisation.grad_accum,
-                 str(precision or "fp32").replace("torch.", ""))  # torch's name of the dtype: bfloat16
+                 plan.global_batch, str(DTYPES[plan.precision] or "fp32").replace("torch.", ""))  # torch's: bfloat16
         if cfg.data.dataset == "shards":
             log.info("data: %s", packed_with(Path(cfg.data.data_dir)))
         if device.type == "cuda" and not cfg.run.deterministic:  # said once, where it applies

@@ -41,7 +41,7 @@ from train.errors import ConfigError, end_process, fail
 from train.models import build_model
 from train.progress import Progress
 from train.runfiles import atomic_write, read_classes, read_config, to_json
-from train.runtime import autocast, configure_runtime, pick_device, resolve_precision
+from train.runtime import DTYPES, autocast, configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
 
@@ -162,7 +162,7 @@ def evaluate_run(job: Job) -> int:
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = evaluate(model, loader, device, resolve_precision(cfg, device), cfg.model.channels_last,
+            result = evaluate(model, loader, device, DTYPES[resolve_precision(cfg, device)], cfg.model.channels_last,
                               progress.update, top5=len(classes) > 5, confusion_of=len(classes),
                               norm=normalisation_on(cfg, device))
         finally:

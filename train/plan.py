@@ -28,6 +28,7 @@ from train.errors import ConfigError
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.resume import Layout
+from train.runtime import precision_of
 from train.weights import cached_file, freeze, frozen_names, normalisation, resolve
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
@@ -167,18 +168,12 @@ def planned_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
 
 
-def precision_name(dtype: torch.dtype | None) -> str:
-    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-
 def planned_precision(cfg: Config, device: str) -> str:
-    if cfg.model.precision != "auto":
-        return cfg.model.precision
-    if device != "cuda":
-        return "fp32"
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16 on a GPU with bf16 (Ampere and newer), else fp32"
+    """The precision a dry run plans for: the run's own (runtime.precision_of), or where it plans for a GPU this
+    machine lacks with --precision auto, what that GPU decides."""
+    if cfg.model.precision == "auto" and device == "cuda" and not torch.cuda.is_available():
+        return "bf16 on a GPU with bf16 (Ampere and newer), else fp32"
+    return precision_of(cfg.model, device)
 
 
 def dry_run(cfg: Config, world: int) -> Plan:

@@ -9,7 +9,7 @@ import os
 import torch
 
 from train.checks import check_precision
-from train.config import Config
+from train.config import Config, Model
 from train.identity import Identity, identity, usable_cores
 
 log = logging.getLogger("train")
@@ -36,12 +36,23 @@ def configure_runtime(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for fp32."""
+# autocast's dtype of each precision a run can train in (None: autocast off)
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_of(spec: Model, device_type: str) -> str:
+    """The precision a run trains in on `device_type`: --precision, or with auto bf16 on a CUDA GPU that has it,
+    else fp32. The one place "auto" is decided: the run (resolve_precision) and its plan (train/plan.py) ask here."""
+    if spec.precision != "auto":
+        return spec.precision
+    cuda = device_type == "cuda" and torch.cuda.is_available()
+    return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    """The precision this process trains or evaluates in on `device` (DTYPES[it]: autocast's dtype), checked."""
     check_precision(cfg, on_cpu=device.type != "cuda")
-    if cfg.model.precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.model.precision]
+    return precision_of(cfg.model, device.type)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -75,3 +75,21 @@ def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
     plan = runfiles.read_json(tmp_path / "plan.json")
     assert plan["max_steps"] == 60 and plan["resumes"] == [{"step": 12, "changed": {"max_steps": [40, 60]}}]
     assert runfiles.read_status(tmp_path)["step"] == 12
+
+
+def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):
+    """--precision auto is decided once (runtime.precision_of): the plan a dry run prints and the one the run trains
+    from name the same precision, and the parts autocast to its dtype."""
+    from train.plan import dry_run, planned_precision  # noqa: PLC0415
+    from train.runtime import DTYPES, precision_of  # noqa: PLC0415
+
+    cfg = _cfg(tmp_path, "--device", "cpu")
+    parts = build(cfg, tmp_path, CPU)
+    parts.metrics.close()
+    assert parts.plan.precision == dry_run(cfg, 1).precision == "fp32"
+    assert parts.precision is DTYPES[parts.plan.precision] is None
+    for given in ("fp32", "bf16", "fp16"):  # what is given is what a run trains in, on any device
+        spec = cfg.model.__class__(**{**vars(cfg.model), "precision": given})
+        assert precision_of(spec, "cpu") == precision_of(spec, "cuda") == given
+    if not torch.cuda.is_available():  # a plan for GPUs made on a machine without one says what they decide
+        assert planned_precision(cfg, "cuda").startswith("bf16 on a GPU with bf16")
