@@ -2,6 +2,7 @@
 that verifies) is train/checkpoint.py.
 
   newest_checkpoint(run_dir, device)  the checkpoint a start resumes from, read before anything is written
+  saved_length(state, steps_per_epoch) the steps a checkpoint's run was to train for
   Checkpointer                        one per run: rank 0 writes, every rank takes part
     .restore(state, source)           back to where `state` left off (or a fresh start's random streams)
     .save(position, reason)           RUN_DIR/checkpoints/step_N.pt, every rank's RNG state in it
@@ -32,7 +33,7 @@ from train.distributed import broadcast_from_main, gather, on_main
 from train.identity import identity, is_main
 from train.errors import ConfigError
 from train.optim import schedule_at, schedule_lengths
-from train.resume import Layout, Resumed, saved_length
+from train.resume import Layout, Resumed
 from train.watchdog import watchdog
 
 log = logging.getLogger("train")
@@ -65,6 +66,14 @@ def newest_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None,
         raise ConfigError(f"{newest} is not a trainbox checkpoint (no model/optimizer/step/config): move it out "
                           f"of the run directory")
     return state, Path(newest)
+
+
+def saved_length(state: dict, steps_per_epoch: int) -> int:
+    """The steps a checkpoint's run was to train for (checkpoints of older versions: from their config)."""
+    if "max_steps" in state:
+        return state["max_steps"]
+    config = state["config"]
+    return config["epochs"] * steps_per_epoch if config.get("epochs") else config["max_steps"]
 
 
 class Checkpointer:

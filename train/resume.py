@@ -154,14 +154,6 @@ def spliced_lr(before: dict | None, after: dict, step: int, steps_per_epoch: int
     return {"per": "epoch", "values": old[:first_new] + new[first_new:]}
 
 
-def saved_length(state: dict, steps_per_epoch: int) -> int:
-    """The steps a checkpoint's run was to train for (checkpoints of older versions: from their config)."""
-    if "max_steps" in state:
-        return state["max_steps"]
-    config = state["config"]
-    return config["epochs"] * steps_per_epoch if config.get("epochs") else config["max_steps"]
-
-
 @dataclass(frozen=True)
 class Resumed:
     """Where a start resumed: the checkpoint, the position it holds and what it recorded of the run until then."""

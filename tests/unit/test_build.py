@@ -11,6 +11,8 @@ from train.build import build
 from train.cli import parse_config
 from train.data import build_datasets
 from train.models import build_model
+from train.plan import dry_run, planned_precision
+from train.runtime import DTYPES, precision_of
 
 CPU = torch.device("cpu")
 
@@ -80,9 +82,6 @@ def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
 def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):
     """--precision auto is decided once (runtime.precision_of): the plan a dry run prints and the one the run trains
     from name the same precision, and the parts autocast to its dtype."""
-    from train.plan import dry_run, planned_precision  # noqa: PLC0415
-    from train.runtime import DTYPES, precision_of  # noqa: PLC0415
-
     cfg = _cfg(tmp_path, "--device", "cpu")
     parts = build(cfg, tmp_path, CPU)
     parts.metrics.close()

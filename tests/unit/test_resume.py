@@ -12,8 +12,9 @@ from train.data import ShardSampler, origin
 from train.errors import ConfigError
 from train.health import DivergenceGuard
 from train.optim import build_optimizer, build_scheduler, schedule_at
+from train.checkpointer import saved_length
 from train.resume import (FIXED, MAY_CHANGE, Layout, changed_settings, continue_layout, refusal, resume_record,
-                          saved_length, spliced_lr)
+                          spliced_lr)
 from train.runfiles import to_json
 
 
