@@ -1,5 +1,6 @@
-"""The run's parts, built once from its config: `build(cfg, run_dir, device)` returns them, resumed where the newest
-checkpoint left off (train/checkpointer.py; `Parts.resumed` holds the Trainer's position) or ready for a fresh start.
+"""The run's parts, built once from its config: `build(cfg, run_dir, device, precision)` returns them, resumed where the
+newest checkpoint left off (train/checkpointer.py; `Parts.resumed` holds the Trainer's position) or ready for a fresh
+start. The device and the precision are the worker's runtime (train/runtime.py), set at its start.
 
 The order is the run's contract: every rank makes the same random draws and collectives in the same order, and a
 resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read before anything is
@@ -36,7 +37,7 @@ from train.models import build_model
 from train.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.plan import Plan, make_plan
 from train.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.runtime import DTYPES, resolve_precision
+from train.runtime import DTYPES
 from train.tracker import Tracker, start_tracking
 from train.weights import fitted, freeze, frozen_names, read_weights
 
@@ -73,8 +74,8 @@ class Parts:
     resumed: Resumed | None  # where this start resumed from, the Trainer's position among it; None for a fresh start
 
 
-def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
-    """The run's parts on this rank."""
+def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> Parts:
+    """The run's parts on this rank, on `device` in `precision` (the worker's runtime: train/runtime.py)."""
     world = identity().world_size
     # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
     # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
@@ -82,7 +83,6 @@ def build(cfg: Config, run_dir: Path, device: torch.device) -> Parts:
     layout, relaid = Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum), ""
     if state is not None:
         cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
-    precision = resolve_precision(cfg, device)  # its name: the plan's; DTYPES[precision]: autocast's dtype
     # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
     initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
     prepare_run_dir(run_dir)

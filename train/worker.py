@@ -31,7 +31,7 @@ from train.identity import PeersNeverCame, first_line, identity, is_main
 from train.errors import (EXIT_BAD_INPUT, EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory,
                           PeerGaveUp, one_line)
 from train.memory import is_out_of_memory, out_of_memory
-from train.runtime import configure_runtime, pick_device
+from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.tracker import catch_up_tracking
 from train.trainer import Trainer
 from train.watchdog import watch_limit, watchdog
@@ -113,6 +113,7 @@ def run(cfg: Config) -> int:
     watchdog.begin(f"rank {ident.global_rank}", limit_s=watch_limit(cfg.launch.timeout_s))
     configure_runtime(cfg)
     device = pick_device(cfg.launch.device, ident)
+    precision = resolve_precision(cfg, device)  # a mistake (fp16 on a CPU) is refused before the group starts
     init(device, cfg.launch.timeout_s)
     stop = StopSignal()
     clean, code, tracker, trainer, run_dir = False, None, None, None, None
@@ -122,7 +123,7 @@ def run(cfg: Config) -> int:
             tracker = catch_up_tracking(cfg, run_dir)
             code = EXIT_DONE
         else:
-            trainer = Trainer(build(cfg, run_dir, device), stop)
+            trainer = Trainer(build(cfg, run_dir, device, precision), stop)
             tracker = trainer.parts.tracker
             code = trainer.train()
             trainer.release()

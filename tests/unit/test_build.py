@@ -12,7 +12,7 @@ from train.cli import parse_config
 from train.data import build_datasets
 from train.models import build_model
 from train.plan import dry_run, planned_precision
-from train.runtime import DTYPES, precision_of
+from train.runtime import DTYPES, precision_of, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -24,7 +24,7 @@ def _cfg(run_dir, *flags):
 
 def test_a_fresh_build_makes_every_part_and_writes_the_run_files(tmp_path):
     cfg = _cfg(tmp_path)
-    parts = build(cfg, tmp_path, CPU)
+    parts = build(cfg, tmp_path, CPU, "fp32")
     parts.metrics.close()
 
     assert parts.cfg == cfg and parts.resumed is None and (parts.run_dir, parts.device) == (tmp_path, CPU)
@@ -48,7 +48,7 @@ def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_
     trains from its rank's own stream (seed x 7919 + rank), nothing drawn from it before the first step."""
     cfg = _cfg(tmp_path, "--seed", "3")  # not 0: its rank 0 stream would be the seed's own
     torch.rand(7)  # whatever was drawn before
-    parts = build(cfg, tmp_path, CPU)
+    parts = build(cfg, tmp_path, CPU, "fp32")
     after_build = torch.get_rng_state()
     parts.metrics.close()
     torch.manual_seed(cfg.run.seed)
@@ -61,14 +61,14 @@ def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_
 
 
 def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
-    first = build(_cfg(tmp_path), tmp_path, CPU)
+    first = build(_cfg(tmp_path), tmp_path, CPU, "fp32")
     with torch.no_grad():
         for p in first.raw_model.parameters():
             p.add_(1.0)  # weights only a resume can give back
     first.checkpointer.save({"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}, "a test")
     first.metrics.close()
 
-    parts = build(_cfg(tmp_path, "--max-steps", "60"), tmp_path, CPU)  # a longer run
+    parts = build(_cfg(tmp_path, "--max-steps", "60"), tmp_path, CPU, "fp32")  # a longer run
     parts.metrics.close()
     assert parts.resumed.position == {"step": 12, "epoch": 0, "step_in_epoch": 12, "eval_owed": False}
     assert parts.resumed.max_steps == 40
@@ -83,9 +83,9 @@ def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):
     """--precision auto is decided once (runtime.precision_of): the plan a dry run prints and the one the run trains
     from name the same precision, and the parts autocast to its dtype."""
     cfg = _cfg(tmp_path, "--device", "cpu")
-    parts = build(cfg, tmp_path, CPU)
+    parts = build(cfg, tmp_path, CPU, resolve_precision(cfg, CPU))
     parts.metrics.close()
-    assert parts.plan.precision == dry_run(cfg, 1).precision == "fp32"
+    assert parts.plan.precision == dry_run(cfg, 1).precision == resolve_precision(cfg, CPU) == "fp32"
     assert parts.precision is DTYPES[parts.plan.precision] is None
     for given in ("fp32", "bf16", "fp16"):  # what is given is what a run trains in, on any device
         spec = cfg.model.__class__(**{**vars(cfg.model), "precision": given})
