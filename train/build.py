@@ -33,13 +33,13 @@ from train.ema import ModelEma
 from train.errors import ConfigError
 from train.health import DivergenceGuard
 from train.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
-from train.models import build_model
+from train.models import trainable_model
 from train.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.plan import Plan, make_plan
 from train.resume import Layout, Resumed, continued, data_differences, plan_as_trained
 from train.runtime import DTYPES
 from train.tracker import Tracker, start_tracking
-from train.weights import fitted, freeze, frozen_names, read_weights
+from train.weights import fitted, read_weights
 
 log = logging.getLogger("train")
 
@@ -151,8 +151,7 @@ def prepare_run_dir(run_dir: Path) -> None:
 
 def model_on(cfg: Config, num_classes: int, device: torch.device, world: int) -> torch.nn.Module:
     """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
-    model = build_model(cfg.model, num_classes)
-    freeze(model, frozen_names(cfg.model, model, num_classes))  # before the optimizer: no state for them
+    model = trainable_model(cfg.model, num_classes)  # frozen before the optimizer: no state for those parameters
     if cfg.model.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)

@@ -21,12 +21,12 @@ from train.data import check_cifar, check_hf, check_imagefolder, check_labelfile
 from train.identity import alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
-from train.models import build_model, check_model_spec
+from train.models import build_model, check_model_spec, frozen_names, trainable_model
 from train.tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.optim import decay_groups
 from train.resume import Layout, changed_settings, continue_layout, refusal
 from train.runfiles import read_config, read_json, run_dir_problem
-from train.weights import fitted, freeze, frozen_names, read_weights, resolve
+from train.weights import fitted, read_weights, resolve
 
 
 
@@ -96,8 +96,7 @@ def check_decay_groups(cfg: Config) -> None:
     if opt.norm_weight_decay is None and opt.bias_weight_decay is None and opt.transformer_embedding_decay is None:
         return
     with torch.device("meta"):
-        model = build_model(cfg.model, 1000)
-    freeze(model, frozen_names(cfg.model, model, 1000))
+        model = trainable_model(cfg.model, 1000)
     decay_groups(cfg.optimisation, model, cfg.model.model)
 
 

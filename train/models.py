@@ -1,7 +1,18 @@
-"""Models: a small built-in CNN, torchvision classifiers by name, or a user's `package.module:factory`."""
+"""Models: a small built-in CNN, torchvision classifiers by name, or a user's `package.module:factory`; and which of
+their parameters train.
+
+  build_model(spec, num_classes)      the network, untrained, every parameter trainable
+  trainable_model(spec, num_classes)  the network a run trains: frozen where --freeze says
+  --freeze backbone                   every parameter but the classifier head (head_name; a linear probe)
+  --freeze conv1,layer1               parameters whose names start with these prefixes
+
+Frozen parameters get no gradient and no optimizer state, and their BatchNorm layers stay in evaluation mode, so their
+running statistics do not move either.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 
 import torch
@@ -67,6 +78,59 @@ def build_model(spec: Model, num_classes: int) -> nn.Module:
                               f"factory return a torch.nn.Module")
         return model
     return _torchvision_models(spec.model).get_model(spec.model, weights=None, num_classes=num_classes)
+
+
+def trainable_model(spec: Model, num_classes: int) -> nn.Module:
+    """build_model's network as a run trains it (and as its plan and checks see it): frozen where --freeze says,
+    before any optimizer has state for it."""
+    model = build_model(spec, num_classes)
+    freeze(model, frozen_names(spec, model, num_classes))
+    return model
+
+
+def head_name(model: nn.Module, num_classes: int) -> str:
+    """The classifier head: the last nn.Linear with num_classes outputs (fc, classifier.1, heads.head, ...)."""
+    heads = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    if not heads:
+        raise ConfigError(f"--model {type(model).__name__} has no linear layer with {num_classes} outputs to take as "
+                          f"its classifier head: give a model whose last layer is an nn.Linear")
+    return heads[-1]
+
+
+def frozen_names(spec: Model, model: nn.Module, num_classes: int) -> list[str]:
+    """The parameter names --freeze selects; a prefix that selects nothing is a mistake."""
+    if not spec.freeze:
+        return []
+    names = [name for name, _ in model.named_parameters()]
+    if spec.freeze == "backbone":
+        head = head_name(model, num_classes) + "."
+        return [n for n in names if not n.startswith(head)]
+    chosen = []
+    for prefix in (p.strip() for p in spec.freeze.split(",") if p.strip()):
+        matched = [n for n in names if n == prefix or n.startswith(prefix + ".")]
+        if not matched:
+            close = difflib.get_close_matches(prefix, sorted({n.rsplit(".", 1)[0] for n in names}), n=3)
+            raise ConfigError(f"--freeze {prefix}: no parameter of --model {spec.model} is named so"
+                              f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give name prefixes such as "
+                              f"{names[0].split('.')[0]}, or backbone")
+        chosen += matched
+    return chosen
+
+
+def freeze(model: nn.Module, names: list[str]) -> None:
+    """No gradient for these parameters; BatchNorm layers whose parameters are all frozen stay in eval mode."""
+    frozen = set(names)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    for name, module in model.named_modules():
+        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, BATCH_NORMS) and own and frozen.issuperset(own):
+            module.register_forward_pre_hook(_stay_in_eval)
+
+
+def _stay_in_eval(module: nn.Module, _inputs) -> None:
+    module.training = False  # its running statistics belong to the frozen weights
 
 
 def check_model_spec(spec: Model) -> None:

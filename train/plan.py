@@ -25,11 +25,11 @@ from train.runfiles import launch_run_dir
 from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of
 from train.ema import adjusted_decay
 from train.errors import ConfigError
-from train.models import build_model
+from train.models import trainable_model
 from train.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.resume import Layout
 from train.runtime import precision_of
-from train.weights import cached_file, freeze, frozen_names, normalisation, resolve
+from train.weights import cached_file, normalisation, resolve
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
 LR_EVERY_STEP = 1000
@@ -186,8 +186,7 @@ def dry_run(cfg: Config, world: int) -> Plan:
                               f"without --dry-run (with --download) first, or point --data-dir at it") from None
     train_set, val_set, num_classes = build_datasets(cfg)
     with torch.device("meta"):
-        model = build_model(cfg.model, num_classes)
-    freeze(model, frozen_names(cfg.model, model, num_classes))
+        model = trainable_model(cfg.model, num_classes)
     device = planned_device(cfg)
     return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
                      launch_run_dir(cfg))

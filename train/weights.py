@@ -1,20 +1,16 @@
-"""Starting from trained weights (--weights) and freezing parts of a model (--freeze).
+"""Starting from trained weights (--weights); freezing parts of a model (--freeze) is train/models.py's.
 
   --weights ResNet50_Weights.IMAGENET1K_V2   torchvision's named weights (DEFAULT: the model's default), fetched
                                              once per node into TORCH_HOME (put it on the NAS), checked against
                                              the SHA-256 prefix in the file's name
   --weights runs/a/model.pt                  a trainbox model.pt, best.pt or checkpoint, or a plain state_dict
-  --freeze backbone                          every parameter but the classifier head (a linear probe)
-  --freeze conv1,layer1                      parameters whose names start with these prefixes
 
-The classifier head (the last linear layer with as many outputs as classes) is replaced when the weights have
-another class count; every other tensor must fit exactly. Frozen parameters get no gradient and no optimizer
-state, and their BatchNorm layers stay in evaluation mode, so their running statistics do not move either.
+The classifier head (the last linear layer with as many outputs as classes, models.head_name) is replaced when the
+weights have another class count; every other tensor must fit exactly.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import logging
 import os
@@ -30,7 +26,7 @@ from train.distributed import gather
 from train.identity import identity
 from train.downloads import private_name, publish
 from train.errors import ConfigError
-from train.models import BATCH_NORMS
+from train.models import head_name
 from train.progress import Progress
 from train.runfiles import file_digest
 from train.vision import named_weights
@@ -39,51 +35,6 @@ log = logging.getLogger("train")
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 # trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (data.prepare_inputs)
 MEAN, STD = 0.5, 0.25
-
-
-def head_name(model: nn.Module, num_classes: int) -> str:
-    """The classifier head: the last nn.Linear with num_classes outputs (fc, classifier.1, heads.head, ...)."""
-    heads = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
-    if not heads:
-        raise ConfigError(f"--model {type(model).__name__} has no linear layer with {num_classes} outputs to take as "
-                          f"its classifier head: give a model whose last layer is an nn.Linear")
-    return heads[-1]
-
-
-def frozen_names(spec: Model, model: nn.Module, num_classes: int) -> list[str]:
-    """The parameter names --freeze selects; a prefix that selects nothing is a mistake."""
-    if not spec.freeze:
-        return []
-    names = [name for name, _ in model.named_parameters()]
-    if spec.freeze == "backbone":
-        head = head_name(model, num_classes) + "."
-        return [n for n in names if not n.startswith(head)]
-    chosen = []
-    for prefix in (p.strip() for p in spec.freeze.split(",") if p.strip()):
-        matched = [n for n in names if n == prefix or n.startswith(prefix + ".")]
-        if not matched:
-            close = difflib.get_close_matches(prefix, sorted({n.rsplit(".", 1)[0] for n in names}), n=3)
-            raise ConfigError(f"--freeze {prefix}: no parameter of --model {spec.model} is named so"
-                              f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give name prefixes such as "
-                              f"{names[0].split('.')[0]}, or backbone")
-        chosen += matched
-    return chosen
-
-
-def freeze(model: nn.Module, names: list[str]) -> None:
-    """No gradient for these parameters; BatchNorm layers whose parameters are all frozen stay in eval mode."""
-    frozen = set(names)
-    for name, param in model.named_parameters():
-        if name in frozen:
-            param.requires_grad_(False)
-    for name, module in model.named_modules():
-        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
-        if isinstance(module, BATCH_NORMS) and own and frozen.issuperset(own):
-            module.register_forward_pre_hook(_stay_in_eval)
-
-
-def _stay_in_eval(module: nn.Module, _inputs) -> None:
-    module.training = False  # its running statistics belong to the frozen weights
 
 
 # ---------------------------------------------------------------- --weights

@@ -199,7 +199,8 @@ def test_modules_of_one_concern_take_their_section():
     from train import augment, ema, models, optim, tracker, tracking, weights
 
     takes = {models.build_model: "Model", models.check_model_spec: "Model", weights.read_weights: "Model",
-             weights.fitted: "Model", weights.frozen_names: "Model", weights.resolve: "Model",
+             weights.fitted: "Model", models.frozen_names: "Model", models.trainable_model: "Model",
+             weights.resolve: "Model",
              optim.build_optimizer: "Optimisation", optim.decay_groups: "Optimisation",
              optim.build_scheduler: "Schedule", augment.BatchAugment: "Augmentation",
              augment.BatchAugment.wanted: "Augmentation", ema.adjusted_decay: "Regularisation",

@@ -7,8 +7,8 @@ from torchvision.transforms import v2
 from train.cli import parse_config
 from train.data import prepare_inputs
 from train.errors import ConfigError
-from train.models import build_model
-from train.weights import IMAGENET, freeze, frozen_names, head_name, normalisation, normalisation_on
+from train.models import build_model, freeze, frozen_names, head_name
+from train.weights import IMAGENET, normalisation, normalisation_on
 
 
 @pytest.mark.parametrize("argv, expected", [
