@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 from train.bench.arms import bare_main
 from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
-from train.bench.gpu import GPU_KNOBS, gpu_rows
+from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.sources import source_rows
 from train.identity import usable_cores
@@ -106,25 +106,46 @@ def main(argv: list[str]) -> int:
     print(f"bench: measuring into {out}{'' if ns.gpu_only else ' (about 12 minutes on 2 cores)'}", file=sys.stderr,
           flush=True)
     rows, bars = [], {}
-    if not ns.gpu_only:
-        loop, exactness, recipe, bars = trainer_rows(out, size, ns.rounds)
-        rows = [*loop, *comm_rows(out, size), *exactness, *recipe]
-        rows += pipeline_rows(out, size, ns.rounds)
-        rows += photo_rows(out, size, ns.rounds)
-        rows += camera_rows(out, size, ns.rounds)
-        rows += shard_rows(out, size, ns.rounds)
-        rows += source_rows(out, size, ns.rounds)  # after shard_rows: the same folder
-        rows += checkpoint_rows(out, size, ns.rounds)
-        chart(out / "scaling.png", bars)
-    if torch.cuda.is_available():
-        rows += gpu_rows(out, size, ns.rounds, knobs)
-    text = table(rows, header) + f"\n\n{time.monotonic() - started:.0f} s; written to {out}"
-    (out / "bench.txt").write_text(text + "\n")
-    (out / "bench.json").write_text(to_json({"header": header, "rows": rows, "scaling_samples_per_s": bars,
-                                                "sizes": size, "rounds": ns.rounds}, indent=2) + "\n")
-    print(text)
-    return 0
 
+    def written(failure: str | None = None) -> str:
+        """bench.txt and bench.json as they stand: written after each group of rows, so a bench cut off by a time
+        limit or stopped by a failed arm keeps the rows it measured."""
+        text = table(rows, header) + f"\n\n{time.monotonic() - started:.0f} s; written to {out}"
+        text += f"\n\nstopped: {failure}" if failure else ""
+        (out / "bench.txt").write_text(text + "\n")
+        (out / "bench.json").write_text(to_json({"header": header, "rows": rows, "scaling_samples_per_s": bars,
+                                                    "sizes": size, "rounds": ns.rounds,
+                                                    **({"stopped": failure} if failure else {})}, indent=2) + "\n")
+        return text
+
+    groups = []
+    if not ns.gpu_only:
+        def trainer_group():
+            loop, exactness, recipe, measured = trainer_rows(out, size, ns.rounds)
+            bars.update(measured)
+            return [*loop, *comm_rows(out, size), *exactness, *recipe]
+
+        groups += [trainer_group, lambda: pipeline_rows(out, size, ns.rounds),
+                   lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
+                   lambda: shard_rows(out, size, ns.rounds),
+                   lambda: source_rows(out, size, ns.rounds),  # after shard_rows: the same folder
+                   lambda: checkpoint_rows(out, size, ns.rounds)]
+    if torch.cuda.is_available():
+        groups.append(lambda: gpu_rows(out, size, ns.rounds, knobs))
+        if "jpeg" in knobs:
+            groups.append(lambda: jpeg_rows(out, size, ns.rounds))
+    for group in groups:
+        try:
+            rows += group()
+        except SystemExit as e:  # an arm that failed (arms.run): the rows so far stay, with the reason
+            print(written(str(e.code).splitlines()[0]))
+            print(e.code, file=sys.stderr)
+            return 1
+        written()
+    if bars:
+        chart(out / "scaling.png", bars)
+    print(written())
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

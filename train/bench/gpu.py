@@ -19,6 +19,14 @@ GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-gra
              "jpeg", "ema", "mixup")
 
 
+def gpu_base(size: dict) -> list:
+    """The GPU rows' run: ResNet-50, 224 px, synthetic images on the device, bf16, channels_last, one GPU."""
+    return ["--spawn", 1, "--dataset", "synthetic", "--model", "resnet50", "--image-size", 224,
+            "--batch-size", size["gpu_batch"], "--train-samples", 1024, "--val-samples", 128,
+            "--max-steps", size["gpu_steps"], "--log-every", size["window"], "--eval-every", 0,
+            "--save-every", 10**6, "--grad-clip", 0, "--precision", "bf16", "--channels-last"]
+
+
 class _HostImages(torch.utils.data.Dataset):
     """`distinct` random uint8 images held in host memory, read `repeat` times: a loader with no decode cost."""
 
@@ -44,12 +52,17 @@ def host_to_device(pin: bool, batch: int, batches: int, size: int, device: torch
                  device)
 
 
+def on_files(base: list, data: Path) -> list:
+    """The run of `base` on the ImageFolder `data`: a folder's size is its files', so the synthetic set's flags and
+    their values go (the trainer refuses a flag that has no effect)."""
+    synthetic_only = {"--dataset", "--train-samples", "--val-samples"}
+    kept = [a for i, a in enumerate(base) if a not in synthetic_only and (i == 0 or base[i - 1] not in synthetic_only)]
+    return [*kept, "--dataset", "imagefolder", "--data-dir", data]
+
+
 def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) -> list[dict]:
     """ResNet-50, 224 px, synthetic data on the device, bf16 + channels_last, 1 GPU (DDP of 1)."""
-    base = ["--spawn", 1, "--dataset", "synthetic", "--model", "resnet50", "--image-size", 224,
-            "--batch-size", size["gpu_batch"], "--train-samples", 1024, "--val-samples", 128,
-            "--max-steps", size["gpu_steps"], "--log-every", size["window"], "--eval-every", 0,
-            "--save-every", 10**6, "--grad-clip", 0, "--precision", "bf16", "--channels-last"]
+    base = gpu_base(size)
     knobs = {"fp32 instead of bf16": ("fp32", ["--precision", "fp32"]),
              "without channels_last": ("no-channels-last", None),
              "torch.compile": ("compile", ["--compile"]),
@@ -87,7 +100,6 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
                 rates[pin] = images / seconds
             pinned.append(rates[False] / rates[True])
             torch.cuda.empty_cache()  # leave the GPU's memory to the trainer runs that follow
-    jpeg = jpeg_rows(out, size, rounds, base) if "jpeg" in only else []
     name = torch.cuda.get_device_name(0)
     rows = [row(f"GPU images/s: trainbox / bare loop (ResNet-50, 224 px, bf16, channels_last, {name})", vs_bare,
                 f"trainbox {median(trainer_ips):.0f} img/s, bare {median(bare_ips):.0f} img/s, batch "
@@ -102,17 +114,17 @@ def gpu_rows(out: Path, size: dict, rounds: int, only: list[str] = GPU_KNOBS) ->
         rows.append(row("GPU knob: images/s onto the GPU from the trainer's loader without pinned memory / with it",
                         pinned, f"224 px uint8 held on the host, batch {size['gpu_batch']}, no model: the "
                         f"loader and the non_blocking copy alone"))
-    return rows + jpeg
+    return rows
 
 
-def jpeg_rows(out: Path, size: dict, rounds: int, base: list) -> list[dict]:
+def jpeg_rows(out: Path, size: dict, rounds: int) -> list[dict]:
     """The same ResNet-50 run on ImageNet-sized JPEG files (the trainer's default loader workers), decoded by
     the workers (--decode cpu) or on the GPU (--decode gpu), against synthetic images held on the device."""
+    base = gpu_base(size)
     data = out / "photos-gpu"
     make_photos(data / "train", size["gpu_photos"], classes=100, seed=1)
     make_photos(data / "val", 100, classes=100, seed=2)
-    files = [a for a in base if str(a) not in ("synthetic", "--dataset")]
-    files = [*files, "--dataset", "imagefolder", "--data-dir", data]
+    files = on_files(base, data)
     ratios: dict[str, list[float]] = {"cpu": [], "gpu": []}
     waits: dict[str, list[float]] = {"cpu": [], "gpu": []}
     util: dict[str, list[float]] = {"cpu": [], "gpu": []}
