@@ -172,3 +172,29 @@ def leaves_a_thread(num_classes: int) -> nn.Module:
 
     threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
     return tiny_groupnorm_cnn(num_classes)
+
+
+class _InDouble(nn.Module):
+    """A network in float64, its input cast on the way in. Two runs that sum the same numbers in another order (more
+    workers, accumulation) then differ by float64's rounding, about 1e-16 a step and well under 1e-9 after tens of
+    steps on any CPU, where a wrong sample moves the weights by far more (3e-3 and up, measured in
+    tests/e2e/test_reproducibility.py): their tests compare tightly on every machine. float32's rounding, amplified
+    over 27 steps, reached 3e-5 on values near 0.2 on one CPU and not on another."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net.double()
+
+    def forward(self, x):
+        return self.net(x.double())
+
+
+def small_cnn_in_double(num_classes: int) -> nn.Module:
+    """The debug preset's built-in CNN (with BatchNorm), in float64."""
+    from train.models import SmallCNN
+
+    return _InDouble(SmallCNN(num_classes, width=8))
+
+
+def tiny_groupnorm_cnn_in_double(num_classes: int) -> nn.Module:
+    return _InDouble(tiny_groupnorm_cnn(num_classes))
