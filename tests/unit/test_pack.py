@@ -28,6 +28,7 @@ from train.data.decode import load_image
 from train.identity import usable_cores
 from train.errors import ConfigError, DataError
 from train.data.folders import imagefolder_split
+from train.data.tars import check_shards
 from train.pack import pack, verify
 from train.packimages import shrink
 from train.packshards import JOURNAL, write_shard
@@ -112,6 +113,9 @@ def test_verify_finds_a_damaged_shard_and_reading_it_names_the_sample(packed, tm
     shard.write_bytes(bytes(data[: len(data) // 2]))
     problems = verify(copy)
     assert len(problems) == 1 and f"{shard} is damaged" in problems[0]
+    with pytest.raises(ConfigError, match=f"^{shard} holds [0-9,]+ bytes, and index.json records [0-9,]+: a shard cut "
+                                          f"short, changed or removed: run `python -m train.pack --verify {copy}`"):
+        check_shards(copy)  # before any worker starts
     split = ShardSplit(copy, "train")
     with pytest.raises(DataError, match=f"{shard} is damaged: sample 0+\\d of {shard} is cut short"):
         for i in range(split.starts[1]):

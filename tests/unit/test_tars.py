@@ -20,6 +20,7 @@ from train.data import build_datasets
 from train.data.tarindex import CACHE, FALLBACK, find_tars, load_split
 from train.data.tars import check_shards, tar_splits
 from train.errors import ConfigError, DataError
+from train.pack import main as pack_main
 
 
 def png(colour=(200, 30, 30)) -> bytes:
@@ -79,29 +80,101 @@ def test_a_label_that_names_no_class_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("damage, says", [
     ("gzip", r"cannot be read as a plain tar .*: a damaged, compressed \(.tar.gz\) or other file"),
-    ("cut-in-a-member", r"is cut short \(it ends inside a member, after the sample 't12'\): copy the tar again"),
-    ("cut-in-a-header", r"is cut short \(it ends inside a member, after the sample 't1[01]'\)"),
     ("text", r"cannot be read as a plain tar"),
     ("empty-tar", r"holds no sample"),
+    ("a-header-damaged", r"is damaged \(after the member t11.cls, at byte {t12}, comes neither a member's header nor "
+                         r"the end of the tar\): copy the tar again"),
 ])
 def test_a_damaged_compressed_or_foreign_file_is_one_line(tmp_path, damage, says):
     dataset(tmp_path)
     tar = tmp_path / "train-001.tar"
     if damage == "gzip":
         tar.write_bytes(gzip.compress(tar.read_bytes()))
-    elif damage == "cut-in-a-member":
-        with tarfile.open(tar) as whole:
-            last = whole.getmembers()[-1]
-        os.truncate(tar, last.offset_data + 5)
-    elif damage == "cut-in-a-header":
-        os.truncate(tar, 2600)
     elif damage == "text":
         tar.write_text("not a tar at all\n" * 100)
-    else:
+    elif damage == "empty-tar":
         write_tar(tar, [])
+    else:  # the header of t12.png overwritten: tarfile would end the tar there without a word
+        with tarfile.open(tar) as whole:
+            t12 = whole.getmember("t12.png").offset
+        with open(tar, "r+b") as f:
+            f.seek(t12)
+            f.write(b"x" * 512)
+        says = says.format(t12=f"{t12:,}")
     with pytest.raises(ConfigError, match=f"^{tar}: |^{tar} |^cannot read {tar}") as e:
         check_shards(tmp_path)
     assert re.search(says, str(e.value)) and "\n" not in str(e.value), e.value
+
+
+NO_END = r"without the two blocks of zeros that end a tar\)"
+
+
+def cut_at(tar, where: str) -> int:
+    """Where in the whole tar a cut falls (its members: t10.png, t10.cls, t11.png, t11.cls, then t12's, then with a
+    long name, its pax header first)."""
+    with tarfile.open(tar) as whole:
+        members = {m.name.rsplit("/", 1)[-1]: m for m in whole.getmembers()}
+        end = whole.offset  # the end of the last member: the two blocks of zeros that end a tar follow
+    return {"in-a-member's-data": members["t12.png"].offset_data + 5,
+            "between-a-sample's-members": members["t11.cls"].offset,  # t11 loses its label, t12 all
+            "between-samples": members["t12.png"].offset,
+            "in-a-header": members["t12.png"].offset + 100,
+            "in-a-long-name's-header": members["t12.png"].offset + 512 + 10,  # in the pax header's records
+            "before-the-end-blocks": end,
+            "in-the-end-blocks": end + 512}[where]
+
+
+@pytest.mark.parametrize("where, says", [
+    ("in-a-member's-data", r"\(it ends inside the member t12.png\)"),
+    ("between-a-sample's-members", rf"\(it ends after the member t11.png, {NO_END}"),
+    ("between-samples", rf"\(it ends after the member t11.cls, {NO_END}"),
+    ("in-a-header", r"\(it ends inside the header after the member t11.cls\)"),
+    ("in-a-long-name's-header", r"\(it ends inside the header after the member t11.cls\)"),
+    ("before-the-end-blocks", rf"\(it ends after the member t12.cls, {NO_END}"),
+    ("in-the-end-blocks", rf"\(it ends after the member t12.cls, {NO_END}"),
+], ids=lambda value: value if " " not in value else "")
+def test_a_tar_cut_short_anywhere_is_one_line(tmp_path, where, says):
+    key = "t12" if where != "in-a-long-name's-header" else "x" * 100 + "/t12"  # over 100 characters: a pax header
+    data = dataset(tmp_path, [[(f"t0{i}", {"png": png(), "cls": str(i).encode()}) for i in range(3)],
+                              [(k, {"png": png(), "cls": str(i).encode()}) for i, k in enumerate(["t10", "t11", key])]])
+    tar = data / "train-001.tar"
+    os.truncate(tar, cut_at(tar, where))
+    with pytest.raises(ConfigError, match=rf"^{tar} is cut short {says}: copy the tar again$"):
+        check_shards(data)
+    assert not (data / CACHE / "train.json").exists()
+
+
+def test_a_cut_tar_stops_training_and_make_pack_before_they_start(tmp_path, capsys):
+    data = dataset(tmp_path / "data", [[(f"s{i:02d}", {"png": png((i, 0, 0)), "cls": str(i % 3).encode()})
+                                        for i in range(32)]])
+    tar = data / "train-000.tar"
+    with tarfile.open(tar) as whole:
+        os.truncate(tar, whole.getmember("s16.png").offset)  # halfway, between samples: tarfile alone reads 16
+    line = rf"{tar} is cut short \(it ends after the member s15.cls, {NO_END}: copy the tar again"
+    with pytest.raises(ConfigError, match=f"^{line}$"):  # the launcher's check, before any worker starts
+        preflight(parse_config(["--dataset", "shards", "--data-dir", str(data), "--dry-run"]))
+    with pytest.raises(ConfigError, match=f"^{line}$"):  # the run's own index (rank 0's)
+        tar_splits(data, ("train",), "cls")
+    assert pack_main([str(data), str(tmp_path / "packed")]) == 2  # make pack
+    assert re.fullmatch(f"error: {line}\n", capsys.readouterr().err)
+    assert not (tmp_path / "packed" / "index.json").exists()
+
+
+def test_an_index_made_of_a_cut_tar_before_cut_tars_were_refused_is_not_used(tmp_path):
+    data = dataset(tmp_path)
+    load_split(data, "train", "cls")
+    tar = data / "train-001.tar"
+    with tarfile.open(tar) as whole:
+        os.truncate(tar, whole.getmember("t12.png").offset)  # t12 gone: the index of 3 + 2 samples it made
+    cache = data / CACHE
+    record = json.loads((cache / "train.json").read_text())
+    record["format"] = 1
+    record["tars"][1].update(bytes=tar.stat().st_size, mtime_ns=tar.stat().st_mtime_ns, samples=2)
+    (cache / "train.json").write_text(json.dumps(record))
+    (cache / "train.idx").write_bytes((cache / "train.idx").read_bytes()[:24 * 5])
+    (cache / "train.names").write_text("\n".join((cache / "train.names").read_text().split("\n")[:5]))
+    with pytest.raises(ConfigError, match=rf"^{tar} is cut short \(it ends after the member t11.cls"):
+        check_shards(data)
 
 
 def test_the_layouts_and_their_ambiguity(tmp_path):

@@ -8,7 +8,8 @@ modification time.
   DIR/.trainbox-index/SPLIT.idx     per sample: offset, size, label (int64 x 3), the tars one after another
   DIR/.trainbox-index/SPLIT.names   per sample: its image member's name, one a line
 
-The .json is written last (each file whole, under a temporary name first): it makes the other two valid.
+The .json is written last (each file whole, under a temporary name first): it makes the other two valid. One tar's
+samples are read, and the tar checked whole, in train/data/tarread.py.
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ import hashlib
 import json
 import multiprocessing
 import os
-import re
-import tarfile
-from array import array
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
-from train.data.scan import IMAGE_EXTENSIONS
+from train.data.tarread import index_tar
 from train.distributed import broadcast_from_main
 from train.identity import is_main, usable_cores
 from train.errors import ConfigError
@@ -34,10 +32,8 @@ from train.runfiles import atomic_write, to_json
 
 CACHE = ".trainbox-index"  # beside the tars
 FALLBACK = "data-index"  # in the run folder, where the tars' folder cannot be written
-FORMAT = 1
+FORMAT = 2  # 2: a tar cut short is refused (1 indexed the members before the cut)
 SPLITS = ("train", "val")
-IMAGE_SUFFIXES = tuple(e[1:] for e in IMAGE_EXTENSIONS)  # the ImageFolder's, in the order a sample's image is taken
-KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # webdataset's base_plus_ext: key, suffix
 DEFAULT_LABEL_KEY = "cls"
 
 
@@ -58,74 +54,6 @@ def find_tars(root: Path, splits: tuple[str, ...] = SPLITS) -> dict[str, list[Pa
 
 def has_split(root: Path, split: str) -> bool:
     return any(root.glob(f"{split}-*.tar")) or (root / split).is_dir() and any((root / split).glob("*.tar"))
-
-
-def _label(tar: tarfile.TarFile, members: dict, key: str, label_key: str, path: str) -> int:
-    """The sample's label: the integer in <key>.<label_key>, else <key>.json's value at label_key."""
-    if label_key in members:
-        text, where = tar.extractfile(members[label_key]).read().decode("utf-8", "replace").strip(), \
-            f"{key}.{label_key}"
-    elif "json" in members:
-        try:
-            record = json.loads(tar.extractfile(members["json"]).read())
-        except ValueError as e:
-            raise ConfigError(f"{path}: the sample {key!r} has a {key}.json that is not JSON ({e}): repair or remove "
-                              f"the sample") from None
-        if not isinstance(record, dict) or label_key not in record:
-            raise ConfigError(f"{path}: the sample {key!r} has no label (no {key}.{label_key}, and no "
-                              f"{label_key!r} in {key}.json): pass --label-key with the name its label has, or "
-                              f"remove the sample")
-        text, where = record[label_key], f"{key}.json's {label_key!r}"
-        text = str(text).strip() if isinstance(text, (int, str)) and not isinstance(text, bool) else repr(text)
-    else:
-        raise ConfigError(f"{path}: the sample {key!r} has no label (no {key}.{label_key} or {key}.json): add one, "
-                          f"pass --label-key with the name its label has, or remove the sample")
-    if not (text.isascii() and text.isdigit()):
-        raise ConfigError(f"{path}: the label of the sample {key!r} ({where}: {text!r}) is not a class index (a whole "
-                          f"number from 0): give the index, with the names in {Path(path).parent}/classes.txt")
-    return int(text)
-
-
-def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
-    """One tar's samples: their rows (offset, size, label; int64 x 3, as bytes) and their image members' names, one a
-    line. Runs in an indexing process."""
-    rows, names = array("q"), []
-
-    def close(key: str | None, members: dict) -> None:
-        if key is None:
-            return
-        image = next((members[s] for s in IMAGE_SUFFIXES if s in members), None)
-        if image is None:
-            raise ConfigError(f"{path}: the sample {key!r} has no image ({', '.join(f'.{s}' for s in IMAGE_SUFFIXES)};"
-                              f" it has {', '.join(sorted(members))}): add its image, or remove the sample")
-        if "\n" in image.name:
-            raise ConfigError(f"{path}: the sample {key!r} has a line break in its name: rename it")
-        rows.extend((image.offset_data, image.size, _label(tar, members, key, label_key, path)))
-        names.append(image.name)
-
-    try:
-        with tarfile.open(path, mode="r:") as tar:
-            key, members = None, {}
-            for member in tar:
-                match = KEY.match(member.name) if member.isfile() else None
-                if match is None:
-                    continue  # folders, links, files without a suffix: not a sample's part (webdataset skips them)
-                if match[1] != key:
-                    close(key, members)
-                    key, members = match[1], {}
-                members[match[2].lower() if match[2].lower() in IMAGE_SUFFIXES else match[2]] = member
-            close(key, members)
-    except (tarfile.ReadError, EOFError) as e:
-        if str(e) == "unexpected end of data":  # tarfile's word for a file that ends inside a member
-            raise ConfigError(f"{path} is cut short (it ends inside a member, after the sample {key!r}): copy the tar "
-                              f"again") from None
-        raise ConfigError(f"{path} cannot be read as a plain tar ({e}): a damaged, compressed (.tar.gz) or other file; "
-                          f"reading by offset needs uncompressed tars: copy it again, or decompress it") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {path} ({e.strerror}): check its permissions and the storage") from None
-    if not names:
-        raise ConfigError(f"{path} holds no sample (members named <key>.<suffix>): remove it from {Path(path).parent}")
-    return rows.tobytes(), "\n".join(names)
 
 
 class TarIndex:

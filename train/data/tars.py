@@ -12,10 +12,9 @@ label the integer in <key>.<label key> (--label-key, default cls), else the valu
 Indexing (train/data/tarindex.py) reads each member's header (tarfile gives its data's offset and size) and the small
 label members, once, in a process per core over the tars; the index goes into DIR/.trainbox-index/ (or, where DIR
 cannot be written, RUN_DIR/data-index/), and is used again while every tar keeps its size and modification time. The
-ranks of a run read rank 0's. Order: the tars
-sorted by name, each one's samples in the tar's order. A sample without an image or a label, a label that is not a
-whole number or names no class, and a tar that is damaged, compressed or not a tar, are one line naming the tar (and
-the sample's key), before any worker starts.
+ranks of a run read rank 0's. Order: the tars sorted by name, each one's samples in the tar's order. A sample without an image or a label, a label
+that is not a whole number or names no class, and a tar that is cut short, damaged, compressed or not a tar, are one
+line naming the tar (and the sample's key or the member), before any worker starts.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from pathlib import Path
 
 from train.data.folders import OffsetSplit, is_pack, read_index
 from train.data.labelfiles import class_list
-from train.data.tarindex import DEFAULT_LABEL_KEY, KEY, TarIndex, has_split, load_split, shared_split
+from train.data.tarindex import DEFAULT_LABEL_KEY, TarIndex, has_split, load_split, shared_split
+from train.data.tarread import KEY
 from train.errors import ConfigError
 
 
@@ -84,16 +84,33 @@ def tar_splits(root: Path, splits: tuple[str, ...], label_key: str, run_dir: Pat
     return {split: TarSplit(index, *classes_of(root, train, index, split)) for split, index in indices.items()}
 
 
+def check_pack_sizes(root: Path, index: dict) -> None:
+    """Every shard of a pack as large as index.json records (a stat each): a shard cut short would otherwise stop
+    the run only where the loader meets it."""
+    try:
+        shards = [(root / s["name"], s["bytes"]) for split in index["splits"].values() for s in split["shards"]]
+    except (KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{root}/index.json is not a pack's index (no splits with their shards' names and sizes): "
+                          f"pack the dataset again") from None
+    for path, recorded in shards:
+        size = path.stat().st_size if path.is_file() else None
+        if size != recorded:
+            now = "is missing" if size is None else f"holds {size:,} bytes"
+            raise ConfigError(f"{path} {now}, and index.json records {recorded:,}: a shard cut short, changed or "
+                              f"removed: run `python -m train.pack --verify {root}`, then pack the dataset again")
+
+
 def check_shards(root: Path, label_key: str = DEFAULT_LABEL_KEY) -> None:
-    """--dataset shards, before any worker starts: a pack's index, or the tars of another tool indexed (cached beside
-    them where the folder can be written) and every sample's image and label checked."""
+    """--dataset shards, before any worker starts: a pack's index and its shards' sizes, or the tars of another tool
+    indexed (cached beside them where the folder can be written) and every sample's image and label checked."""
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder: point --data-dir at the shards (a pack, or WebDataset tars)")
     if is_pack(root):
-        read_index(root)
+        index = read_index(root)
         if label_key != DEFAULT_LABEL_KEY:
             raise ConfigError(f"--label-key {label_key} has no effect on {root}, a trainbox pack (its labels are in "
                               f"its index): drop it")
+        check_pack_sizes(root, index)
         return
     train = load_split(root, "train", label_key)
     val = load_split(root, "val", label_key)
