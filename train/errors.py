@@ -36,6 +36,14 @@ class PeerGaveUp(ConfigError):
     with the same exit code and says nothing more."""
 
 
+def first_few(names, shown: int = 3) -> str:
+    """The first `shown` of names and how many more: a line that names what is wrong stays short whatever the
+    dataset's size ("a, b, c and 4,997 more")."""
+    names = list(names)
+    more = len(names) - shown
+    return ", ".join(map(str, names[:shown])) + (f" and {more:,} more" if more > 0 else "")
+
+
 def one_line(error: Exception) -> str:
     """The message itself, also when a DataLoader worker re-raised it with its whole traceback."""
     text = str(error).strip()

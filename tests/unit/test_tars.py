@@ -56,14 +56,31 @@ def dataset(root, train=None, val=None):
     ({"png": png(), "cls": b"cat"}, r"the label of the sample 'bad' \(bad.cls: 'cat'\) is not a class index"),
     ({"png": png(), "cls": b"-1"}, r"the label of the sample 'bad' \(bad.cls: '-1'\) is not a class index"),
     ({"png": png(), "json": b"{oops"}, r"the sample 'bad' has a bad.json that is not JSON"),
+    ({"png": png(), "cls": b"x" * 100_000}, r"\(bad.cls: 'x{40}'... \(100,000 characters\)\) is not a class index"),
 ])
 def test_a_sample_without_an_image_or_a_label_is_one_line_naming_the_tar_and_the_key(tmp_path, sample, says):
     dataset(tmp_path, [[("a", {"png": png(), "cls": b"0"})], [("b", {"png": png(), "cls": b"1"}), ("bad", sample)]])
     with pytest.raises(ConfigError) as e:
         check_shards(tmp_path)
-    assert "\n" not in str(e.value) and str(e.value).startswith(str(tmp_path)), e.value
+    assert "\n" not in str(e.value) and str(e.value).startswith(str(tmp_path)) and len(str(e.value)) < 500, e.value
     assert re.search(says, str(e.value)), e.value
     assert not (tmp_path / CACHE / "train.json").exists()  # nothing cached that would hide it next time
+
+
+def test_keys_with_a_dot_are_named_as_the_cause_in_a_line_that_does_not_grow_with_the_tar(tmp_path):
+    samples = [(f"img.{i:04d}", {"jpg": png(), "cls": b"0"}) for i in range(500)]  # webdataset: one sample, 'img'
+    dataset(tmp_path, [samples])
+    with pytest.raises(ConfigError) as e:
+        check_shards(tmp_path)
+    assert str(e.value) == (f"{tmp_path}/train-000.tar: the sample 'img' has no image: its 1,000 members "
+                            f"(img.0000.cls, img.0000.jpg, img.0001.cls and 997 more) are one sample to webdataset, "
+                            f"which takes a member's key up to the first dot of its name (img.0000.jpg: the key 'img', "
+                            f"the part '0000.jpg', not an image): write the tars again with keys that hold no dot "
+                            f"(img_0000.jpg)")
+    dataset(tmp_path, [[("k", {f"part{i}": b"x" for i in range(500)})]])
+    with pytest.raises(ConfigError, match=r"the sample 'k' has no image \(.*; it has part0, part1, part10 and 497 "
+                                          r"more\): add its image, or remove the sample$"):
+        check_shards(tmp_path)
 
 
 def test_a_label_that_names_no_class_is_one_line(tmp_path):

@@ -16,7 +16,7 @@ from array import array
 from pathlib import Path
 
 from train.data.scan import IMAGE_EXTENSIONS
-from train.errors import ConfigError
+from train.errors import ConfigError, first_few
 
 IMAGE_SUFFIXES = tuple(e[1:] for e in IMAGE_EXTENSIONS)  # the ImageFolder's, in the order a sample's image is taken
 KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # webdataset's base_plus_ext: key, suffix
@@ -43,14 +43,26 @@ def _label(tar: tarfile.TarFile, members: dict, key: str, label_key: str, path: 
         raise ConfigError(f"{path}: the sample {key!r} has no label (no {key}.{label_key} or {key}.json): add one, "
                           f"pass --label-key with the name its label has, or remove the sample")
     if not (text.isascii() and text.isdigit()):
-        raise ConfigError(f"{path}: the label of the sample {key!r} ({where}: {text!r}) is not a class index (a whole "
+        shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text):,} characters)"
+        raise ConfigError(f"{path}: the label of the sample {key!r} ({where}: {shown}) is not a class index (a whole "
                           f"number from 0): give the index, with the names in {Path(path).parent}/classes.txt")
     return int(text)
 
 
 def _no_image(path: str, key: str, members: dict) -> ConfigError:
+    """A sample without an image: its image missing, or a key with a dot in it (webdataset's key is a member's name
+    up to its first dot, so img.0000.jpg, img.0001.jpg ... are parts of one sample 'img', not its images)."""
+    parts = sorted(members)
+    dotted = [s for s in parts if "." in s and s.rsplit(".", 1)[1].lower() in IMAGE_SUFFIXES]
+    if dotted:
+        example, named = f"{key}.{dotted[0]}", [f"{key}.{s}" for s in parts]
+        fixed = f"{key}_{dotted[0].replace('.', '_', dotted[0].count('.') - 1)}"
+        return ConfigError(f"{path}: the sample {key!r} has no image: its {len(named):,} members ({first_few(named)}) "
+                           f"are one sample to webdataset, which takes a member's key up to the first dot of its name "
+                           f"({example}: the key {key!r}, the part {dotted[0]!r}, not an image): write the tars again "
+                           f"with keys that hold no dot ({fixed})")
     return ConfigError(f"{path}: the sample {key!r} has no image ({', '.join(f'.{s}' for s in IMAGE_SUFFIXES)}; it "
-                       f"has {', '.join(sorted(members))}): add its image, or remove the sample")
+                       f"has {first_few(parts)}): add its image, or remove the sample")
 
 
 def _cut_or_damaged(path: str, tar: tarfile.TarFile, error: str | None = None) -> ConfigError | None:
