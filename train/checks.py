@@ -50,7 +50,9 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     if cfg.data.dataset == "csv":  # every row, in seconds for a million; whether each file exists is left to the loader
         check_labelfiles(Path(cfg.data.data_dir), cfg.data.path_column, cfg.data.label_column)
     if cfg.data.dataset == "shards":  # a pack's index, or another tool's tars indexed once (and cached)
-        check_shards(Path(cfg.data.data_dir), cfg.data.label_key)
+        # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
+        check_shards(Path(cfg.data.data_dir), cfg.data.label_key,
+                     Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
     if cfg.data.dataset == "hf":  # the layout, the columns and every label (the label column alone is read)
         check_hf(Path(cfg.data.data_dir), cfg.data.image_column, cfg.data.label_column, cfg.data.train_split,
                  cfg.data.val_split)

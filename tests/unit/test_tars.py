@@ -5,10 +5,14 @@ line naming the tar and the key, before any worker starts; a member that cannot 
 import gzip
 import io
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import signal
+import socket
 import tarfile
+import time
 
 import pytest
 from PIL import Image
@@ -17,7 +21,7 @@ from tests.sources import add_member
 from train.checks import preflight
 from train.cli import parse_config
 from train.data import build_datasets
-from train.data.tarindex import CACHE, FALLBACK, find_tars, load_split
+from train.data.tarindex import CACHE, FALLBACK, cache_dirs, find_tars, indexing, load_split
 from train.data.tars import check_shards, tar_splits
 from train.errors import ConfigError, DataError
 from train.pack import main as pack_main
@@ -238,6 +242,64 @@ def test_where_the_folder_cannot_be_written_the_index_goes_into_the_run_folder(t
     assert index.where.parent == run_dir / FALLBACK and (index.where / "train.json").is_file()
     assert load_split(data, "train", "cls", run_dir).where == index.where  # read from there next time
     assert load_split(data, "train", "cls").where is None  # without a run folder (a dry run): in memory
+
+
+def test_a_runs_check_indexes_a_read_only_folder_into_its_run_folder_once_and_leaves_none_when_it_refuses(
+        tmp_path, monkeypatch, capsys):
+    data = dataset(tmp_path / "nas")
+    (data / CACHE).write_text("in the way")
+    monkeypatch.setenv("TRAINBOX_PROGRESS_EVERY", "0")  # a progress line at every tar indexed
+    run_dir = tmp_path / "run"
+    preflight(parse_config(["--dataset", "shards", "--data-dir", str(data), "--run-dir", str(run_dir)]))
+    assert "indexing the tars" in capsys.readouterr().err
+    splits = tar_splits(data, ("train", "val"), "cls", run_dir)  # the run's ranks: the check's index, read
+    assert "indexing" not in capsys.readouterr().err and splits["train"].index.where.parent == run_dir / FALLBACK
+    write_tar(data / "val-000.tar", [("v", {"png": png()})])  # no label
+    refused = tmp_path / "refused"
+    with pytest.raises(ConfigError, match="the sample 'v' has no label"):
+        preflight(parse_config(["--dataset", "shards", "--data-dir", str(data), "--run-dir", str(refused)]))
+    assert not refused.exists()
+
+
+def _index_train(data, run_dir, said) -> None:
+    with open(said, "w") as stream:
+        load_split(data, "train", "cls", run_dir, stream=stream)
+
+
+def _hold_the_lock(folder, data, ready) -> None:
+    with indexing([folder], "train", data, quiet=True, stream=None):
+        ready.set()
+        time.sleep(60)
+
+
+def test_processes_that_start_at_once_share_one_indexing_of_a_read_only_folder(tmp_path, monkeypatch):
+    data = dataset(tmp_path / "nas")
+    (data / CACHE).write_text("in the way")  # its index goes into the run folder, which both processes share
+    run_dir = tmp_path / "run"
+    folder = cache_dirs(data, run_dir)[-1]
+    monkeypatch.setenv("TRAINBOX_PROGRESS_EVERY", "0")
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    holder = fork.Process(target=_hold_the_lock, args=(folder, data, ready))  # until both have started: at once
+    holder.start()
+    assert ready.wait(30)
+    said = [tmp_path / f"said-{n}" for n in range(2)]
+    starts = [fork.Process(target=_index_train, args=(data, run_dir, s)) for s in said]
+    for process in starts:
+        process.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(p.is_alive() for p in starts) and \
+            not all(s.exists() and "waiting" in s.read_text() for s in said):
+        time.sleep(0.02)
+    os.kill(holder.pid, signal.SIGKILL)  # its lock goes with it
+    for process in [holder, *starts]:
+        process.join(30)
+    assert [p.exitcode for p in starts] == [0, 0]
+    texts = [s.read_text() for s in said]
+    waiting = f"waiting for {socket.gethostname()} pid {holder.pid}, which is indexing the train split of {data}"
+    assert all(waiting in t for t in texts), texts
+    assert sum("indexing the tars" in t for t in texts) == 1, texts  # the other read its index
+    assert (folder / "train.json").is_file()
 
 
 def test_a_member_that_cannot_be_read_or_decoded_is_one_line_when_met(tmp_path):

@@ -7,6 +7,7 @@ modification time.
   DIR/.trainbox-index/SPLIT.json    the format, the label key, each tar's name, size, modification time and samples
   DIR/.trainbox-index/SPLIT.idx     per sample: offset, size, label (int64 x 3), the tars one after another
   DIR/.trainbox-index/SPLIT.names   per sample: its image member's name, one a line
+  DIR/.trainbox-index/.SPLIT.lock   held by the process that indexes: the others that start at once wait for it
 
 The .json is written last (each file whole, under a temporary name first): it makes the other two valid. One tar's
 samples are read, and the tar checked whole, in train/data/tarread.py.
@@ -14,10 +15,14 @@ samples are read, and the tar checked whole, in train/data/tarread.py.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing
 import os
+import socket
+import sys
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -87,8 +92,10 @@ def _stats(root: Path, tars: list[Path]) -> list[dict]:
 
 
 def cache_dirs(root: Path, run_dir: Path | None) -> list[Path]:
+    """Beside the files, then in the run folder: not where the run folder's parent is missing (a NAS not mounted:
+    the run's own check says so; making the folders there would hide it)."""
     beside = [root / CACHE]
-    if run_dir is None:
+    if run_dir is None or not run_dir.absolute().parent.is_dir():
         return beside
     digest = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
     return [*beside, run_dir / FALLBACK / digest]
@@ -147,10 +154,48 @@ def index_split(root: Path, tars: list[Path], label_key: str, quiet: bool = Fals
     return TarIndex(root, tars, rows, [names for _, names in results])
 
 
+@contextmanager
+def indexing(folders: list[Path], split: str, root: Path, quiet: bool, stream):
+    """The first of `folders` that can hold the split's index, held by this process alone (a POSIX lock on
+    .SPLIT.lock in it: the processes that start at once, on one node or several, wait for the first one's index
+    instead of indexing too; the system releases it when its process ends, killed or not); None where no folder
+    can be written. Where the file system has no locks, the folder comes without one."""
+    for folder in folders:
+        lock = folder / f".{split}.lock"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            continue  # a read-only NAS folder: the next place
+        try:
+            _lock(fd, lock, f"indexing the {split} split of {root}", quiet, stream)
+            yield folder
+        finally:
+            os.close(fd)  # and with it the lock
+        return
+    yield None
+
+
+def _lock(fd: int, lock: Path, doing: str, quiet: bool, stream) -> None:
+    """The lock file `lock` (open as fd) locked, after a line naming the process that holds it, if one does."""
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not quiet:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                print(f"waiting for {holder}, which is {doing} ({lock})", file=stream or sys.stderr, flush=True)
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}".encode(), 0)
+    except OSError:
+        pass  # no locks on this file system (or no room to name the holder): each process indexes, or goes on
+
+
 def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = None, quiet: bool = False,
                stream=None) -> TarIndex:
     """The split's index: from a cache that matches the tars, else indexed and cached (beside the tars, else in the
-    run folder, else kept in memory)."""
+    run folder, else kept in memory), by one process of those that start at once."""
     tars = find_tars(root, (split,))[split]
     stats = _stats(root, tars)
     folders = cache_dirs(root, run_dir)
@@ -158,14 +203,18 @@ def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = No
         cached = _read_cache(folder, root, split, tars, stats, label_key)
         if cached is not None:
             return cached
-    index = index_split(root, tars, label_key, quiet, stream)
-    for folder in folders:
-        try:
-            _write_cache(folder, split, index, stats, label_key)
-        except OSError:
-            continue  # a read-only NAS folder: the next place
-        index.where = folder
-        break
+    with indexing(folders, split, root, quiet, stream) as held:
+        cached = held and _read_cache(held, root, split, tars, stats, label_key)  # made while this one waited
+        if cached:
+            return cached
+        index = index_split(root, tars, label_key, quiet, stream)
+        for folder in folders[folders.index(held):] if held else []:
+            try:
+                _write_cache(folder, split, index, stats, label_key)
+            except OSError:
+                continue  # a read-only NAS folder: the next place
+            index.where = folder
+            break
     return index
 
 

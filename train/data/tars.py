@@ -12,18 +12,21 @@ label the integer in <key>.<label key> (--label-key, default cls), else the valu
 Indexing (train/data/tarindex.py) reads each member's header (tarfile gives its data's offset and size) and the small
 label members, once, in a process per core over the tars; the index goes into DIR/.trainbox-index/ (or, where DIR
 cannot be written, RUN_DIR/data-index/), and is used again while every tar keeps its size and modification time. The
-ranks of a run read rank 0's. Order: the tars sorted by name, each one's samples in the tar's order. A sample without an image or a label, a label
+processes that start at once share one indexing (a lock file beside the index); the ranks of a run read rank 0's.
+Order: the tars sorted by name, each one's samples in the tar's order. A sample without an image or a label, a label
 that is not a whole number or names no class, and a tar that is cut short, damaged, compressed or not a tar, are one
 line naming the tar (and the sample's key or the member), before any worker starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from pathlib import Path
 
 from train.data.folders import OffsetSplit, is_pack, read_index
 from train.data.labelfiles import class_list
-from train.data.tarindex import DEFAULT_LABEL_KEY, TarIndex, has_split, load_split, shared_split
+from train.data.tarindex import DEFAULT_LABEL_KEY, FALLBACK, TarIndex, has_split, load_split, shared_split
 from train.data.tarread import KEY
 from train.errors import ConfigError
 
@@ -100,9 +103,11 @@ def check_pack_sizes(root: Path, index: dict) -> None:
                               f"removed: run `python -m train.pack --verify {root}`, then pack the dataset again")
 
 
-def check_shards(root: Path, label_key: str = DEFAULT_LABEL_KEY) -> None:
+def check_shards(root: Path, label_key: str = DEFAULT_LABEL_KEY, run_dir: Path | None = None) -> None:
     """--dataset shards, before any worker starts: a pack's index and its shards' sizes, or the tars of another tool
-    indexed (cached beside them where the folder can be written) and every sample's image and label checked."""
+    indexed (cached beside them, else in run_dir, the run's folder, where the run reads it; the processes that start
+    at once share one indexing) and every sample's image and label checked. A run folder this check made for a
+    dataset it refuses is removed again."""
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder: point --data-dir at the shards (a pack, or WebDataset tars)")
     if is_pack(root):
@@ -112,7 +117,15 @@ def check_shards(root: Path, label_key: str = DEFAULT_LABEL_KEY) -> None:
                               f"its index): drop it")
         check_pack_sizes(root, index)
         return
-    train = load_split(root, "train", label_key)
-    val = load_split(root, "val", label_key)
-    classes_of(root, train, train, "train")
-    classes_of(root, train, val, "val")
+    made = run_dir is not None and not run_dir.exists()
+    try:
+        train = load_split(root, "train", label_key, run_dir)
+        val = load_split(root, "val", label_key, run_dir)
+        classes_of(root, train, train, "train")
+        classes_of(root, train, val, "val")
+    except ConfigError:
+        if made:
+            shutil.rmtree(run_dir / FALLBACK, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
