@@ -1,6 +1,7 @@
-"""Other tools' WebDataset tars (train/data/tars.py): indexed once, in parallel, into a cache beside them (or in the run
-folder where their folder cannot be written), used again while the tars stay as they were; a bad sample or tar one
-line naming the tar and the key, before any worker starts; a member that cannot be read one line when it is met."""
+"""Other tools' WebDataset tars (train/data/tars.py): indexed once, in parallel, by one of the processes that start at
+once, into a cache beside them (or in the run folder where their folder cannot be written), used again while the tars
+stay as they were; a bad sample or a cut, damaged or foreign tar one line naming the tar and the key or member, that
+does not grow with the tar, before any worker starts; a member that cannot be read one line when it is met."""
 
 import gzip
 import io

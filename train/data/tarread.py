@@ -69,24 +69,25 @@ def _cut_or_damaged(path: str, tar: tarfile.TarFile, error: str | None = None) -
     """Whether the tar ends as a whole tar does (two blocks of zeros where the next header would be), else the
     line that says where it stops: tarfile ends its members without a word at a file cut at a member's end or
     inside a header, and at a header it cannot read. error: what tarfile raised, if it did."""
-    last = f"the member {tar.members[-1].name}" if tar.members else "its start"
+    after = f"after the member {tar.members[-1].name}" if tar.members else "before any member"
     if error == "unexpected end of data":  # tarfile's word for a file that ends inside a member's data
-        return ConfigError(f"{path} is cut short (it ends inside {last}): copy the tar again")
+        return ConfigError(f"{path} is cut short (it ends inside the member {tar.members[-1].name}): copy the tar "
+                           f"again")
     if error in ("truncated header", "empty header"):  # inside a long name's or a pax header's blocks
-        return ConfigError(f"{path} is cut short (it ends inside the header after {last}): copy the tar again")
+        return ConfigError(f"{path} is cut short (it ends inside the header {after}): copy the tar again")
     if error is not None:
-        return ConfigError(f"{path} is damaged (after {last}: {error}): copy the tar again")
+        return ConfigError(f"{path} is damaged ({after}: {error}): copy the tar again")
     tar.fileobj.seek(tar.offset)
     end = tar.fileobj.read(2 * tarfile.BLOCKSIZE)
     if end == bytes(2 * tarfile.BLOCKSIZE):
         return None
     if not any(end):
-        return ConfigError(f"{path} is cut short (it ends after {last}, without the two blocks of zeros that end a "
-                           f"tar): copy the tar again")
+        return ConfigError(f"{path} is cut short (it ends {after}, without the two blocks of zeros that end a tar): "
+                           f"copy the tar again")
     if len(end) < tarfile.BLOCKSIZE:
-        return ConfigError(f"{path} is cut short (it ends inside the header after {last}): copy the tar again")
-    return ConfigError(f"{path} is damaged (after {last}, at byte {tar.offset:,}, comes neither a member's header "
-                       f"nor the end of the tar): copy the tar again")
+        return ConfigError(f"{path} is cut short (it ends inside the header {after}): copy the tar again")
+    return ConfigError(f"{path} is damaged ({after}, at byte {tar.offset:,}, comes neither a member's header nor the "
+                       f"end of the tar): copy the tar again")
 
 
 def index_tar(path: str, label_key: str) -> tuple[bytes, str]:
