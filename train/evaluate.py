@@ -121,7 +121,20 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, l
         raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
                           f"best.pt or a checkpoint of the run") from None
     state = state.get("model", state) if isinstance(state, dict) else state
+    check_finite(state, path, run_dir)
     return cfg, classes, state, path
+
+
+def check_finite(state, path: Path, run_dir: Path) -> None:
+    """Weights to score or ship hold finite numbers only: a tensor with NaN or Infinity in it (a diverged model's,
+    BatchNorm statistics included) is one line naming it."""
+    for name, tensor in state.items() if isinstance(state, dict) else ():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
+            bad = int((~tensor.isfinite()).sum())
+            raise ConfigError(f"{path}: {name} is not finite ({bad} of {tensor.numel()} values NaN or infinite), "
+                              f"the weights of a diverged run: pass a checkpoint from before it diverged "
+                              f"(--checkpoint {run_dir / 'checkpoints'}/step_N.pt, CHECKPOINT= with make), or train "
+                              f"again with a lower --lr")
 
 
 @dataclass

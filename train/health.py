@@ -1,6 +1,8 @@
 """A run that diverges stops: a loss that is not finite (NaN, Infinity) ends it with exit code 2 (a restart would
 only meet it again) and one line, before anything of it is saved, so the newest checkpoint stays a finite one and no
-model.pt, best.pt or EMA of a diverged model is ever written.
+model.pt, best.pt or EMA of a diverged model is ever written. An evaluation's loss counts too (`diverged_evaluation`):
+finite weights can still overflow in a forward pass (BatchNorm statistics of 1e33, say), and such a model never
+ranks as the best.
 
 Each step adds a few operations on the device (no synchronisation): whether the step's loss is finite, and the first
 step and loss that were not. The ranks agree on it at every log line and before every evaluation, checkpoint and the
@@ -79,6 +81,16 @@ class DivergenceGuard:
             return (f"the run diverged: by step {step} fp16's GradScaler had skipped step after step (its scale fell "
                     f"to {scaler.get_scale():.3g}): the gradients overflow however small the loss is scaled")
         return f"the run diverged: by step {step} its weights (or their running statistics) were no longer finite"
+
+
+def diverged_evaluation(step: int, losses: dict[str, float]) -> str | None:
+    """Why an evaluation at `step` shows a diverged model (losses: each evaluated model's validation loss, by its name
+    in the log, "" or "EMA "), or None. Every rank holds the same all-reduced figures: all decide alike, with no
+    collective."""
+    for name, loss in losses.items():
+        if not math.isfinite(loss):
+            return f"the run diverged: the {name}evaluation at step {step} had a loss of {loss}"
+    return None
 
 
 def all_finite(model: torch.nn.Module) -> bool:

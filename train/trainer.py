@@ -30,7 +30,7 @@ from train.identity import identity, is_main
 from train.errors import EXIT_DONE, EXIT_STOPPED
 from train.augment import batch_seed
 from train.evaluate import evaluate
-from train.health import Diverged
+from train.health import Diverged, diverged_evaluation
 from train.runtime import autocast
 from train.watchdog import watchdog
 
@@ -244,8 +244,11 @@ class Trainer:
         """Every rank at once: stop a diverged run (train/health.py) before it writes anything; models: weights about
         to be written, checked too. Exit code 2 and one line: what happened, what to try, where to start again."""
         why = self.parts.guard.check(self.step, self.parts.scaler, models)
-        if why is None:
-            return
+        if why is not None:
+            self.diverged(why)
+
+    def diverged(self, why: str) -> None:
+        """Raise the one line of a diverged run (every rank at once): `why`, what to try, where to start again."""
         newest = ckpt.list_checkpoints(self.run_dir)[-1:] if is_main() else []
         kept = broadcast_from_main(str(newest[0]) if newest else None)
         opt, precision = self.cfg.optimisation, self.plan.precision
@@ -265,9 +268,10 @@ class Trainer:
         return bool(every) and step % every == 0 and step < self.plan.max_steps
 
     def evaluate(self) -> dict:
-        """The model (and its EMA) on the validation set; the best so far kept as best.pt (best_ema.pt)."""
+        """The model (and its EMA) on the validation set; the best so far kept as best.pt (best_ema.pt). A diverged
+        model is neither evaluated (its weights are checked first) nor kept: a loss that is not finite stops the run."""
         parts = self.parts
-        self.check_health()  # a diverged model is neither evaluated nor kept as best.pt
+        self.check_health(self.weights())
         with watchdog.during(f"evaluation at step {self.step}"):
             self.last_eval = self.step
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
@@ -281,6 +285,9 @@ class Trainer:
                      self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         parts.metrics.write(self.step, "eval", result)
+        why = diverged_evaluation(self.step, {name: figures["loss"] for name, figures in results.items()})
+        if why is not None:
+            self.diverged(why)
         self.checkpointer.keep_best(self.step, results[""])
         if parts.ema is not None:
             self.checkpointer.keep_best(self.step, results["EMA "], ema=True)

@@ -10,6 +10,7 @@ import torch
 
 from tests.helpers import DEBUG, make, metrics, python_cmd, run, snapshot, status, torchrun_cmd
 from train import checkpoint as ckpt
+from train import evaluate, export
 
 
 def strict_json(path: Path):
@@ -54,14 +55,17 @@ def test_a_resume_with_other_settings_is_refused_and_a_longer_run_trains_on_the_
         strict_json(path)
 
 
-def test_a_diverged_run_stops_with_exit_2_and_keeps_only_finite_weights(tmp_path):
+def test_a_diverged_run_stops_with_exit_2_and_keeps_only_finite_weights(tmp_path, capsys):
+    """By step 3 the weights are finite but so large that the evaluation overflows (BatchNorm's statistics near 1e33):
+    that evaluation stops the run, and its model never becomes best.pt. Weights that are not finite, however they
+    got there, are refused by make evaluate and make export in one line."""
     run_dir = tmp_path / "run"
-    proc = run(python_cmd(*DEBUG, "--lr", 1e6, "--spawn", 2, "--save-every", 2, "--log-every", 1,
+    proc = run(python_cmd(*DEBUG, "--lr", 1e6, "--spawn", 2, "--save-every", 2, "--log-every", 1, "--eval-every", 3,
                           "--run-dir", run_dir), expect=2)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    assert "the run diverged: the loss was nan at step" in errors[0] or "the run diverged: the loss was inf" in \
-        errors[0] or "were no longer finite" in errors[0], errors[0]
+    assert "the run diverged: the evaluation at step 3 had a loss of nan" in errors[0] or \
+        "the run diverged: the loss was" in errors[0] or "were no longer finite" in errors[0], errors[0]
     assert "a restart cannot mend that: try a lower --lr" in errors[0]
     assert not any((run_dir / name).exists() for name in ("model.pt", "best.pt", "model_ema.pt"))
     recorded = strict_json(run_dir / "status.json")
@@ -72,6 +76,18 @@ def test_a_diverged_run_stops_with_exit_2_and_keeps_only_finite_weights(tmp_path
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     for path in json_files(run_dir):
         strict_json(path)
+    statistics = state["model"]["features.0.1.running_var"]
+    diverged = {**state["model"], "features.0.1.running_var": torch.full_like(statistics, float("nan"))}
+    torch.save({"model": diverged, "step": 3}, run_dir / "best.pt")  # as an earlier version could leave it
+    capsys.readouterr()
+    assert evaluate.main([str(run_dir), "--checkpoint", "best"]) == 2
+    assert export.main([str(run_dir), "--checkpoint", "best"]) == 2
+    refused = capsys.readouterr().err.splitlines()
+    assert refused == 2 * [f"error: {run_dir}/best.pt: features.0.1.running_var is not finite (8 of 8 values NaN or "
+                           f"infinite), the weights of a diverged run: pass a checkpoint from before it diverged "
+                           f"(--checkpoint {run_dir}/checkpoints/step_N.pt, CHECKPOINT= with make), or train again "
+                           f"with a lower --lr"], refused
+    assert not list(run_dir.glob("eval-*")) and not list(run_dir.glob("best.pt2*"))
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "make train"])
