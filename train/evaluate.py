@@ -46,12 +46,18 @@ from train.weights import MEAN, STD, normalisation_on
 from train.workers import spawn_workers
 
 
+def criterion_of(label_smoothing: float) -> str:
+    """The loss a run trains with and its evaluations report (plan.json's "loss", the evaluation records' criterion)."""
+    return f"CrossEntropyLoss(label_smoothing={label_smoothing})"
+
+
 @torch.inference_mode()
-def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None,
-             top5: bool = False, confusion_of: int = 0, norm: tuple = (MEAN, STD)) -> dict:
+def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None, top5: bool = False,
+             confusion_of: int = 0, norm: tuple = (MEAN, STD), label_smoothing: float = 0.0) -> dict:
     """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
     set, each sample counted once across ranks; with confusion_of=C classes, the C x C confusion matrix too
-    (rows: the true class, columns: the predicted one).
+    (rows: the true class, columns: the predicted one). The loss is the training criterion's (criterion_of: its
+    label smoothing too, as torchvision's reference evaluates with its criterion), averaged over the samples.
 
     Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
     hold: a rank's own differ after its last training batch, and the figures would then depend on
@@ -66,7 +72,7 @@ def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progres
         x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
         with autocast(device, autocast_dtype):
             logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=label_smoothing)
         totals[1] += (logits.argmax(1) == y).sum()
         totals[2] += y.numel()
         if top5:
@@ -177,7 +183,7 @@ def evaluate_run(job: Job) -> int:
         try:
             result = evaluate(model, loader, device, DTYPES[resolve_precision(cfg, device)], cfg.model.channels_last,
                               progress.update, top5=len(classes) > 5, confusion_of=len(classes),
-                              norm=normalisation_on(cfg, device))
+                              norm=normalisation_on(cfg, device), label_smoothing=cfg.regularisation.label_smoothing)
         finally:
             progress.close()
         if is_main():
@@ -198,6 +204,7 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
     scores = {k: result[k] for k in ("loss", "accuracy", "top5", "samples") if k in result}
     record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data.data_dir,
               "dataset": cfg.data.dataset, "world_size": identity().world_size, **scores,
+              "criterion": criterion_of(cfg.regularisation.label_smoothing),
               "per_class_accuracy": per_class, "confused_pairs": figures.confused_pairs(result["confusion"], classes),
               "classes": classes, "confusion": result["confusion"]}
     atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())

@@ -25,6 +25,7 @@ from train.runfiles import launch_run_dir
 from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of
 from train.ema import adjusted_decay
 from train.errors import ConfigError
+from train.evaluate import criterion_of
 from train.models import trainable_model
 from train.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.resume import Layout
@@ -91,7 +92,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         normalize={"mean": list(mean), "std": list(std)},
         train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
         eval_transform=_transform_of(val_set, cfg),
-        loss=f"CrossEntropyLoss(label_smoothing={cfg.regularisation.label_smoothing})", optimizer=_optimizer(cfg),
+        loss=criterion_of(cfg.regularisation.label_smoothing), optimizer=_optimizer(cfg),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])

@@ -277,14 +277,14 @@ class Trainer:
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
             results = {name: evaluate(model, parts.val_loader, self.device, parts.precision,
                                       self.cfg.model.channels_last, watchdog.progress, top5=self.plan.num_classes > 5,
-                                      norm=parts.norm)
+                                      norm=parts.norm, label_smoothing=self.cfg.regularisation.label_smoothing)
                        for name, model in models.items()}
         for name, figures in results.items():
             top5 = f", top-5 {100 * figures['top5']:.2f}%" if "top5" in figures else ""
             log.info("eval step %d: %sloss %.4f, accuracy %.2f%%%s over %d samples",
                      self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
-        parts.metrics.write(self.step, "eval", result)
+        parts.metrics.write(self.step, "eval", {**result, "criterion": self.plan.loss})
         why = diverged_evaluation(self.step, {name: figures["loss"] for name, figures in results.items()})
         if why is not None:
             self.diverged(why)

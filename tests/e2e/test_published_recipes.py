@@ -70,6 +70,8 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
     report = json.loads(out.read_text())
     final = status(recipe_run)
     assert (report["loss"], report["accuracy"]) == (final["val_ema_loss"], final["val_ema_accuracy"])
+    # the loss of both is the training criterion's, which both records name
+    assert report["criterion"] == evals[-1]["criterion"] == "CrossEntropyLoss(label_smoothing=0.1)"
     refused = run([PY, "-m", "train.evaluate", str(recipe_run.parent), "--checkpoint", "ema"], expect=2)
     assert "error:" in refused.stderr and "Traceback" not in refused.stderr
     # best_ema.pt: the EMA's best evaluation, apart from the model's best.pt; status.json names both.

@@ -1,14 +1,21 @@
 """The Trainer's parts: the logging window, status records, a finished run, the end of a
-clean run (no DDP wrapper left when the ranks leave the group)."""
+clean run (no DDP wrapper left when the ranks leave the group), what its evaluation reports."""
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from train.build import build
 from train.checkpoint import finished
-from train.runfiles import status_record
+from train.cli import parse_config
+from train.data import prepare_inputs
+from train.runfiles import read_metrics, status_record
 from train.metrics import LogWindow
 from train.distributed import teardown, wrap, wrappers_alive
+from train.trainer import Trainer
+
+CPU = torch.device("cpu")
 
 
 def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch):
@@ -124,3 +131,26 @@ def test_a_clean_end_refuses_to_leave_the_group_while_a_ddp_wrapper_lives():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_the_evaluation_reports_the_training_criterion_and_says_which_it_is(tmp_path):
+    """As torchvision's reference evaluates with its training criterion: the validation loss is the label-smoothed
+    cross-entropy the run trains with, over every validation sample, and its records name it. A confident model
+    (its head biased to one class) makes the smoothed loss far from the plain one."""
+    cfg = parse_config(["--preset", "debug", "--label-smoothing", "0.1", "--train-samples", "64", "--val-samples", "64",
+                        "--run-dir", str(tmp_path)])
+    parts = build(cfg, tmp_path, CPU, "fp32")
+    with torch.no_grad():
+        parts.raw_model.head[-1].bias[0] = 10.0
+    result = Trainer(parts, stop=None).evaluate()
+    parts.metrics.close()
+    parts.raw_model.eval()
+    with torch.no_grad():
+        batches = [(parts.raw_model(prepare_inputs(x, CPU, False, *parts.norm)), y) for x, y in parts.val_loader]
+    logits, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    smoothed, plain = parts.criterion(logits, labels).item(), F.cross_entropy(logits, labels).item()
+    # One sum of 64 float32 terms against another order of the same: rounding differs by at most 64 ulp.
+    assert result["loss"] == pytest.approx(smoothed, rel=64 * 2**-23) != plain
+    recorded = read_metrics(tmp_path, "eval", strict=True)
+    assert recorded[-1]["criterion"] == parts.plan.loss == "CrossEntropyLoss(label_smoothing=0.1)"
+    assert recorded[-1]["loss"] == result["loss"]
