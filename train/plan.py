@@ -22,7 +22,7 @@ from train.augment import BatchAugment
 from train.checks import check_steps
 from train.config import Config, steps_for_epochs
 from train.runfiles import launch_run_dir
-from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of
+from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of, train_size
 from train.ema import adjusted_decay
 from train.errors import ConfigError
 from train.evaluate import criterion_of
@@ -54,6 +54,7 @@ class Plan:
     global_batch: int  # workers x --batch-size x --grad-accum: images per optimizer step
     sampler: str
     normalize: dict  # mean and std per channel, of images scaled to [0, 1]
+    train_size: int  # the side of a training image in pixels: a micro-batch is batch x 3 x this x this
     train_transform: str  # per image, in the loader (uint8 in, uint8 out)
     batch_transform: str  # per batch, on the training device after the normalisation
     eval_transform: str
@@ -89,7 +90,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         num_classes=num_classes, classes=class_names(train_set), steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
-        normalize={"mean": list(mean), "std": list(std)},
+        normalize={"mean": list(mean), "std": list(std)}, train_size=train_size(cfg),
         train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
         eval_transform=_transform_of(val_set, cfg),
         loss=criterion_of(cfg.regularisation.label_smoothing), optimizer=_optimizer(cfg),

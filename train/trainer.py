@@ -180,7 +180,8 @@ class Trainer:
         started = time.perf_counter()
         buffers = [b.detach().clone() for b in parts.raw_model.buffers()]
         rng = capture_rng(self.device)
-        x = torch.zeros(cfg.optimisation.batch_size, 3, cfg.data.image_size, cfg.data.image_size, device=self.device)
+        size = self.plan.train_size  # a training step's shape: no more memory than one, no compile for another
+        x = torch.zeros(cfg.optimisation.batch_size, 3, size, size, device=self.device)
         x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
         for _ in range(2 if cfg.model.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
             with autocast(self.device, parts.precision):

@@ -1,11 +1,13 @@
 """The Trainer's parts: the logging window, status records, a finished run, the end of a
-clean run (no DDP wrapper left when the ranks leave the group), what its evaluation reports."""
+clean run (no DDP wrapper left when the ranks leave the group), the pass that settles DDP's buckets, what its
+evaluation reports."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.sources import draw_imagefolder
 from train.build import build
 from train.checkpoint import finished
 from train.cli import parse_config
@@ -154,3 +156,26 @@ def test_the_evaluation_reports_the_training_criterion_and_says_which_it_is(tmp_
     recorded = read_metrics(tmp_path, "eval", strict=True)
     assert recorded[-1]["criterion"] == parts.plan.loss == "CrossEntropyLoss(label_smoothing=0.1)"
     assert recorded[-1]["loss"] == result["loss"]
+
+
+def test_the_settling_pass_feeds_a_batch_of_a_training_steps_shape(tmp_path):
+    """The imagenet recipe trains on --train-crop-size crops (16 px here), not --image-size (32, the evaluation's):
+    the pass that settles DDP's buckets (a real one-rank gloo group) feeds the model what a step feeds it, so it
+    asks no more memory than a step and, under --compile, compiles for the shape the run trains at."""
+    data = draw_imagefolder(tmp_path / "data", train=12, val=3, size=40)
+    cfg = parse_config(["--preset", "debug", "--dataset", "imagefolder", "--data-dir", str(data), "--augment",
+                        "imagenet", "--image-size", "32", "--train-crop-size", "16", "--batch-size", "4",
+                        "--num-workers", "0", "--run-dir", str(tmp_path / "run")])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parts = build(cfg, tmp_path / "run", CPU, "fp32")
+        parts.metrics.close()
+        trainer = Trainer(parts, stop=None)
+        fed = []
+        parts.raw_model.register_forward_pre_hook(lambda _, inputs: fed.append(tuple(inputs[0].shape)))
+        trainer.settle_buckets()
+        step, _ = next(trainer.micro_batches(trainer.batches()))
+        assert fed == [tuple(step.shape)] == [(4, 3, 16, 16)] and parts.plan.train_size == 16
+        trainer.release()
+    finally:
+        dist.destroy_process_group()

@@ -28,10 +28,11 @@ from train.data.loaders import (build_datasets, build_train_loader, build_val_lo
 from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapesDataset, make_shapes
 from train.data.tars import check_shards
-from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs
+from train.data.transforms import (eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs,
+                                   train_size)
 
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_hf", "check_imagefolder",
            "check_labelfiles", "check_shards", "class_names", "default_num_workers", "describe_sampler", "eval_resize",
            "eval_steps", "image_transforms", "load_image", "make_shapes", "packed_with", "prepare_inputs",
-           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of"]
+           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of", "train_size"]

@@ -17,6 +17,12 @@ def eval_resize(size: int) -> int:
     return int(size / 0.875)
 
 
+def train_size(cfg: Config) -> int:
+    """The side of a training image in pixels: the imagenet recipe's --train-crop-size (refused where it has no
+    effect), else --image-size."""
+    return cfg.augmentation.train_crop_size or cfg.data.image_size
+
+
 def image_transforms(cfg: Config, train: bool):
     """uint8 tensors (or PIL images) in, uint8 tensors out: normalisation happens on the training device.
     imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
@@ -26,7 +32,7 @@ def image_transforms(cfg: Config, train: bool):
     v2 = vision.v2
     size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
     if recipe(cfg) == "imagenet" and train:
-        return CropFlip(cfg.augmentation.train_crop_size or size, mode, auto_augment(cfg.augmentation))
+        return CropFlip(train_size(cfg), mode, auto_augment(cfg.augmentation))
     elif recipe(cfg) == "imagenet":
         resize, crop, _ = eval_steps(cfg)
         steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
