@@ -130,7 +130,7 @@ def run(cfg: Config) -> int:
         clean = True
         return code
     except Exception as e:
-        error = unrecoverable(e, trainer, device, cfg)
+        error = unrecoverable(e, trainer, device, cfg, precision, run_dir)
         if error is None:
             raise
         end_unrecoverable(error, run_dir, trainer)
@@ -172,12 +172,13 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
     return done
 
 
-def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device,
-                  cfg: Config) -> ConfigError | None:
+def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device, cfg: Config, precision: str,
+                  run_dir: Path | None) -> ConfigError | None:
     """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, or a peer's
     such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader worker
     re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
-    and status.json."""
+    and status.json. Out of memory names what the run can change on its next start: the run's own config (a
+    resume on other workers changes its --grad-accum) and whether a checkpoint fixes the rest."""
     if isinstance(error, ConfigError):
         return error if one_line(error) == str(error) else type(error)(one_line(error))
     if is_out_of_memory(error):
@@ -185,7 +186,9 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
             where = f"training step {trainer.step + 1}"
         else:
             where = watchdog.phase if watchdog.phase != "start-up" else "start-up (the data and the model)"
-        return out_of_memory(error, where, device, cfg)
+        newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
+        return out_of_memory(error, where, device, trainer.cfg if trainer else cfg, precision,
+                             newest[0] if newest else None)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
         status = runfiles.read_status(trainer.run_dir)

@@ -42,6 +42,11 @@ def test_a_step_that_does_not_fit_ends_make_train_with_2_and_no_torchrun_restart
     assert proc.returncode == 2, proc.stderr[-4000:]
     line = _one_line(proc.stderr)
     assert "out of memory during training step 3 on the CPU (tried to allocate 768.0 GiB" in line, line
+    # the checkpoint of step 2 fixes the batch and sizes of a resume: the line says so, not "the same command"
+    assert line.endswith(f"the run's checkpoint fixes its --batch-size, --image-size and --precision: run the same "
+                         f"command on a device with more memory, or start a new --run-dir from its weights (--weights "
+                         f"{run_dir}/checkpoints/step_00000002.pt) with a smaller --batch-size (now 16; a larger "
+                         f"--grad-accum keeps the global batch) or a smaller --image-size (now 16)"), line
     assert "trainbox: the workers stopped on the error above (exit 2)" in proc.stderr
     log = (run_dir / "train.log").read_text()
     assert log.count(f"run {run_dir}:") == 1, log  # one attempt: torchrun restarted nothing

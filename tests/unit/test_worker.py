@@ -10,6 +10,7 @@ import torch.distributed as dist
 from train.cli import parse_config
 from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DataError, OutOfMemory, PeerGaveUp
 from train.identity import PeersNeverCame
+from train.memory import advice, lower_precision, out_of_memory
 from train.watchdog import watchdog
 from train.worker import exit_code, unrecoverable
 
@@ -63,11 +64,61 @@ def test_once_the_watchdog_said_its_line_the_worker_says_none():
 def test_what_a_restart_cannot_mend():
     cfg, cpu = parse_config(["--preset", "debug"]), torch.device("cpu")
     assert str(unrecoverable(ConfigError("bad\nOriginal Traceback (most recent call last):\nValueError: why"), None,
-                             cpu, cfg)) == "why"
+                             cpu, cfg, "fp32", None)) == "why"
     watchdog.enter("training", 60)
     try:
-        oom = unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), SimpleNamespace(step=4), cpu, cfg)
+        oom = unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), SimpleNamespace(step=4, cfg=cfg), cpu,
+                            cfg, "fp32", None)
     finally:
         watchdog.pause()
     assert isinstance(oom, OutOfMemory) and "training step 5" in str(oom)
-    assert unrecoverable(RuntimeError("a crash"), None, cpu, cfg) is None  # a restart may mend it
+    assert unrecoverable(RuntimeError("a crash"), None, cpu, cfg, "fp32", None) is None  # a restart may mend it
+
+
+def test_out_of_memory_in_a_run_with_a_checkpoint_advises_what_its_next_start_takes(tmp_path):
+    """A run laid out for 2 workers (--grad-accum 1), resumed on 1 (accumulation 2), out of memory at step 5: its
+    checkpoint fixes the batch, the sizes and the precision (a resume with others is refused), so the line does not
+    send it back with other flags, nor name the accumulation the command gave."""
+    given = parse_config(["--preset", "debug", "--run-dir", str(tmp_path)])
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"")
+    trainer = SimpleNamespace(step=4, cfg=given.replace(grad_accum=2))  # as train/resume.py continued it
+    watchdog.enter("training", 60)
+    try:
+        oom = str(unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, torch.device("cpu"),
+                                given, "fp32", tmp_path))
+    finally:
+        watchdog.pause()
+    assert oom.endswith(f"the run's checkpoint fixes its --batch-size, --image-size and --precision: run the same "
+                        f"command on a device with more memory, or start a new --run-dir from its weights (--weights "
+                        f"{tmp_path}/checkpoints/step_00000004.pt) with a smaller --batch-size (now 16; a larger "
+                        f"--grad-accum keeps the global batch) or a smaller --image-size (now 16)"), oom
+    assert "--grad-accum, now" not in oom and "then run the same command" not in oom
+
+
+@pytest.mark.parametrize("flags, where, lower, fixes", [
+    ([], "training step 1", "bf16", "a smaller --image-size (now 16) or --precision bf16, then"),
+    ([], "training step 1", None, "or a smaller --image-size (now 16), then"),  # bf16 chosen by auto, or a CPU
+    (["--dataset", "imagefolder", "--train-crop-size", "176", "--val-crop-size", "224", "--image-size", "224"],
+     "training step 1", "fp16", "a smaller --train-crop-size (now 176) or --precision fp16, then"),
+    (["--dataset", "imagefolder", "--train-crop-size", "176", "--val-crop-size", "224", "--image-size", "224"],
+     "evaluation at step 10", None, "or a smaller --val-crop-size (now 224), then"),
+])
+def test_out_of_memory_names_the_flags_that_size_what_ran_out(flags, where, lower, fixes):
+    """The size a step trains at (the recipe's training crop) or an evaluation scores at; a lower precision only where
+    the run trains in fp32 on a GPU (lower: bf16 where the GPU has it, else fp16), never the one auto already
+    chose."""
+    cfg = parse_config(["--preset", "debug", *flags])
+    assert advice(cfg, where, None, lower).endswith(f"{fixes} run the same command")
+    assert ("--precision" in advice(cfg, where, None, lower)) == (lower is not None)
+
+
+def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains_in():
+    """--precision auto resolves to bf16 on a GPU that has it: the advice then names none, as for fp16 or a CPU."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert lower_precision(gpu, "bf16") is lower_precision(gpu, "fp16") is lower_precision(cpu, "fp32") is None
+    if torch.cuda.is_available():
+        assert lower_precision(gpu, "fp32") == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    cfg = parse_config(["--preset", "debug"])
+    error = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes")
+    assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg, "fp32", None))
