@@ -6,7 +6,7 @@ The order is the run's contract: every rank makes the same random draws and coll
 resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read before anything is
 written; the data and the model are made right after torch.manual_seed(--seed), identical on every rank; the resume
 (or a fresh start's per-rank random stream) comes after the optimizer and before the DDP wrap; the run's files, the
-tracking and the metrics come last, from the step the run starts at.
+metrics and the tracking come last, from the step the run starts at.
 """
 
 from __future__ import annotations
@@ -117,14 +117,15 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     model = wrapped(raw_model, cfg, device, world)
     step = resumed.step if resumed else 0
     write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
-    tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
-    checkpointer.tracker = tracker
-    metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step,
-                            tracker=tracker)
+    metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
     telemetry = GpuTelemetry(device)
     window = LogWindow(device, plan.global_batch)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
     augment = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
+    # The MLflow run starts last, with nothing after it that can fail: the worker holds it from here (Parts.tracker)
+    # and ends it, FAILED too; a failure before leaves none RUNNING.
+    tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
+    checkpointer.tracker = metrics.tracker = tracker
     return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], norm=norm,
                  train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
                  criterion=criterion, augment=augment, optimizer=optimizer, scheduler=checkpointer.scheduler,

@@ -287,11 +287,13 @@ def start_tracking(tracking: Tracking, run_dir: Path, resume_step: int) -> Track
     uri = tracking_uri(tracking)
     if not uri:
         return None
+    # The checkpoints an earlier attempt saved but died before sending (sent ones are skipped), listed before the
+    # Tracker starts its MLflow run: after that, only queueing, which cannot fail.
+    saved = list_checkpoints(run_dir) if tracking.mlflow_checkpoints else []
     tracker = Tracker(uri, experiment_name(tracking), run_dir, resume_step)
-    if tracking.mlflow_checkpoints:  # those an earlier attempt saved but died before sending (sent ones are skipped)
-        for path in list_checkpoints(run_dir):
-            for file in (path, sidecar_of(path)):
-                tracker.upload(file, "checkpoints")
+    for path in saved:
+        for file in (path, sidecar_of(path)):
+            tracker.upload(file, "checkpoints")
     return tracker
 
 

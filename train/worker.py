@@ -123,8 +123,9 @@ def run(cfg: Config) -> int:
             tracker = catch_up_tracking(cfg, run_dir)
             code = EXIT_DONE
         else:
-            trainer = Trainer(build(cfg, run_dir, device, precision), stop)
-            tracker = trainer.parts.tracker
+            parts = build(cfg, run_dir, device, precision)
+            tracker = parts.tracker  # held from here: whatever fails next, the finally below ends its MLflow run
+            trainer = Trainer(parts, stop)
             code = trainer.train()
             trainer.release()
         clean = True

@@ -2,7 +2,9 @@
 made in the order a bit-identical resume depends on, and a second build resuming where a checkpoint left off."""
 
 import json
+import threading
 
+import pytest
 import torch
 
 from train import runfiles
@@ -92,3 +94,23 @@ def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):
         assert precision_of(spec, "cpu") == precision_of(spec, "cuda") == given
     if not torch.cuda.is_available():  # a plan for GPUs made on a machine without one says what they decide
         assert planned_precision(cfg, "cuda").startswith("bf16 on a GPU with bf16")
+
+
+def test_a_build_that_fails_leaves_no_mlflow_run_running(tmp_path, monkeypatch):
+    """A start that fails while it builds (here its metrics file cannot be opened) leaves no MLflow run RUNNING for
+    ever: the run starts last, once nothing else can fail, and the worker holds it from there. A real MLflow client
+    on a local file store."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the client's local store, without a server
+    store, run_dir = (tmp_path / "mlruns").as_uri(), tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):
+        build(_cfg(run_dir, "--mlflow-uri", store, "--mlflow-experiment", "builds"), run_dir, CPU, "fp32")
+    for thread in threading.enumerate():
+        if thread.name == "trainbox-mlflow":  # a Tracker's sender: left behind, it would keep its run RUNNING
+            thread.join(5)
+            assert not thread.is_alive(), "a Tracker was left sending"
+    client = MlflowClient(store)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert [r.info.status for r in client.search_runs(experiments) if r.info.status == "RUNNING"] == []
