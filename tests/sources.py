@@ -56,6 +56,23 @@ def listing(folder: Path, split: str) -> tuple[list[str], list[tuple[str, int]]]
     return scan_split(folder / split)
 
 
+def link_imagefolder(folder: Path, root: Path) -> Path:
+    """root/{train,val}/<class>/<name>, each a link to the ImageFolder's image (relative links in train/, absolute in
+    val/), and one class of val/ a link to the ImageFolder's class folder: a dataset made of links into a pool."""
+    for split in ("train", "val"):
+        classes = sorted(p.name for p in (folder / split).iterdir())
+        for name in classes:
+            if split == "val" and name == classes[-1]:
+                (root / split).mkdir(parents=True, exist_ok=True)
+                (root / split / name).symlink_to(folder / split / name)
+                continue
+            (root / split / name).mkdir(parents=True)
+            for image in (folder / split / name).iterdir():
+                link = root / split / name / image.name
+                link.symlink_to(os.path.relpath(image, link.parent) if split == "train" else image)
+    return root
+
+
 def write_label_files(folder: Path, root: Path, suffix: str = ".csv") -> Path:
     """root/train.csv and val.csv (or .tsv, .jsonl) listing the ImageFolder's images in its order, by class name;
     the paths relative to root (through ..) for the training split, absolute for the validation split."""

@@ -15,8 +15,8 @@ One file per shard instead of one per image: a NAS answers a few hundred opens i
 metadata round trips, and the dataset's length comes from index.json without listing a folder.
 
 SRC is listed as training lists it (train/data/sources.py: each source's classes, and its images as (file or tar
-member, label) in the source's own order: an ImageFolder's as torchvision's ImageFolder lists it, its links held to
-the folder; a label file's rows in order; tars by sorted name, their samples in tar order; a Hugging Face dataset's
+member, label) in the source's own order: an ImageFolder's as torchvision's ImageFolder lists it, its links followed
+and checked; a label file's rows in order; tars by sorted name, their samples in tar order; a Hugging Face dataset's
 rows in order, its training split and its validation split packed as train and val). DST is neither SRC nor
 inside it (both resolved), and holds nothing but a pack's own files: a new or empty folder, or a stopped pack's,
 which is continued.

@@ -38,12 +38,12 @@ def _files(tmp_path):
         for c in classes:
             (tmp_path / "mismatch" / split / c).mkdir(parents=True)
             Image.new("RGB", (8, 8)).save(tmp_path / "mismatch" / split / c / "0.png")
-    for folder in ("loop", "class-out"):
+    for folder in ("loop", "in-both"):
         for split in ("train", "val"):
             (tmp_path / folder / split / "a").mkdir(parents=True)
             Image.new("RGB", (8, 8)).save(tmp_path / folder / split / "a" / "0.png")
     (tmp_path / "loop" / "train" / "a" / "loop").symlink_to("..")  # 1 image would have become thousands
-    (tmp_path / "class-out" / "train" / "b").symlink_to(tmp_path / "mismatch" / "train" / "b")
+    (tmp_path / "in-both" / "val" / "a" / "1.png").symlink_to("../../train/a/0.png")  # val/ linked into train/
 
 
 CASES = [
@@ -80,8 +80,10 @@ CASES = [
      "train and val hold different classes (only in one: b, c)"),
     ("imagefolder-link-cycle", ["--dataset", "imagefolder", "--data-dir", "{tmp}/loop", "--run-dir", "{tmp}/r"],
      "{tmp}/loop/train/a/loop is a link cycle: it leads back to"),
-    ("imagefolder-class-out-of-it", ["--dataset", "imagefolder", "--data-dir", "{tmp}/class-out"],
-     "{tmp}/class-out/train/b is a link out of the dataset's folder"),
+    ("imagefolder-image-in-both-splits", ["--dataset", "imagefolder", "--data-dir", "{tmp}/in-both", "--run-dir",
+                                          "{tmp}/r"],
+     "{tmp}/in-both: 1 image is in both train/ and val/, reached through links ({tmp}/in-both/train/a/0.png and "
+     "{tmp}/in-both/val/a/1.png are "),
     ("cifar-not-downloaded", ["--dataset", "cifar10", "--data-dir", "{tmp}/none"], "pass --download"),
     ("run-dir-is-a-file", ["--run-dir", "{tmp}/a_file"], "a_file is a file, not a folder: pass a --run-dir that is a "
                                                          "folder or a new path"),

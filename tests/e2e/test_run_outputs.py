@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import shutil
 import subprocess
 
 import pytest
@@ -134,13 +135,31 @@ def _image_folder(root, classes=("cat", "dog", "eel"), per_class=12, size=20):
                 Image.fromarray(pixels).save(folder / f"{i}.png")
 
 
-def test_imagefolder_trains_with_loader_workers(tmp_path):
-    _image_folder(tmp_path / "data")
+def _pool_of_links(folder, pool, data):
+    """data/{train,val}/<class>/N.png as links into one flat pool of the folder's images (pool/<split>-<class>-N.png),
+    and val/eel a link to a folder of the pool: the layout of a NAS whose dataset folders are made of one pool."""
+    pool.mkdir()
+    for image in sorted(folder.rglob("*.png")):
+        split, name = image.parent.parent.name, image.parent.name
+        if (split, name) == ("val", "eel"):
+            shutil.copytree(image.parent, pool / "eels", dirs_exist_ok=True)
+            continue
+        shutil.copy(image, pool / f"{split}-{name}-{image.name}")
+        link = data / split / name / image.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(pool / f"{split}-{name}-{image.name}", link.parent))
+    (data / "val" / "eel").symlink_to(pool / "eels")
+
+
+def test_an_imagefolder_of_links_into_one_pool_trains_with_loader_workers(tmp_path):
+    _image_folder(tmp_path / "folder")
+    _pool_of_links(tmp_path / "folder", tmp_path / "pool", tmp_path / "data")
     run_dir = tmp_path / "run"
     run(python_cmd(*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--batch-size", 4,
                    "--num-workers", 2, "--max-steps", 12, "--run-dir", run_dir))
     evals = metrics(run_dir, "eval")
     assert evals[-1]["samples"] == 36  # 3 classes x 12 val images, each counted once
+    assert json.loads((run_dir / "plan.json").read_text())["train_samples"] == 36
     assert (run_dir / "model.pt").is_file()
 
 

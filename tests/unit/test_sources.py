@@ -1,4 +1,5 @@
-"""Every source of the same images gives the same samples: an ImageFolder, label files (csv, tsv, jsonl), WebDataset
+"""Every source of the same images gives the same samples: an ImageFolder (and one made of links into it, as a NAS's
+folders are made of links into one pool), label files (csv, tsv, jsonl), WebDataset
 tars written by webdataset's own ShardWriter, tars written by Python's tarfile, and Hugging Face datasets written by
 `datasets` itself (save_to_disk, and Parquet), each in the ImageFolder's order (tests/sources.py), give the same
 (image, label) batches bit for bit (whatever the loader workers, the resume point or --decode), the same plan counts
@@ -11,8 +12,8 @@ import tarfile
 
 import pytest
 
-from tests.sources import (assert_same_batches, batches, draw_imagefolder, write_hf_sources, write_label_files,
-                           write_plain_tars, write_wds_shards)
+from tests.sources import (assert_same_batches, batches, draw_imagefolder, link_imagefolder, write_hf_sources,
+                           write_label_files, write_plain_tars, write_wds_shards)
 from train.cli import parse_config
 from train.data import build_datasets
 from train.data.tarindex import load_split
@@ -20,7 +21,7 @@ from train.pack import main as pack_main
 from train.pack import pack
 from train.plan import dry_run
 
-SOURCES = ["imagefolder", "csv", "tsv", "jsonl", "webdataset", "tarfile", "hf-disk", "hf-parquet"]
+SOURCES = ["imagefolder", "imagefolder-links", "csv", "tsv", "jsonl", "webdataset", "tarfile", "hf-disk", "hf-parquet"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def sources(tmp_path_factory) -> dict:
     disk, parquet = write_hf_sources(folder, root / "hf-disk", root / "hf-parquet")
     return {
         "imagefolder": ["--dataset", "imagefolder", "--data-dir", folder],
+        "imagefolder-links": ["--dataset", "imagefolder", "--data-dir", link_imagefolder(folder, root / "links")],
         "csv": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "csv")],
         "tsv": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "tsv", ".tsv")],
         "jsonl": ["--dataset", "csv", "--data-dir", write_label_files(folder, root / "jsonl", ".jsonl")],
@@ -78,6 +80,7 @@ def test_every_source_plans_the_same_counts_and_classes(sources):
     kinds = {source: (plan["source"]["kind"], plan["source"]["classes_from"]) for source, plan in plans.items()}
     assert kinds == {
         "imagefolder": ("imagefolder", "the class folders' names, sorted"),
+        "imagefolder-links": ("imagefolder", "the class folders' names, sorted"),
         "csv": ("csv", "the label names of train.csv, sorted"),
         "tsv": ("csv", "the label names of train.tsv, sorted"),
         "jsonl": ("csv", "the label names of train.jsonl, sorted"),
@@ -113,7 +116,8 @@ def test_pack_makes_the_same_shards_from_every_source(sources, tmp_path):
         index = pack(flags[3], tmp_path / source, shard_bytes=20_000, workers=1 + workers % 2, **options)
         packed[source] = {split: (info["classes"], [(s["name"], s["sha256"]) for s in info["shards"]])
                           for split, info in index["splits"].items()}
-        assert index["source_kind"] == {"imagefolder": "imagefolder", "webdataset": "tars", "tarfile": "tars",
+        assert index["source_kind"] == {"imagefolder": "imagefolder", "imagefolder-links": "imagefolder",
+                                        "webdataset": "tars", "tarfile": "tars",
                                         "hf-disk": "hf", "hf-parquet": "hf"}.get(source, "csv")
     for source in SOURCES:
         assert packed[source] == packed["imagefolder"], source

@@ -2,7 +2,7 @@
 
   shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
   folders     file datasets on disk: an ImageFolder, packed shards (read by offset), CIFAR-10, and their checks
-  scan        an ImageFolder split's listing: its classes and images, as torchvision's, links held to it
+  scan        an ImageFolder split's listing: its classes and images, as torchvision's, links followed and checked
   labelfiles  label files (train.csv / .tsv / .jsonl: a path and a label per row), classes.txt, their checks
   tars        WebDataset tars of other tools, read by offset as packed shards, their classes and checks
   tarindex    where such tars are, and their index: made once in parallel, cached beside them or in the run folder

@@ -1,7 +1,7 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
-listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, with
-links held to the folder), a pack of shards (train/pack.py writes it; read by offset: ShardSplit, an OffsetSplit as
-other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded only with --download, by local
+listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, links
+followed and held to the folders, train and val apart), a pack of shards (train/pack.py writes it; read by offset:
+ShardSplit, an OffsetSplit as other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded only with --download, by local
 rank 0 of each node, safely into a --data-dir that several nodes share).
 """
 
@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from train import vision
 from train.data.decode import as_tensor, load_image
-from train.data.scan import FolderScan, scan_split, within
+from train.data.scan import FolderScan, scan_split, scan_splits, within
 from train.distributed import gather
 from train.identity import identity
 from train.downloads import private_name, publish
@@ -33,11 +33,11 @@ def path_of(folder, index: int) -> str:
 
 class ImageFolderSplit(Dataset):
     """One split of an ImageFolder: item i is (image, label), the image made by `loader` (and `transform`, when
-    set) from its file; classes and samples as scan_split lists them."""
+    set) from its file; classes and samples as scan_split lists them (listing: already listed)."""
 
-    def __init__(self, root: Path, loader=load_image):
+    def __init__(self, root: Path, loader=load_image, listing: tuple | None = None):
         self.root, self.loader, self.transform = root, loader, None
-        self.classes, self.samples = scan_split(root)
+        self.classes, self.samples = listing or scan_split(root)
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
     def __len__(self) -> int:
@@ -58,9 +58,15 @@ def imagefolder_split(root: Path, split: str, loader=load_image) -> ImageFolderS
     return ImageFolderSplit(root / split, loader)
 
 
+def imagefolder_splits(root: Path, loader=load_image) -> dict[str, ImageFolderSplit]:
+    """Both splits, listed together: an image in both is refused (scan_splits)."""
+    return {split: ImageFolderSplit(root / split, loader, listing) for split, listing in scan_splits(root).items()}
+
+
 def check_imagefolder(root: Path, splits: tuple[str, ...] = ("train", "val")) -> None:
     """The folder layout, checked before any worker starts: both splits, the same non-empty class list, the links
-    among the class folders (FolderScan), and train and val apart."""
+    among the class folders (FolderScan), and train and val apart (their images, listed by each worker, too:
+    scan_splits)."""
     classes, real = {"train": None, "val": None}, {}
     for split in splits:
         path = root / split

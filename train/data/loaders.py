@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from train.config import Config
-from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, read_bytes
-from train.data.folders import ShardSplit, check_imagefolder, cifar_split, imagefolder_split, is_pack, path_of
+from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, load_image, read_bytes
+from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
+                                is_pack, path_of)
 from train.data.hf import hf_splits
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.data.samplers import SeededSample, ShardSampler
@@ -66,12 +67,9 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
         return *(wrapped(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
         check_imagefolder(root)
-        if cfg.data.decode == "gpu":  # the workers read bytes; the training process decodes (DeviceDecoder)
-            split = imagefolder_split(root, "train", loader=read_bytes)
-            train_set = FileBytes(split, image_transforms(cfg, True), partial(path_of, split))
-        else:
-            train_set = imagefolder_split(root, "train")
-            train_set.transform = image_transforms(cfg, True)
+        splits = imagefolder_splits(root, loader=read_bytes if cfg.data.decode == "gpu" else load_image)
+        train_set, val_set = (transformed(cfg, splits[s], s == "train") for s in ("train", "val"))
+        return train_set, val_set, len(class_names(train_set))
     return train_set, validation_set(cfg, root, run_dir), len(class_names(train_set))
 
 
@@ -105,11 +103,16 @@ def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
     if cfg.data.dataset in ("shards", "csv", "hf"):
         return wrapped(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
     check_imagefolder(root, ("val",))
+    split = imagefolder_split(root, "val", loader=read_bytes if cfg.data.decode == "gpu" else load_image)
+    return transformed(cfg, split, False)
+
+
+def transformed(cfg: Config, split, train: bool):
+    """An ImageFolder's split with its transforms: in the loader workers, or (--decode gpu: the workers read bytes)
+    on the device, the training process decoding (DeviceDecoder)."""
     if cfg.data.decode == "gpu":
-        split = imagefolder_split(root, "val", loader=read_bytes)
-        return FileBytes(split, image_transforms(cfg, False), partial(path_of, split))
-    split = imagefolder_split(root, "val")
-    split.transform = image_transforms(cfg, False)
+        return FileBytes(split, image_transforms(cfg, train), partial(path_of, split))
+    split.transform = image_transforms(cfg, train)
     return split
 
 

@@ -22,7 +22,7 @@ from train.data.folders import check_imagefolder, is_pack
 from train.data.hf import HfRow, hf_listing
 from train.data.hfdisk import is_hf
 from train.data.labelfiles import has_label_files, read_labelfiles
-from train.data.scan import scan_split
+from train.data.scan import scan_splits
 from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
 from train.data.tars import classes_of
 from train.errors import ConfigError, DataError
@@ -87,7 +87,7 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
             splits[split] = (classes, samples)
         return kind, splits
     check_imagefolder(src)
-    return kind, {split: scan_split(src / split, counted) for split in SPLITS}
+    return kind, scan_splits(src, SPLITS, counted)
 
 
 def name_of(reference: Reference) -> str:
