@@ -3,9 +3,10 @@ newest checkpoint left off (train/checkpointer.py; `Parts.resumed` holds the Tra
 start. The device and the precision are the worker's runtime (train/runtime.py), set at its start.
 
 The order is the run's contract: every rank makes the same random draws and collectives in the same order, and a
-resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read before anything is
-written; the data and the model are made right after torch.manual_seed(--seed), identical on every rank; the resume
-(or a fresh start's per-rank random stream) comes after the optimizer and before the DDP wrap; the run's files, the
+resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read, and a dataset of
+files listed and checked, before anything is written (a refused dataset leaves no run folder); the data and the model
+are made right after torch.manual_seed(--seed), identical on every rank; the resume (or a fresh start's per-rank
+random stream) comes after the optimizer and before the DDP wrap; the run's files, the
 metrics and the tracking come last, from the step the run starts at.
 """
 
@@ -85,10 +86,14 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
         cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
     # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
     initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
-    prepare_run_dir(run_dir)
-    # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
+    # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights. A dataset
+    # of files is listed and checked before the run folder is made: a refused one leaves no folder behind. The built-in
+    # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
     torch.manual_seed(cfg.run.seed)
-    train_set, val_set, num_classes = build_datasets(cfg, run_dir=run_dir)
+    in_memory = cfg.data.dataset in ("shapes", "synthetic")
+    data = None if in_memory else build_datasets(cfg, run_dir=run_dir)
+    prepare_run_dir(run_dir)
+    train_set, val_set, num_classes = data or build_datasets(cfg, run_dir=run_dir)
     names = class_names(train_set)
     raw_model = model_on(cfg, num_classes, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/plan.py).

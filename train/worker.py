@@ -29,7 +29,7 @@ from train.distributed import (StopSignal, announce_unrecoverable, broadcast_fro
                                peer_unrecoverable, teardown)
 from train.identity import PeersNeverCame, first_line, identity, is_main
 from train.errors import (EXIT_BAD_INPUT, EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError, OutOfMemory,
-                          PeerGaveUp, one_line)
+                          PeerGaveUp, fail, one_line)
 from train.memory import is_out_of_memory, out_of_memory
 from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.tracker import catch_up_tracking
@@ -74,8 +74,8 @@ def exit_code(error: BaseException, rank: int) -> int | None:
         if getattr(error, "first", True):
             print(f"error: [rank {rank}] {one_line(error)}", file=sys.stderr)
     elif isinstance(error, ConfigError) and not isinstance(error, PeerGaveUp):  # every rank raised it; one says so
-        if is_main():
-            print(f"error: {one_line(error)}", file=sys.stderr)
+        if is_main():  # once per launch: a refusal before the run folder is made cannot stop torchrun's restarts
+            fail(one_line(error))
     if isinstance(error, ConfigError):
         return EXIT_BAD_INPUT  # under torchrun too: its restarts refuse at once (train/__main__.py)
     if isinstance(error, PeersNeverCame):  # a rank from the environment alone: the line names its variables

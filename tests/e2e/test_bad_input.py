@@ -122,9 +122,11 @@ def _refused(finished_run, capsys, argv, expected):
 
 @pytest.mark.parametrize("argv, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(finished_run, tmp_path, capsys, argv, expected):
+    """... and a new run's folder ({tmp}/r) is not made: not even by a refusal met while the worker lists the data."""
     _files(tmp_path)
     _refused(finished_run, capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv],
              expected.replace("{tmp}", str(tmp_path)))
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_busy_rendezvous_port_is_named(finished_run, capfd, monkeypatch):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from tests.e2e.test_faults import _unshare
 from tests.helpers import DEBUG, LONG, REPO, attempts, env_for_tests, run, status, torchrun_cmd
@@ -48,6 +49,20 @@ def test_bad_input_under_plain_torchrun_exits_non_zero_with_one_line(tmp_path, a
     proc = run(plain_torchrun(2, *DEBUG, *args, "--run-dir", tmp_path / "run"), expect=1)
     errors = trainbox_errors(proc.stderr)
     assert len(errors) == 1 and message in errors[0], proc.stderr[-4000:]  # 2 workers x 3 attempts: said once
+
+
+def test_a_dataset_the_workers_refuse_under_plain_torchrun_is_one_line_and_no_run_folder(tmp_path):
+    """Refused while each worker lists the images, before the run folder is made: nothing records the failure for
+    torchrun's restarts to read, and each restart meets it again; the line is said once all the same."""
+    for split in ("train", "val"):
+        (tmp_path / "data" / split / "a").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "data" / split / "a" / "0.png")
+    (tmp_path / "data" / "train" / "a" / "loop").symlink_to("..")
+    proc = run(plain_torchrun(1, *DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--run-dir",
+                              tmp_path / "run"), expect=1)
+    errors = trainbox_errors(proc.stderr)
+    assert len(errors) == 1 and f"{tmp_path}/data/train/a/loop is a link cycle" in errors[0], proc.stderr[-4000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_restart_of_a_failed_launch_refuses_before_importing_torch(tmp_path):
