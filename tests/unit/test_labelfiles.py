@@ -1,6 +1,7 @@
 """Label files (train/data/labelfiles.py): the columns, the classes and their order, and every bad row as one line
 naming the file, the line and the fix, before any worker starts; a missing or unreadable image one line naming it
-and its line when the loader meets it (no file is asked about up front)."""
+and its line when the loader meets it (no file is asked about up front), and make pack's every missing file in one
+line before it writes."""
 
 import json
 import re
@@ -14,6 +15,7 @@ from train.cli import parse_config
 from train.data import build_datasets
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.errors import ConfigError, DataError
+from train.pack import main as pack_main
 
 VAL = "path,label\nv.png,cat\n"
 
@@ -126,3 +128,26 @@ def test_a_missing_or_bad_image_is_one_line_naming_it_and_its_line_when_read(tmp
     with pytest.raises(DataError, match=rf"^cannot read image {tmp_path}/bad.png \(train.csv line 4\) \(not an image "
                                         r"torchvision.io or PIL can read\): delete or replace the file"):
         train_set[2]
+
+
+def test_make_pack_names_every_missing_file_with_its_line_before_it_writes(tmp_path, capsys):
+    """make pack reads every file: the missing ones in one line before anything is written, the first three named
+    with their file and line, all counted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [f"{'here' if n % 2 else 'gone'}{n}.png" for n in range(200)]
+    for name in ["a.png", "b.png", *names[1::2]]:
+        (src / name).write_bytes(b"")  # looked at, not read
+    rows = [f"{name},cat" for name in names]  # 100 gone
+    files(src, train_csv="path,label\na.png,cat\n" + "\n".join(rows) + "\n", val_csv="path,label\ngone.png,cat\n")
+    assert pack_main([str(src), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: 101 images the label files list are missing: {src}/train.csv line 3 ({src}/gone0.png), "
+                       f"{src}/train.csv line 5 ({src}/gone2.png), {src}/train.csv line 7 ({src}/gone4.png), ...: "
+                       f"correct the paths on those lines, restore the files or remove the lines"), err
+    assert not (tmp_path / "dst").exists()
+    files(src, train_csv="path,label\na.png,cat\nb.png,cat\n")
+    assert pack_main([str(src), str(tmp_path / "dst")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the image listed on {src}/val.csv line 2 ({src}/gone.png) is missing: correct the path on that line, "
+        f"restore the file or remove the line")

@@ -133,11 +133,11 @@ def test_a_pack_of_a_new_source_stopped_by_a_bad_image_continues_with_max_side(s
     continued by the same command once it is mended, the shards those of the ImageFolder packed at once."""
     folder = tmp_path / "folder"
     shutil.copytree(sources["imagefolder"][3], folder)
-    if source == "csv":  # a listed file gone
+    if source == "csv":  # a listed file that is no image (a missing one is refused before anything is written)
         src = write_label_files(folder, tmp_path / "src")
         bad = sorted((folder / "train" / "ring").iterdir())[2]
         kept = bad.read_bytes()
-        bad.unlink()
+        bad.write_bytes(b"not an image")
         says = f"cannot read image {bad} ("
     else:  # an image member that does not decode, in a tar whose index is cached (the same size and time)
         src = write_wds_shards(folder, tmp_path / "src")

@@ -16,18 +16,21 @@ an ImageFolder. A trainbox pack is not a source (it is packed already).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from train.data.folders import check_imagefolder, is_pack
 from train.data.hf import HfRow, hf_listing
 from train.data.hfdisk import is_hf
-from train.data.labelfiles import has_label_files, read_labelfiles
+from train.data.labelfiles import Listing, has_label_files, read_labelfiles
 from train.data.scan import scan_splits
 from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
 from train.data.tars import classes_of
 from train.errors import ConfigError, DataError
 
 SPLITS = ("train", "val")
+NAMED = 3  # the missing files a line names (then their count)
+FILE_CHUNK = 4096  # rows a thread looks at in one task
 Reference = str | tuple  # a file's path, (tar, offset, size, suffix), or an HfRow
 
 
@@ -60,7 +63,8 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
                 label_key: str = DEFAULT_LABEL_KEY, progress_to=None, image_column: str = "", train_split: str = "",
                 val_split: str = "") -> tuple[str, dict]:
     """(kind, {split: (classes, [(reference, label)])}) of src, in its order. counted: called with the entries of
-    each folder an ImageFolder's listing reads (a progress line); progress_to: the stream of the tars' indexing
+    each folder an ImageFolder's listing reads, or the label files' rows whose file is looked at (a progress line);
+    every file a label file lists must be there (check_files_exist); progress_to: the stream of the tars' indexing
     line, or of a Parquet split's conversion (None: none)."""
     if not src.is_dir():
         raise ConfigError(f"SRC {src} is not a folder: give an ImageFolder, a folder of label files (train.csv, "
@@ -71,6 +75,7 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
         return kind, hf_listing(src, image_column, label_column, train_split or "train", val_split, progress_to)
     if kind == "csv":
         listings = read_labelfiles(src, path_column, label_column)
+        check_files_exist(listings, counted)
         return kind, {split: (listing.classes, [(listing.path(i), listing.labels[i]) for i in range(len(listing))])
                       for split, listing in listings.items()}
     if kind == "tars":
@@ -88,6 +93,35 @@ def list_source(src: Path, counted=None, path_column: str = "", label_column: st
         return kind, splits
     check_imagefolder(src)
     return kind, scan_splits(src, SPLITS, counted)
+
+
+def check_files_exist(listings: dict[str, Listing], counted=None, threads: int = 16) -> None:
+    """Every listed file is there (make pack, which reads each of them: a stop at the first missing one would leave
+    the others to one run each): the missing ones in one line, the first few with their file and line, all counted.
+    A NAS answers stats one round trip at a time: `threads` ask at once. counted: called with each chunk's rows
+    done (a progress line). The label files' own check (read_labelfiles) leaves this out: training reads a file when
+    its row comes, and a million stats would hold up every start."""
+    chunks = [(listing, start, min(start + FILE_CHUNK, len(listing))) for listing in listings.values()
+              for start in range(0, len(listing), FILE_CHUNK)]
+
+    def missing(chunk) -> list[tuple[Listing, int]]:
+        listing, start, end = chunk
+        return [(listing, i) for i in range(start, end) if not os.path.isfile(listing.path(i))]
+
+    found = []
+    with ThreadPoolExecutor(threads) as pool:
+        for rows, (_, start, end) in zip(pool.map(missing, chunks), chunks, strict=True):
+            found += rows
+            if counted is not None:
+                counted(end - start)
+    if found:
+        named = ", ".join(f"{listing.file} line {listing.lines[i]} ({listing.path(i)})" for listing, i in found[:NAMED])
+        if len(found) == 1:
+            raise ConfigError(f"the image listed on {named} is missing: correct the path on that line, restore the "
+                              f"file or remove the line")
+        raise ConfigError(f"{len(found):,} images the label files list are missing: {named}"
+                          f"{', ...' if len(found) > NAMED else ''}: correct the paths on those lines, restore the "
+                          f"files or remove the lines")
 
 
 def name_of(reference: Reference) -> str:
