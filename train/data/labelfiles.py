@@ -35,6 +35,8 @@ from train.data.decode import as_tensor
 from train.errors import ConfigError, DataError
 
 SUFFIXES = (".csv", ".tsv", ".jsonl")
+SHOWN = 8  # a header's names a line shows (then their count)
+SEPARATORS, RENAMED = {",": "commas", "\t": "tabs", ";": "semicolons", "|": "bars"}, {",": ".csv", "\t": ".tsv"}
 PATH_COLUMNS = ("path", "image", "file", "filename", "filepath")
 LABEL_COLUMNS = ("label", "class", "category", "target")
 CLASS_FILES = ("classes.txt", "classes.json")
@@ -67,13 +69,10 @@ def class_list(folder: Path) -> tuple[list[str], Path] | None:
     path = found[0]
     try:
         text = path.read_text(encoding="utf-8-sig")
-        names = json.loads(text) if path.suffix == ".json" else text.splitlines()
+        names = json.loads(text) if path.suffix == ".json" else text.rstrip().splitlines()  # no blank lines at the end
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"cannot read {path} ({e}): give one class name per line (classes.txt) or a JSON list of "
                           f"names (classes.json)") from None
-    if path.suffix == ".txt":
-        while names and not names[-1].strip():
-            names.pop()  # blank lines at the end
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ConfigError(f"{path} is not a JSON list of class names: write it as [\"cat\", \"dog\", ...]")
     names = [n.strip() for n in names]
@@ -87,17 +86,21 @@ def class_list(folder: Path) -> tuple[list[str], Path] | None:
 
 
 def _column(names: list[str], given: str, defaults: tuple[str, ...], what: str, flag: str, file: Path) -> str:
-    if given:
-        if given in names:
-            return given
-        raise ConfigError(f"{file} line 1: the header ({', '.join(names)}) has no column {given!r} ({flag}): name "
-                          f"the {what} column as the header does")
     lowered = {n.strip().lower(): n for n in names}
-    for name in defaults:
-        if name in lowered:
-            return lowered[name]
-    raise ConfigError(f"{file} line 1: the header ({', '.join(names)}) has none of {', '.join(defaults)} for the "
-                      f"{what}: name that column, or pass {flag} NAME (the first line must be a header)")
+    found = (given if given in names else None) if given else next((lowered[n] for n in defaults if n in lowered), None)
+    if found is not None:
+        return found
+    shown = ", ".join(names[:SHOWN])[:200] + (f" and {len(names) - SHOWN:,} more" if len(names) > SHOWN else "")
+    ours = "\t" if file.suffix == ".tsv" else ","
+    theirs = next((s for s in SEPARATORS if s in names[0]), ours) if len(names) == 1 else ours
+    if theirs != ours and file.suffix != ".jsonl":  # one field another separator splits (a .tsv of commas)
+        fix = f"rename it {file.stem}{RENAMED[theirs]}" if theirs in RENAMED else f"save it with {SEPARATORS[ours]}"
+        raise ConfigError(f"{file} line 1: the header ({shown}) is one field: its fields are separated by "
+                          f"{SEPARATORS[theirs]}, and a {file.suffix} file's by {SEPARATORS[ours]}: {fix}")
+    raise ConfigError(f"{file} line 1: the header ({shown}) " + (
+        f"has no column {given!r} ({flag}): name the {what} column as the header does" if given else
+        f"has none of {', '.join(defaults)} for the {what}: name that column, or pass {flag} NAME (the first line "
+        f"must be a header)"))
 
 
 def _rows(file: Path, path_column: str, label_column: str):
@@ -115,13 +118,12 @@ def _rows(file: Path, path_column: str, label_column: str):
             columns = [h.strip() for h in header]
             p = columns.index(_column(columns, path_column, PATH_COLUMNS, "image paths", "--path-column", file))
             lab = columns.index(_column(columns, label_column, LABEL_COLUMNS, "labels", "--label-column", file))
-            width = len(header)
             for record in reader:
-                if len(record) != width:
+                if len(record) != len(header):
                     if not record:
                         continue  # a blank line
                     raise ConfigError(f"{file} line {reader.line_num}: {len(record)} fields where the header has "
-                                      f"{width}: quote a field that holds the separator, or fix the line")
+                                      f"{len(header)}: quote a field that holds the separator, or fix the line")
                 yield reader.line_num, record[p], record[lab]
     except csv.Error as e:  # a NUL byte, a field over csv's limit of 131,072 characters
         raise ConfigError(f"{file} line {reader.line_num if reader else 1}: malformed ({e}): fix that line") \
@@ -286,8 +288,7 @@ class LabelFileSplit(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path = self.listing.path(index)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = Path(path).read_bytes()
         except OSError as e:
             raise DataError(f"cannot read image {path}, listed on line {self.listing.lines[index]} of "
                             f"{self.listing.file} ({e.strerror}): correct the path on that line, restore the file or "
