@@ -5,10 +5,11 @@ samples bit for bit is tests/unit/test_sources.py's."""
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
-from tests.sources import draw_imagefolder, hf_disk_plan, hf_parquet_plan, listing, write_hf
+from tests.sources import HF_PYTHON, draw_imagefolder, hf_disk_plan, hf_parquet_plan, listing, write_hf
 from train.cli import parse_config
 from train.data import build_datasets, check_hf
 from train.data.hf import hf_splits
@@ -113,6 +114,61 @@ def test_a_single_saved_dataset_is_an_evaluation_set_not_a_training_set(made):
     trained = build_datasets(config(made["disk"]))[1]
     assert val.source.classes == trained.source.classes == ["disk", "ring", "square"] and classes == 3
     assert samples(val) == samples(trained)
+
+
+def test_a_dataset_of_one_split_is_told_how_to_make_a_validation_split(made, tmp_path):
+    """A DatasetDict saved with its train split alone, and Parquet files of a train split alone: the line gives the
+    command that makes one (`datasets`' train_test_split, saved to disk), and that command, run, makes a dataset
+    that trains."""
+    disk, parquet = tmp_path / "disk", tmp_path / "parquet"
+    shutil.copytree(made["disk"] / "train", disk / "train")
+    (disk / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (parquet / "data").mkdir(parents=True)
+    for path in (made["parquet"] / "data").glob("validation-*.parquet"):  # its images' bytes, not relative paths
+        shutil.copy(path, parquet / "data" / path.name.replace("validation", "train"))
+    commands = []
+    for data, load in ((disk, f"load_from_disk('{disk}/train')"), (parquet, f"load_dataset('{parquet}', split='train')")):
+        command = (f"import datasets; datasets.{load}.train_test_split(test_size=0.1, seed=0)"
+                   f".save_to_disk('{data}-split')")
+        with pytest.raises(ConfigError) as e:
+            check_hf(data)
+        assert str(e.value) == (f"{data} has only the split 'train', and training needs a validation split too: make "
+                                f"one (python -c \"{command}\"), then point --data-dir (make pack: SRC) at "
+                                f"{data}-split, whose splits are train and test")
+        commands.append(command)
+    subprocess.run([str(HF_PYTHON), "-c", "; ".join(commands)], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                        "HF_HOME": str(tmp_path / "hf-home")})
+    for data in (disk, parquet):
+        train, val, classes = build_datasets(config(f"{data}-split"))
+        assert (len(train), len(val), classes) == ((8, 1) if data == disk else (5, 1)) + (3,), data  # 9 and 6 rows
+
+
+def test_the_splits_a_line_names_are_the_first_eight_and_a_count(made, tmp_path):
+    first = sorted((made["parquet"] / "data").glob("validation-*.parquet"))[0]
+    (tmp_path / "data").mkdir()
+    for n in range(100):
+        shutil.copy(first, tmp_path / "data" / f"part{n:03d}-00000-of-00001.parquet")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} has no split 'train' \(it has: part000, part001, part002, "
+                                          r"part003, part004, part005, part006, part007 and 92 more\): name the train "
+                                          r"split with --train-split$"):
+        check_hf(tmp_path)
+
+
+def test_a_damaged_parquet_file_is_one_line(made, tmp_path):
+    """pyarrow's message for a damaged footer ends in a newline, or names a byte as itself: one printable line."""
+    data = tmp_path / "parquet"
+    shutil.copytree(made["parquet"], data, ignore=shutil.ignore_patterns(CACHE))
+    first = sorted((data / "data").glob("train-*.parquet"))[0]
+    whole = first.read_bytes()
+    footer = len(whole) - 8 - int.from_bytes(whole[-8:-4], "little")  # the metadata before its length and PAR1
+    for at in (1, 0):  # "Couldn't deserialize thrift: TProtocolException: Invalid data\n", "...type: \x0f\n"
+        first.write_bytes(whole[:footer + at] + b"\xff" * 6 + whole[footer + at + 6:])
+        with pytest.raises(ConfigError) as e:
+            check_hf(data)
+        line = str(e.value)
+        assert line.startswith(f"cannot read {first} (Couldn't deserialize thrift: ") and line.isprintable(), line
+        assert line.endswith("): a damaged or incomplete file: copy or save it again"), line
 
 
 @pytest.mark.parametrize("name, flags, says", [

@@ -27,11 +27,13 @@ from torch.utils.data import Dataset
 
 from train.data.decode import as_tensor
 from train.data.hfcache import arrow_files, shared_arrow_files
-from train.data.hfdisk import WHOLE, Columns, Labels, SplitFiles, arrow, columns_of, find_splits, read_labels
+from train.data.hfdisk import (WHOLE, Columns, Labels, SplitFiles, arrow, arrow_error, columns_of, find_splits,
+                               read_labels)
 from train.data.scan import IMAGE_EXTENSIONS
 from train.errors import ConfigError, DataError
 
 VAL_SPLITS = ("validation", "val", "test")
+NAMED = 8  # the splits a line names (then their count)
 _opened: dict[tuple[str, str], tuple[list, list[int]]] = {}  # this process's memory-mapped columns, by file
 
 
@@ -46,7 +48,7 @@ def _column(file: str, column: str) -> tuple[list, list[int]]:
             with pa.memory_map(file) as source:
                 chunks = pa.ipc.open_stream(source).read_all().column(column).chunks
         except (OSError, KeyError, pa.ArrowException) as e:
-            raise DataError(f"cannot read {file} ({str(e).splitlines()[0]}): check the storage, or save the dataset "
+            raise DataError(f"cannot read {file} ({arrow_error(e)}): check the storage, or save the dataset "
                             f"again, then run the same command to resume") from None
         parts, starts = [], [0]
         for chunk in chunks:
@@ -168,9 +170,13 @@ def pick_splits(root: Path, found: dict[str, SplitFiles], train_split: str, val_
                               f"validation split: save a DatasetDict (ds.train_test_split(test_size=0.1, seed=0)"
                               f".save_to_disk(...)) and point --data-dir at it")
         return {"val": found[WHOLE]}
-    have = ", ".join(sorted(found))
+    have = ", ".join(sorted(found)[:NAMED]) + (f" and {len(found) - NAMED:,} more" if len(found) > NAMED else "")
     val = val_split or next((name for name in VAL_SPLITS if name in found), "")
     names = {"train": train_split, "val": val}
+    if "val" in wanted and list(found) == [train_split]:
+        raise ConfigError(f"{root} has only the split {train_split!r}, and training needs a validation split too: "
+                          f"make one ({split_command(root, found[train_split])}), then point --data-dir (make pack: "
+                          f"SRC) at {root}-split, whose splits are train and test")
     for split, flag in (("train", "--train-split"), ("val", "--val-split")):
         if split in wanted and names[split] not in found:
             what = f"no split {names[split]!r}" if names[split] else f"none of the splits {', '.join(VAL_SPLITS)}"
@@ -179,6 +185,15 @@ def pick_splits(root: Path, found: dict[str, SplitFiles], train_split: str, val_
         raise ConfigError(f"{root}: --train-split and --val-split both name {names['train']!r}: the model would be "
                           f"scored on images it trained on: give the validation split its own name")
     return {split: found[names[split]] for split in wanted}
+
+
+def split_command(root: Path, split: SplitFiles) -> str:
+    """The command that makes a dataset of one split (split) into a training and a validation split, `datasets`'
+    train_test_split saved to ROOT-split: from save_to_disk's files, or from Parquet files."""
+    load = f"load_from_disk({str(split.files[0].parent)!r})" if split.format == "arrow" else \
+        f"load_dataset({str(root)!r}, split={split.name!r})"
+    return (f"python -c \"import datasets; datasets.{load}.train_test_split(test_size=0.1, seed=0)"
+            f".save_to_disk({f'{root}-split'!r})\"")
 
 
 def read_splits(root: Path, image_column: str = "", label_column: str = "", train_split: str = "train",

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from train.data.hfdisk import SplitFiles, arrow
+from train.data.hfdisk import SplitFiles, arrow, arrow_error
 from train.data.tarindex import cache_dirs
 from train.distributed import broadcast_from_main
 from train.identity import is_main
@@ -76,7 +76,7 @@ def _convert(root: Path, split: SplitFiles, column: str, folder: Path, record: d
                 os.replace(tmp, final)
             except (KeyError, pa.ArrowException) as e:
                 tmp.unlink(missing_ok=True)
-                raise ConfigError(f"cannot read the column {column!r} of {path} ({str(e).splitlines()[0]}): a damaged "
+                raise ConfigError(f"cannot read the column {column!r} of {path} ({arrow_error(e)}): a damaged "
                                   f"or incomplete Parquet file, or one without that column: copy it again, or give "
                                   f"every file of the split the same columns") from None
             except BaseException:

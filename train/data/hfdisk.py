@@ -24,11 +24,18 @@ from pathlib import Path
 import torch
 
 from train.errors import ConfigError
+from train.identity import first_line
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
 SHARD_TAIL = re.compile(r"-\d+(?:-of-\d+)?(?:-[0-9a-f]{6,})?$")  # -00000-of-00004, and the old -<fingerprint>
 WHOLE = ""  # the one split of a single saved Dataset
+
+
+def arrow_error(error: BaseException) -> str:
+    """A pyarrow error as a line's part: its first line, without the control characters its messages may carry
+    (a corrupt Parquet footer's ends in a newline, or names a byte such as 0x0f as itself)."""
+    return "".join(c for c in first_line(error) if c.isprintable())
 
 
 def arrow():
@@ -116,7 +123,8 @@ def schema_of(split: SplitFiles, file: Path | None = None):
         with pa.memory_map(str(path)) as source:
             return pa.ipc.open_stream(source).schema
     except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"cannot read {path} ({e}): a damaged or incomplete file: copy or save it again") from None
+        raise ConfigError(f"cannot read {path} ({arrow_error(e)}): a damaged or incomplete file: copy or save it "
+                          f"again") from None
 
 
 def features_of(split: SplitFiles, schema) -> dict:
@@ -200,7 +208,7 @@ def _values(split: SplitFiles, column: str, kind: str, root: Path) -> tuple[obje
                 with pa.memory_map(str(path)) as source:
                     table = pa.ipc.open_stream(source).read_all().select([column])
         except (OSError, KeyError, pa.ArrowException) as e:
-            raise ConfigError(f"cannot read the column {column!r} of {path} ({str(e).splitlines()[0]}): every file "
+            raise ConfigError(f"cannot read the column {column!r} of {path} ({arrow_error(e)}): every file "
                               f"of a split needs the same columns: copy or save it again") from None
         values = table.column(column)
         is_int = pa.types.is_integer(values.type)
