@@ -35,13 +35,15 @@ from train.runtime import configure_runtime, pick_device, resolve_precision
 from train.tracker import catch_up_tracking
 from train.trainer import Trainer
 from train.watchdog import watch_limit, watchdog
-from train.workers import kill_loader_workers
+from train.workers import kill_loader_workers, stop_with_launcher
 
 
 def run_worker(cfg: Config) -> int:
     """Train as the rank the environment says this process is; every error becomes an exit code."""
     faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
     atexit.register(kill_loader_workers)
+    if identity().launcher == "torchrun":  # --spawn's workers watch their launcher already (train/workers.py)
+        stop_with_launcher()
     rank = identity().global_rank
     try:
         code = run(cfg)

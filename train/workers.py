@@ -7,6 +7,7 @@ python -m train --spawn N's launcher imports neither torch nor the trainer (its 
   Job(module, function, *a)  work named by its module, so that the launcher need not import it to start it
   workers_for(gpus, visible) GPUS=... as (local workers, force the CPU)
   kill_loader_workers()      registered at exit by every worker: its DataLoader workers must not outlive it
+  stop_with_launcher(...)    a worker whose launcher ends, however it ends (kill -9 too), stops as on SIGTERM
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util  # its exit hook must be registered before ours (see kill_loader_workers)
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,10 +61,24 @@ def spawn_run(cfg: Config) -> int:
 
 def _start(target: Callable, *args: Any) -> multiprocessing.process.BaseProcess:
     """A child of the fork server, with this process's environment as it is now (the server's is as it was when it
-    started)."""
-    process = multiprocessing.get_context("forkserver").Process(target=target, args=(dict(os.environ), *args))
+    started) and the read end of its lifeline."""
+    process = multiprocessing.get_context("forkserver").Process(target=target,
+                                                                args=(dict(os.environ), _lifeline(), *args))
     process.start()
     return process
+
+
+_lifeline_ends: tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection] | None = None
+
+
+def _lifeline() -> multiprocessing.connection.Connection:
+    """The read end of a pipe whose write end this launcher alone holds, for as long as it lives: its children read
+    end-of-file the moment it ends, however it ends. Their parent, the fork server, outlives it (multiprocessing keeps
+    the server until its last child ends), so a parent-death signal cannot tell them."""
+    global _lifeline_ends
+    if _lifeline_ends is None:
+        _lifeline_ends = multiprocessing.Pipe(duplex=False)
+    return _lifeline_ends[0]
 
 
 def _exit_code(process: multiprocessing.process.BaseProcess) -> int:
@@ -70,7 +87,8 @@ def _exit_code(process: multiprocessing.process.BaseProcess) -> int:
     return process.exitcode if process.exitcode >= 0 else 128 - process.exitcode
 
 
-def _checked(environ: dict[str, str], check: Job) -> None:
+def _checked(environ: dict[str, str], lifeline: multiprocessing.connection.Connection, check: Job) -> None:
+    stop_with_launcher(lifeline)
     os.environ.clear()
     os.environ.update(environ)
     sys.exit(check())
@@ -82,6 +100,38 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
+
+
+def stop_with_launcher(lifeline: multiprocessing.connection.Connection | None = None) -> None:
+    """When this worker's launcher ends, by any signal (SIGKILL too: the out-of-memory killer, `kill -9`, a lost
+    session), SIGTERM to this worker: a run then stops at the next step every rank agrees on, saves its checkpoint
+    and exits (train/distributed.py's StopSignal); one that is not training yet ends at once. Nobody is left to wait
+    for it. --spawn's workers watch their lifeline (the launcher's pipe); torchrun's (no lifeline) their parent, the
+    agent, through a pidfd (Linux). A thread that waits in select: no cost while the launcher lives."""
+    if lifeline is not None:
+        launcher, what = lifeline, "the launcher"
+    elif hasattr(os, "pidfd_open"):
+        agent = os.getppid()
+        what = f"torchrun (pid {agent})"
+        try:
+            launcher = os.pidfd_open(agent)
+        except OSError:  # already gone
+            launcher = None
+        if os.getppid() != agent:  # it ended before its pidfd was open: the one opened may be another's
+            launcher = None
+    else:
+        return
+    threading.Thread(target=_stop_when_gone, args=(launcher, what), name="trainbox-launcher-watch",
+                     daemon=True).start()
+
+
+def _stop_when_gone(launcher: multiprocessing.connection.Connection | int | None, what: str) -> None:
+    if launcher is not None:
+        multiprocessing.connection.wait([launcher])  # readable: end-of-file on the pipe, the pidfd's process ended
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # into train.log too, once the run has one (train/metrics.py)
+        logging.getLogger("train").warning("%s ended: its workers stop as on SIGTERM (a checkpoint if training, then "
+                                           "exit)", what)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def kill_loader_workers() -> None:
@@ -96,7 +146,8 @@ def kill_loader_workers() -> None:
                 child.join(5)
 
 
-def _spawned(environ: dict[str, str], local_rank: int, work: Callable[[], int], nprocs: int) -> None:
+def _spawned(environ: dict[str, str], lifeline: multiprocessing.connection.Connection, local_rank: int,
+             work: Callable[[], int], nprocs: int) -> None:
     _die_with_parent()
     # A child of the fork server inherits "forkserver" as its default start method; a worker's DataLoader workers
     # would then come from yet another server and import torch and torchvision each. The platform's default, as
@@ -105,6 +156,7 @@ def _spawned(environ: dict[str, str], local_rank: int, work: Callable[[], int], 
     os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
     os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
+    stop_with_launcher(lifeline)
     try:
         code = work()
     except KeyboardInterrupt:  # SIGINT: the fork server is gone (above), or Ctrl-C before the trainer took it

@@ -7,6 +7,7 @@ import time
 
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
                            python_cmd, reached_step, run, status, wait_for, worker_pid)
+from tests.processes import alive, descendants, in_session
 from train import checkpoint as ckpt
 
 
@@ -66,6 +67,40 @@ def test_sigterm_to_a_single_process_run(reference_run, tmp_path):
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _finish_and_compare(proc, run_dir, cmd, reference_run(*LONG, workers=1), expected_code=75)
+
+
+def test_a_killed_launcher_leaves_no_process_behind_and_the_run_resumes_bit_identical(reference_run, tmp_path):
+    """SIGKILL to the launcher (the out-of-memory killer, kill -9): nothing is left to forward a signal or wait for
+    the workers, which see it end and stop as on SIGTERM: every rank after one step, a checkpoint of it, and every
+    process of the run gone within seconds (--spawn's fork server too). make train's launcher (torchrun in its
+    process) first, then --spawn's; the same command then resumes, bit-identical to an uninterrupted run."""
+    run_dir = tmp_path / "run"
+    launchers = {"torchrun": [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--run-dir",
+                              str(run_dir)],
+                 "--spawn": python_cmd(*LONG, "--spawn", 2, "--run-dir", run_dir)}
+    step = 0
+    for name, cmd in launchers.items():
+        with open(tmp_path / f"{name}.err", "w+") as err:
+            proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                    start_new_session=True)
+            wait_for(reached_step(run_dir, step + 10), 120, f"step {step + 10}", proc)
+            run_processes = descendants(proc.pid)  # torchrun's workers are in sessions of their own
+            proc.kill()
+            proc.wait()
+            wait_for(lambda: not [p for p in [*run_processes, *in_session(proc.pid)] if alive(p)], 15,  # noqa: B023
+                     f"every process of the run under {name} to end")
+            err.seek(0)
+            said = err.read()
+        stopped = status(run_dir)  # not "done": they stopped, not trained to the end
+        assert (stopped["state"], stopped.get("exit_code")) == ("stopped", 75), said[-3000:]
+        assert stopped["step"] > step and ckpt.newest_valid(run_dir).name == f"step_{stopped['step']:08d}.pt"
+        assert "ended: its workers stop as on SIGTERM" in said and \
+            f"SIGTERM: saving at step {stopped['step']} and exiting with code 75" in said, said[-3000:]
+        step = stopped["step"]
+    resumed = run(launchers["--spawn"])
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}.pt'}" in resumed.stderr, resumed.stderr[-3000:]
+    assert_bit_identical(run_dir, reference_run(*LONG))
+    assert_same_final_figures(run_dir, reference_run(*LONG))
 
 
 def test_spawn_stops_the_other_workers_when_one_crashes(tmp_path):
