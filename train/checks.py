@@ -15,6 +15,7 @@ import pynvml
 import torch
 
 from train import checkpoint
+from train.cluster import port_problem
 from train.config import Config
 from train.runfiles import launch_run_dir
 from train.data import check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
@@ -190,9 +191,11 @@ def check_rendezvous_variables(env=None) -> None:
 
 
 def check_port(port: str, fix: str) -> None:
-    if not port.isdigit() or not port_free(int(port)):
-        raise ConfigError(f"rendezvous port {port} is in use on this host (or not a port number): {fix}, "
-                          f"or choose another")
+    problem = port_problem("MASTER_PORT", port)
+    if problem:
+        raise ConfigError(f"{problem}: {fix}, or set a free one")
+    if not port_free(int(port)):
+        raise ConfigError(f"rendezvous port {port} is in use on this host: {fix}, or choose another")
 
 
 def port_free(port: int) -> bool:

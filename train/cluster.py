@@ -54,6 +54,13 @@ def count(name: str, value: int | str | None, default: int) -> int:
     return int(text)
 
 
+def port_problem(name: str, value: str) -> str | None:
+    """Why `value`, set as `name` (MASTER_PORT), is not a port a rendezvous can listen on; None if it is one."""
+    if re.fullmatch(r"[0-9]{1,5}", value) and 1 <= int(value) <= 65535:
+        return None
+    return f"{name}={value!r} is not a port number (1-65535)"
+
+
 def torchrun_flags(max_restarts: int | str | None = None) -> list[str]:
     """The torchrun flags of every multi-worker launch (make train, compose, the Slurm template)."""
     return [f"--max-restarts={count('MAX_RESTARTS', max_restarts, DEFAULT_MAX_RESTARTS)}",
@@ -171,6 +178,9 @@ def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
         raise PlanError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"), env)
     port = env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"]))
+    if port_problem("MASTER_PORT", port):
+        raise PlanError(f"{port_problem('MASTER_PORT', port)}: unset it (the job's port is derived from its id) or "
+                        f"set a free port")
     out: dict[str, str | list[str]] = {
         "NNODES": str(len(nodes)),
         "NPROC_PER_NODE": str(workers),
@@ -229,6 +239,8 @@ def plan_sky(env) -> dict[str, str | list[str]]:
     gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
     workers = _nproc_per_node(env) or (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
     port = env.get("MASTER_PORT") or "29400"
+    if port_problem("MASTER_PORT", port):
+        raise PlanError(f"{port_problem('MASTER_PORT', port)}: unset it (29400) or set a free port")
     rank = int(env["SKYPILOT_NODE_RANK"])
     return {
         "NNODES": str(len(ips)),

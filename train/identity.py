@@ -17,7 +17,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from train.cluster import master_port
+from train.cluster import master_port, port_problem
 from train.errors import ConfigError
 from train.hostlist import PlanError, expand_hostlist
 
@@ -42,6 +42,16 @@ def _int(env, key: str) -> int:
         return int(env[key])
     except ValueError:
         raise ConfigError(f"{key}={env[key]!r} is not an integer: fix the launcher environment") from None
+
+
+def _port(env, default: int) -> int:
+    """MASTER_PORT, where rank 0 hosts the store, or the launcher's default."""
+    if "MASTER_PORT" not in env:
+        return default
+    problem = port_problem("MASTER_PORT", env["MASTER_PORT"])
+    if problem:
+        raise ConfigError(f"{problem}: fix the launcher environment (MASTER_PORT, a free port on rank 0's host)")
+    return int(env["MASTER_PORT"])
 
 
 def _first_node(env) -> str:
@@ -125,7 +135,7 @@ def resolve_identity(env=None) -> Identity:
             world_size=_int(env, "WORLD_SIZE"),
             local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _int(env, "WORLD_SIZE"),
             launcher=launcher, master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500)
+            master_port=_port(env, 29500))
     # srun sets SLURM_STEP_ID; a batch script alone has SLURM_PROCID=0 too but is not a step of N tasks.
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
         tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
@@ -133,7 +143,7 @@ def resolve_identity(env=None) -> Identity:
             global_rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID"),
             world_size=_int(env, "SLURM_NTASKS"), local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
             launcher="slurm", master_addr=env.get("MASTER_ADDR") or _first_node(env),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else master_port(env["SLURM_JOB_ID"]))
+            master_port=_port(env, master_port(env["SLURM_JOB_ID"])))
     return Identity(0, 0, 1, 1, "single", "127.0.0.1", 0)
 
 

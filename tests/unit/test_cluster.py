@@ -65,6 +65,7 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"MAX_RESTARTS": "abc"}, "MAX_RESTARTS='abc' is not a number: use 0, 1, 3, ..."),
     ({"MAX_REQUEUES": "x"}, "MAX_REQUEUES='x' is not a number: use 0, 1, 3, ..."),
     ({"SLURM_JOB_NODELIST": "gpu[3-1]"}, "hostlist 'gpu[3-1]': '3-1' in [3-1] is not a number or a range"),
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port number (1-65535): unset it"),
 ])
 def test_plan_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(cluster.PlanError) as e:
@@ -188,6 +189,7 @@ def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
     ({"PYTHON": "/nonexistent/python"}, "/nonexistent/python not found: run `make setup`"),
     ({"NPROC_PER_NODE": "x"}, "NPROC_PER_NODE='x'"),
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1' is not a number"),
+    ({"MASTER_PORT": "65536"}, "MASTER_PORT='65536' is not a port number (1-65535): unset it"),
 ])
 def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
     with pytest.raises(cluster.PlanError) as e:

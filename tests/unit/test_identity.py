@@ -5,7 +5,7 @@ import pytest
 from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
 from train.hostlist import PlanError, expand_hostlist, parse_hostlist
 from train.cluster import master_port as slurm_master_port
-from train.checks import check_rendezvous_variables
+from train.checks import check_port, check_rendezvous_variables
 from train.identity import from_environment, resolve_identity
 from train.errors import ConfigError
 
@@ -128,3 +128,14 @@ def test_a_hostlist_without_hosts_is_refused_and_a_step_names_it_in_one_line():
 def test_bad_rank_variable_is_one_clear_error():
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         resolve_identity({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000", "-5", " 123", ""])
+def test_a_master_port_that_is_no_port_number_is_named_so_not_taken_for_a_busy_one(port):
+    """--spawn's launcher checks MASTER_PORT before it listens there; a rank from the environment (or srun) reads it."""
+    with pytest.raises(ConfigError) as e:
+        check_port(port, fix="unset MASTER_PORT so a free one is picked")
+    assert str(e.value) == f"MASTER_PORT={port!r} is not a port number (1-65535): unset MASTER_PORT so a free one " \
+                           f"is picked, or set a free one"
+    with pytest.raises(ConfigError, match=r"^MASTER_PORT=.* is not a port number \(1-65535\): fix the launcher"):
+        resolve_identity({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": port})
