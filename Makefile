@@ -197,7 +197,7 @@ evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DA
 	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
 	  >&2; exit 2; }
 	$(PY) -m train.evaluate "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
-	  $(if $(filter-out 0 1,$(GPUS)),--spawn $(GPUS)) $(if $(MODEL),--model "$(MODEL)")
+	  --gpus "$(GPUS)" $(if $(MODEL),--model "$(MODEL)")
 
 export: $(EXPORT_NEEDS) ## ship a run's model: RUN=runs/<name> [CHECKPOINT=best] [FORMAT=onnx] -> RUN/model.pt2 or .onnx
 	@$(call renamed_weights,export)

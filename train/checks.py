@@ -19,7 +19,7 @@ from train.cluster import port_problem
 from train.config import Config
 from train.runfiles import launch_run_dir
 from train.data import check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
-from train.identity import alone_fix, launch_variables, resolve_identity
+from train.identity import Identity, alone_fix, launch_variables, resolve_identity
 from train.errors import ConfigError
 from train.metrics import nvml
 from train.models import build_model, check_model_spec, frozen_names, trainable_model
@@ -34,14 +34,7 @@ from train.weights import fitted, read_weights, resolve
 def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment."""
-    ident = resolve_identity()
-    if cfg.launch.spawn and ident.launcher == "env":
-        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
-                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
-    if cfg.launch.spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
-        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
-    if ident.launcher == "env" and not cfg.run.dry_run:
-        check_rendezvous_variables()
+    ident = check_launch(cfg.launch.spawn, cfg.run.dry_run)
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
     if cfg.data.dataset == "cifar10":
@@ -176,6 +169,21 @@ def check_resume(cfg: Config, run_dir: Path, world: int) -> None:
         layout = Layout(**plan["layout"])
         continue_layout(layout, world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum,
                         cfg.optimisation.grad_accum != layout.grad_accum, run_dir)
+
+
+def check_launch(spawn: int, dry_run: bool = False) -> Identity:
+    """The launch environment of a command that trains or evaluates (python -m train, train.evaluate): --spawn inside
+    another launcher's workers, or a rank from the environment without the variables of its rendezvous (left in a
+    shell by another job?), is one line. Returns who this process is."""
+    ident = resolve_identity()
+    if spawn and ident.launcher == "env":
+        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
+                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
+    if spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
+        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if ident.launcher == "env" and not dry_run:
+        check_rendezvous_variables()
+    return ident
 
 
 def check_rendezvous_variables(env=None) -> None:

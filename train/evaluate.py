@@ -33,17 +33,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from train.checks import check_launch
 from train.config import Config
 from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
 from train.distributed import init, teardown
-from train.identity import identity, is_main
-from train.errors import ConfigError, end_process, fail
+from train.identity import PeersNeverCame, identity, is_main
+from train.errors import EXIT_FAILED, ConfigError, end_process, fail
 from train.models import build_model
 from train.progress import Progress
 from train.runfiles import atomic_write, read_classes, read_config, to_json
 from train.runtime import DTYPES, autocast, configure_runtime, pick_device, resolve_precision
 from train.weights import MEAN, STD, normalisation_on
-from train.workers import spawn_workers
+from train.workers import spawn_workers, workers_for
 
 
 def criterion_of(label_smoothing: float) -> str:
@@ -150,12 +151,13 @@ class Job:
     data_dir: str
     out: Path
     model: str = ""  # --model: a run of a package.module:factory model is evaluated only when it names it
+    device: str = ""  # cpu: GPUS=0 (make's), else the run's --device
 
 
 def evaluate_run(job: Job) -> int:
     """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
     cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model)
-    cfg = cfg.replace(**({"data_dir": job.data_dir} if job.data_dir else {}))
+    cfg = cfg.replace(**{name: value for name, value in (("data_dir", job.data_dir), ("device", job.device)) if value})
     configure_runtime(cfg)
     ident = identity()
     device = pick_device(cfg.launch.device, ident)
@@ -242,30 +244,49 @@ def main(argv: list[str]) -> int:
                                                        "default: the run's --data-dir")
     parser.add_argument("--out", type=Path, help="the report (default: RUN_DIR/eval-<weights>.json)")
     parser.add_argument("--spawn", type=int, default=0, help="start N local workers (torch.multiprocessing)")
+    parser.add_argument("--gpus", default="", help="make evaluate's GPUS=: local workers, counted and checked as make "
+                                                   "train counts them (0: one on the CPU); empty: one")
     ns = parser.parse_args(argv)
     if ns.weights is not None:
         return fail(renamed(parser.prog, ns.weights))
-    job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
-              ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model)
     try:
+        spawn, on_cpu = local_workers(ns.spawn, ns.gpus)
+        check_launch(spawn)  # a rank from the environment (a shell's leftovers) without its rendezvous: one line
+        job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
+                  ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model, "cpu" if on_cpu else "")
         load_run(job.run_dir, job.checkpoint, job.model)  # a bad run folder, checkpoint or model: one line
-        if ns.spawn < 0:
-            raise ConfigError(f"--spawn must be >= 0, got {ns.spawn}: pass 0 or a worker count")
-        if ns.spawn:
-            return spawn_workers(ns.spawn, partial(worker, job))
+        if spawn:
+            return spawn_workers(spawn, partial(worker, job))
         return worker(job)
     except ConfigError as e:
         return fail(str(e))
 
 
+def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:
+    """(--spawn's workers, 0 for this process alone; whether on the CPU) from --spawn, or from GPUS= (--gpus) as
+    make train reads it: a negative count, a word or more GPUs than there are refused in its one line."""
+    if spawn < 0:
+        raise ConfigError(f"--spawn must be >= 0, got {spawn}: pass 0 or a worker count")
+    if not gpus.strip():
+        return spawn, False
+    if spawn:
+        raise ConfigError(f"--gpus {gpus} (make's GPUS=) and --spawn {spawn} both count the workers: give one")
+    workers, on_cpu = workers_for(gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return (workers if workers > 1 else 0), on_cpu
+
+
 def worker(job: Job) -> int:
-    """A rank of the evaluation: a user's mistake is one line (on rank 0) and exit code 2."""
+    """A rank of the evaluation: a user's mistake is one line (on rank 0) and exit code 2; a rank from the
+    environment whose peers never came, the line naming its variables (as the trainer's) and exit code 1."""
     try:
         return evaluate_run(job)
     except ConfigError as e:
         if is_main():
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except PeersNeverCame as e:
+        print(f"error: [rank {identity().global_rank}] {e}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def finished_run_parser(prog: str, doc: str) -> argparse.ArgumentParser:

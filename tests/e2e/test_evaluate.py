@@ -93,6 +93,32 @@ def test_bad_input_is_one_line(tmp_path):
                                              f"CHECKPOINT=ema"  # then make's own "Error 2"
 
 
+def test_make_evaluate_under_a_leftover_launcher_environment_or_a_bad_gpus_says_the_trainers_line(reference_run,
+                                                                                                    tmp_path):
+    """RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT left in a shell by another job: the trainer's line before the wait
+    and, when no peer comes, its line naming the variables (exit 1), no traceback; GPUS=-1 the line make train
+    gives. (The run's --timeout-s is set to 3 s in its config.json: the wait the evaluation takes from it.)"""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**config, "timeout_s": 3}))
+    port = free_port()
+    leftover = run(["make", "--no-print-directory", "evaluate", f"RUN={run_dir}"], expect=2, cwd=REPO,
+                   env=env_for_tests(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    variables = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+    said = [line for line in leftover.stderr.splitlines() if not line.startswith("make: ")]
+    assert said[0].startswith(f"trainbox: rank 0 of 2 from the environment ({variables}; ") and len(said) == 2, \
+        leftover.stderr[-3000:]
+    assert said[1].startswith(f"error: [rank 0] rank 1 did not join at 127.0.0.1:{port} within 3 s (") and \
+        said[1].endswith(f"because {variables} are set in its environment (by neither torchrun nor --spawn); if they "
+                         "are left over from another job, unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT and run the "
+                         "same command to train alone, else start the other ranks with the same MASTER_ADDR and "
+                         "MASTER_PORT"), leftover.stderr[-3000:]
+    negative = make("evaluate", f"RUN={run_dir}", "GPUS=-1", expect=2)
+    assert negative.stderr.splitlines()[0] == "error: GPUS=-1: a count of workers cannot be negative: give 0 for " \
+                                              "the CPU or a positive count (GPUS=1, GPUS=4, ...)", negative.stderr
+
+
 def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_path):
     """A run folder on a shared NAS whose config.json names a module:factory (planted here, it leaves a mark when
     imported): evaluate and export refuse in one line that gives --model, and import nothing; naming the same

@@ -83,6 +83,37 @@ def test_spawn_with_rank_variables_in_the_environment_is_refused_naming_them(mon
                             "MASTER_PORT and let --spawn number its workers")
 
 
+def test_evaluate_checks_the_launch_environment_and_gpus_as_the_trainer_does(monkeypatch, tmp_path, capsys):
+    """python -m train.evaluate (make evaluate) with RANK and WORLD_SIZE left in the shell: the trainer's one line, not
+    torch's traceback; make evaluate's GPUS= counted and checked as make train's, before the run folder is read."""
+    from train import evaluate
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TRAINBOX_LAUNCHER", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert evaluate.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: RANK=0 WORLD_SIZE=2 are set in the environment (by neither torchrun nor --spawn) but MASTER_ADDR and "
+        "MASTER_PORT are not: set MASTER_ADDR to rank 0's host and MASTER_PORT to a free port there, or unset RANK "
+        "WORLD_SIZE to train alone"]
+    assert evaluate.main([str(tmp_path), "--gpus", "2"]) == 2  # GPUS=2: --spawn 2 under a rank of another launch
+    assert capsys.readouterr().err.startswith("error: --spawn with RANK=0 WORLD_SIZE=2 set in the environment would "
+                                              "start workers twice")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    for flags, line in [(["--gpus", "-1"], "GPUS=-1: a count of workers cannot be negative: give 0 for the CPU or a "
+                                           "positive count (GPUS=1, GPUS=4, ...)"),
+                        (["--gpus", "x"], "GPUS='x' is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ..."),
+                        (["--gpus", "2", "--spawn", "2"], "--gpus 2 (make's GPUS=) and --spawn 2 both count the "
+                                                          "workers: give one")]:
+        assert evaluate.main([str(tmp_path), *flags]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {line}"]
+    assert evaluate.local_workers(0, "") == (0, False)  # unset: this process alone, on the run's --device
+    assert evaluate.local_workers(0, "0") == (0, True)  # GPUS=0: on the CPU, as make train
+
+
 def test_srun_task_environment():
     env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0",
            "SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
