@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from train.errors import ConfigError
-from train.runfiles import atomic_file, atomic_write, file_digest, read_status
+from train.runfiles import FULL_BYTES, atomic_file, atomic_write, file_digest, read_status
 
 log = logging.getLogger("train")
 
@@ -242,9 +242,10 @@ def space_problem(run_dir: Path) -> str | None:
     partial = sum(p.stat().st_size for p in checkpoint_dir(run_dir).glob(".step_*.tmp.*")) \
         if checkpoint_dir(run_dir).is_dir() else 0
     free = shutil.disk_usage(run_dir).free + partial
-    if needed and free < needed + (1 << 20):
-        return (f"{run_dir} has {free / 2**20:.1f} MiB free but a checkpoint needs {needed / 2**20:.1f} MiB: "
-                f"free space on that disk (or move the run), then run the same command to resume")
+    if needed and free < needed + FULL_BYTES:
+        return (f"{run_dir} has {free / 2**20:.1f} MiB free but needs {(needed + FULL_BYTES) / 2**20:.1f} MiB to "
+                f"train on (a checkpoint of {needed / 2**20:.1f} MiB, and {FULL_BYTES / 2**20:.0f} MiB for the run's "
+                f"other files): free space on that disk (or move the run), then run the same command to resume")
     return None
 
 

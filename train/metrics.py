@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from train.identity import identity, is_main
-from train.runfiles import MetricsFile
+from train.runfiles import FULL_ERRNOS, MetricsFile
 
 log = logging.getLogger("train")
 
@@ -293,6 +293,16 @@ def setup_logging(run_dir: Path | None) -> None:
     console.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(message)s", "%H:%M:%S"))
     log.addHandler(console)
     if run_dir is not None:
-        handler = logging.FileHandler(run_dir / "train.log")
+        handler = RunLog(run_dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         log.addHandler(handler)
+
+
+class RunLog(logging.FileHandler):
+    """train.log. A line a full disk (or a used-up quota) keeps out is left out without logging's traceback of it: the
+    writes of metrics.jsonl and status.json that follow each log line meet the same disk, and the run ends on the one
+    line that says so (train/worker.py)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if getattr(sys.exc_info()[1], "errno", None) not in FULL_ERRNOS:
+            super().handleError(record)

@@ -9,12 +9,13 @@ them with the host's python3 too).
   config.json      the config as given; classes.json the class names in label order; plan.json what the run
                    derived from them (write_run_files, read_config, read_classes)
 
-Every write is atomic: a temp file, fsync, rename over the file, fsync of the folder (`atomic_file`, the one way files
-are written across trainbox; `file_digest` the one way a file's SHA-256 is read). Every JSON file is strict JSON
-(to_json): a figure that is not finite (a diverged loss) is written as null, never as NaN or Infinity, which strict
-parsers reject. Where the run directory cannot be made or written, one line names the cause and its fix:
-`run_dir_problem` asks the file system before anything is written (the checks), `write_problem` reads the error a
-write met (the worker).
+Every write is atomic (but a failure's record on a full disk, where no temporary file fits: write_status): a temp
+file, fsync, rename over the file, fsync of the folder (`atomic_file`, the one way files are written across trainbox;
+`file_digest` the one way a file's SHA-256 is read). Every JSON file is strict JSON (to_json): a figure that is not
+finite (a diverged loss) is written as null, never as NaN or Infinity, which strict parsers reject. Where the run
+directory cannot be made or written, one line names the cause and its fix: `run_dir_problem` asks the file system
+before anything is written (the checks), `write_problem` reads the error a write met (the worker), as
+`full_disk_problem` does for a running run's writes on a full disk.
 """
 
 from __future__ import annotations
@@ -118,9 +119,28 @@ def status_record(state: str, step: int, env, **extra) -> dict:
 
 def write_status(run_dir: Path, state: str, step: int, **extra) -> None:
     """status.json, stamped with the time it was written ("updated", ISO 8601 with the UTC offset): a live run writes
-    it at every log line, so a script tells a run that trains from one that died."""
+    it at every log line, so a script tells a run that trains from one that died. A failure is recorded on a full disk
+    too, where no temporary file fits: over the old record, in the space it holds."""
     record = {**status_record(state, step, os.environ, **extra), "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    atomic_write(run_dir / "status.json", (to_json(record) + "\n").encode())
+    data = (to_json(record) + "\n").encode()
+    try:
+        atomic_write(run_dir / "status.json", data)
+    except OSError as e:
+        if state != "failed" or e.errno not in FULL_ERRNOS or not _overwrite(run_dir / "status.json", data):
+            raise
+
+
+def _overwrite(path: Path, data: bytes) -> bool:
+    """`data` over the file `path` where it fits in the blocks the file holds (a full disk gives no more), or False.
+    Not atomic (a crash midway tears the file, which then reads as none): for a record a full disk must not silence."""
+    with contextlib.suppress(OSError), open(path, "r+b") as f:
+        if len(data) <= os.fstat(f.fileno()).st_blocks * 512:
+            f.write(data)
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+            return True
+    return False
 
 
 def read_json(path: Path) -> dict:
@@ -237,6 +257,7 @@ def read_metrics(run_dir: Path, kind: str | None = None, strict: bool = False) -
 # ---------------------------------------------------------------- a run directory that cannot be written
 
 FULL_BYTES = 1 << 20  # less free than this and a new run could not write its first files
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a used-up quota: every restart meets it again
 
 
 def run_dir_problem(run_dir: Path, room: bool = True) -> str | None:
@@ -256,6 +277,18 @@ def run_dir_problem(run_dir: Path, room: bool = True) -> str | None:
     return None
 
 
+def full_disk_problem(run_dir: Path, error: BaseException) -> str | None:
+    """write_problem's line for an error of a running run's write that met a full disk or a used-up quota in run_dir
+    (it names a file there, or none while that disk is full: an append); None for any other error."""
+    if not isinstance(error, OSError) or error.errno not in FULL_ERRNOS:
+        return None
+    if error.filename is None:
+        here = error.errno == errno.EDQUOT or _free_bytes(_nearest_existing(run_dir)) < FULL_BYTES
+    else:
+        here = os.path.realpath(error.filename).startswith(os.path.realpath(run_dir) + os.sep)
+    return write_problem(run_dir, error) if here else None
+
+
 def write_problem(run_dir: Path, error: OSError) -> str:
     """The line for an error met making or writing run_dir (or a file in it): the cause, named by the error's
     errno and what the file system says of the folder that stops it, and the fix for that cause."""
@@ -268,7 +301,7 @@ def write_problem(run_dir: Path, error: OSError) -> str:
     if error.errno == errno.EROFS:
         return (f"{where} is on a read-only file system ({mount} is mounted read-only): pass a --run-dir on a "
                 f"writable disk, or mount {mount} read-write")
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.errno in FULL_ERRNOS:
         full = "your disk quota there is used up" if error.errno == errno.EDQUOT else \
             f"its disk is full ({_free_bytes(folder) / 2**20:.1f} MiB free on {mount})"
         return (f"{where}: {full}: free space on {mount}, or pass a --run-dir on another disk; then run the same "

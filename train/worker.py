@@ -177,13 +177,16 @@ def already_finished(run_dir: Path, cfg: Config) -> bool:
 
 def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device, cfg: Config, precision: str,
                   run_dir: Path | None) -> ConfigError | None:
-    """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, or a peer's
-    such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader worker
-    re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
-    and status.json. Out of memory names what the run can change on its next start: the run's own config (a
-    resume on other workers changes its --grad-accum) and whether a checkpoint fixes the rest."""
+    """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, a full disk under
+    run_dir, or a peer's such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader
+    worker re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
+    and status.json. Out of memory names what the run can change on its next start: the run's own config (a resume on
+    other workers changes its --grad-accum) and whether a checkpoint fixes the rest."""
     if isinstance(error, ConfigError):
         return error if one_line(error) == str(error) else type(error)(one_line(error))
+    full = runfiles.full_disk_problem(run_dir, error) if run_dir is not None else None
+    if full is not None:  # a write between checkpoints (status.json, metrics.jsonl, TensorBoard's events)
+        return ConfigError(full)
     if is_out_of_memory(error):
         if watchdog.phase == "training" and trainer is not None:
             where = f"training step {trainer.step + 1}"

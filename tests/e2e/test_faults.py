@@ -334,7 +334,7 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
     assert "trainbox: the workers stopped on the error above (exit 2)" in err1
     again = (out / "err_again").read_text()
     assert (out / "code_again").read_text().strip() == "2", again[-4000:]
-    assert "MiB free but a checkpoint needs" in again and "resumed from" not in again  # at start-up
+    assert "MiB free but needs" in again and "resumed from" not in again  # at start-up
     after = out / "after_failure"
     assert (after / "train.log").read_text().count(f"run {mnt / 'run'}:") == 1  # no restart trained again
     assert ckpt.newest_valid(after).name == "step_00000040.pt"
@@ -343,6 +343,57 @@ def test_disk_full_while_saving_fails_cleanly_and_restarts_fail_fast(reference, 
     assert (out / "code2").read_text().strip() == "0", (out / "err2").read_text()[-4000:]
     assert "step_00000040.pt" in (out / "err2").read_text()
     assert_bit_identical(out / "after_resume", reference)
+
+
+def test_disk_full_between_checkpoints_is_one_line_and_keeps_every_checkpoint(reference_run, tmp_path):
+    """The disk fills while the run trains between its checkpoints of steps 100 and 200 (the run is paused, the
+    tmpfs filled, the run let go on): its next write (status.json, metrics.jsonl) ends it on one line naming the disk
+    and the fix, exit 2, status.json "failed" with that line (written in place: no temporary file fits), the
+    checkpoint of step 100 whole. The same command before space is freed refuses at start-up, saying what it needs;
+    once freed it resumes, bit-identical to a run never interrupted."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = " ".join(map(str, python_cmd(*FAULT, "--save-every", 100, "--run-dir", mnt / "run")))
+    script = f"""
+        set -u
+        mount -t tmpfs -o size=8m tmpfs {mnt} || exit 90
+        {cmd} >{out}/out1 2>{out}/err1 &
+        pid=$! step=0
+        until [ "$step" -ge 105 ] || ! kill -0 $pid 2>/dev/null; do
+          step=$(grep -o '^{{"step": [0-9]*' {mnt}/run/metrics.jsonl 2>/dev/null | tail -n 1 | tr -dc 0-9)
+          step=${{step:-0}}
+          sleep 0.02
+        done
+        kill -STOP $pid; cat /dev/zero >{mnt}/filler 2>/dev/null; kill -CONT $pid
+        wait $pid; echo $? >{out}/code1
+        cp -a {mnt}/run {out}/after_failure
+        {cmd} >{out}/out_again 2>{out}/err_again; echo $? >{out}/code_again
+        rm {mnt}/filler     # space freed
+        {cmd} >{out}/out2 2>{out}/err2; echo $? >{out}/code2
+        cp -a {mnt}/run {out}/after_resume
+    """
+    proc = subprocess.run([*_unshare(), "bash", "-c", script], env=env_for_tests(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    err1 = (out / "err1").read_text()
+    line = (f"error: run directory {mnt / 'run'}: its disk is full (0.0 MiB free on {mnt}): free space on {mnt}, or "
+            f"pass a --run-dir on another disk; then run the same command (a run resumes from its newest checkpoint)")
+    assert (out / "code1").read_text().strip() == "2" and err1.splitlines()[-1] == line, err1[-4000:]
+    assert "Traceback" not in err1 and "Logging error" not in err1, err1[-4000:]
+    after = out / "after_failure"
+    recorded = status(after)
+    assert (recorded["state"], recorded["exit_code"], recorded["error"]) == ("failed", 2, line[len("error: "):])
+    assert 100 < recorded["step"] < 200 and ckpt.newest_valid(after).name == "step_00000100.pt"
+    again = (out / "err_again").read_text()
+    assert (out / "code_again").read_text().strip() == "2" and "resumed from" not in again, again[-4000:]
+    assert again.splitlines()[-1].startswith(f"error: {mnt / 'run'} has 0.0 MiB free but needs 1.9 MiB to train on "
+                                             f"(a checkpoint of 0.9 MiB, and 1 MiB for the run's other files): free "
+                                             f"space on that disk"), again
+    assert (out / "code2").read_text().strip() == "0", (out / "err2").read_text()[-4000:]
+    assert "resumed from" in (out / "err2").read_text() and "step_00000100.pt" in (out / "err2").read_text()
+    assert_bit_identical(out / "after_resume", reference_run(*FAULT, workers=1))
 
 
 # ---------------------------------------------------------------- hangs

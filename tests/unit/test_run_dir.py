@@ -6,8 +6,10 @@ cases that need one run in one short process that imports the standard library a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -41,6 +43,28 @@ def meet_all(cases_file: str) -> None:
     cases = json.loads(Path(cases_file).read_text())
     print(json.dumps({name: meet(Path(run_dir)) if uid == 0 else meet_as(uid, Path(run_dir))
                       for name, (uid, run_dir) in cases.items()}))
+
+
+def write_on_a_full_disk(run_dir: str, out: str) -> None:
+    """What a run's writes between checkpoints meet once run_dir's disk filled (its status.json there before it did),
+    written to out as JSON: what each error is, the line the worker ends on, and the failure recorded all the same."""
+    run_dir, seen = Path(run_dir), {}
+    try:
+        runfiles.write_status(run_dir, "running", 6)
+    except OSError as e:
+        seen["status"] = [errno.errorcode[e.errno], runfiles.full_disk_problem(run_dir, e)]
+    metrics = runfiles.MetricsFile(run_dir)
+    try:
+        metrics.append({"step": 6, "kind": "train"})
+    except OSError as e:  # a line-buffered append: no file named
+        seen["metrics"] = [errno.errorcode[e.errno], e.filename, runfiles.full_disk_problem(run_dir, e)]
+    with contextlib.suppress(OSError):
+        metrics.close()
+    runfiles.write_status(run_dir, "failed", 6, error="its disk is full", exit_code=2)
+    seen["recorded"] = runfiles.read_status(run_dir)
+    seen["elsewhere"] = runfiles.full_disk_problem(run_dir, OSError(errno.ENOSPC, "No space left on device",
+                                                                     "/elsewhere/data.idx"))
+    Path(out).write_text(json.dumps(seen))
 
 
 def meet_as(uid: int, run_dir: Path) -> dict:
@@ -90,6 +114,8 @@ def mounted():
     read-only: a run folder on a read-only bind mount (resuming from a NAS mounted :ro) and a new one on a
         read-only tmpfs
     full: a 64 KiB tmpfs filled up
+    filled: a 64 KiB tmpfs filled up under a run folder that has its status.json (write_on_a_full_disk, in a second
+        process: filled.json)
     theirs / own-read-only: as uid 65534, a folder of root's, and a folder of its own with mode 0555
     immutable: as root, a folder marked chattr +i (root may not write in it either)
     The folder is made with tempfile (mode 0755), so that uid 65534 may enter it."""
@@ -100,7 +126,7 @@ def mounted():
             pytest.fail(f"{tool} (util-linux, e2fsprogs) is needed to make the run directory's faults for real")
     root = Path(tempfile.mkdtemp(prefix="trainbox-run-dir-"))
     root.chmod(0o755)
-    for name in ("nas", "ro", "full", "theirs", "own", "immutable"):
+    for name in ("nas", "ro", "full", "filled", "theirs", "own", "immutable"):
         (root / name).mkdir()
     (root / "nas" / "run").mkdir()
     (root / "nas" / "run" / "status.json").write_text('{"state": "stopped", "step": 20}\n')
@@ -116,9 +142,14 @@ def mounted():
         mount -t tmpfs -o ro,size=1m tmpfs {root}/ro
         mount -t tmpfs -o size=64k tmpfs {root}/full
         dd if=/dev/zero of={root}/full/filler bs=4k 2>/dev/null || true
+        mount -t tmpfs -o size=64k tmpfs {root}/filled
+        mkdir {root}/filled/run && echo '{{"state": "running", "step": 5}}' >{root}/filled/run/status.json
+        dd if=/dev/zero of={root}/filled/filler bs=4k 2>/dev/null || true
         chattr +i {root}/immutable
         trap 'chattr -i {root}/immutable' EXIT
         {sys.executable} -c 'from tests.unit.test_run_dir import meet_all; meet_all("{root}/cases.json")'
+        {sys.executable} -c 'from tests.unit.test_run_dir import write_on_a_full_disk as w
+w("{root}/filled/run", "{root}/filled.json")'
     """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
@@ -147,6 +178,33 @@ def test_a_full_disk(mounted):
         f"run directory {root / 'full' / 'run'}: its disk is full (0.0 MiB free on {root / 'full'}): free space on "
         f"{root / 'full'}, or pass a --run-dir on another disk; then run the same command (a run resumes from its "
         f"newest checkpoint)")
+
+
+def test_a_disk_that_fills_while_a_run_trains(mounted):
+    """Its next write of status.json or metrics.jsonl meets ENOSPC: the worker's line names the disk and the fix (a
+    full disk elsewhere is not the run directory's); the failure is recorded all the same, over the old record."""
+    root, _ = mounted
+    run_dir, mount = root / "filled" / "run", root / "filled"
+    line = (f"run directory {run_dir}: its disk is full (0.0 MiB free on {mount}): free space on {mount}, or pass a "
+            f"--run-dir on another disk; then run the same command (a run resumes from its newest checkpoint)")
+    filled = json.loads((root / "filled.json").read_text())  # write_on_a_full_disk's
+    assert filled["status"] == ["ENOSPC", line] and filled["metrics"] == ["ENOSPC", None, line], filled
+    assert {k: v for k, v in filled["recorded"].items() if k != "updated"} == \
+        {"state": "failed", "step": 6, "error": "its disk is full", "exit_code": 2}
+    assert filled["elsewhere"] is None
+
+
+def test_a_log_line_a_full_disk_keeps_out_is_left_out_without_a_traceback(capsys):
+    """train.log's handler on /dev/full, where every write meets ENOSPC as on a full disk: nothing said (the run's next
+    write ends it on its one line); logging's own FileHandler prints a traceback of each line."""
+    from train.metrics import RunLog
+
+    record = logging.LogRecord("train", logging.INFO, __file__, 0, "step 6", None, None)
+    for handler in (RunLog("/dev/full"), logging.FileHandler("/dev/full")):
+        handler.emit(record)
+        with contextlib.suppress(OSError):
+            handler.close()
+    assert capsys.readouterr().err.count("--- Logging error ---") == 1  # the FileHandler's alone
 
 
 def test_another_users_folder_is_the_one_case_for_chown(mounted):
