@@ -115,9 +115,10 @@ def stop_with_launcher(lifeline: multiprocessing.connection.Connection | None = 
         what = f"torchrun (pid {agent})"
         try:
             launcher = os.pidfd_open(agent)
-        except OSError:  # already gone
+        except OSError:  # gone already
             launcher = None
-        if os.getppid() != agent:  # it ended before its pidfd was open: the one opened may be another's
+        if launcher is not None and os.getppid() != agent:  # gone before its pidfd was open: that may be another's
+            os.close(launcher)
             launcher = None
     else:
         return
