@@ -7,7 +7,7 @@ SHELL := /bin/bash
 GPUS ?=
 # Passed to the trainer unchanged (python -m train --help lists every flag)
 ARGS ?=
-# torchrun restarts of a multi-worker run after a worker crashes (empty: 3, train/cluster.py); it resumes
+# torchrun restarts of a multi-worker run after a worker crashes (empty: 3, train/cluster/jobs.py); it resumes
 MAX_RESTARTS ?=
 # The interpreter that creates the local environment (>= 3.10)
 PYTHON ?= python3

@@ -39,7 +39,7 @@ set -uo pipefail
 cd "${TRAINBOX_DIR:=${SLURM_SUBMIT_DIR:-.}}" || exit 2
 export TRAINBOX_DIR
 # NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN TRAINER_ARGS,
-# and the torchrun environment (the same as `make train` gets): every decision is in train/cluster.py. A
+# and the torchrun environment (the same as `make train` gets): every decision is in train/cluster/jobs.py. A
 # --run-dir among the arguments is the run's folder (RUN_DIR), as RUNS_DIR=its parent RUN_NAME=its name.
 plan=$(python3 -m train.cluster plan -- "$@") || exit 2
 eval "$plan"

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tests.processes import alive, cmdline, descendants, environ, in_session, pids
-from train.runfiles import read_json, read_metrics, read_status
+from train.files.rundir import read_json, read_metrics, read_status
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]

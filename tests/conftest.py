@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers import MlflowServer, make, python_cmd, run, torchrun_cmd
-from train.identity import free_port
+from train.cluster.identity import free_port
 
 # The modules that use the machine's one Docker engine image or its one test cluster (network namespaces and
 # bridge of fixed names): one worker runs them all, first.

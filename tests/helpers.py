@@ -29,7 +29,7 @@ import torch
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
 from tests.chaos import RECIPE  # noqa: F401 - the tests import it from here
 from tests.processes import children, describe, descendants, environ
-from train.runfiles import read_metrics, read_status
+from train.files.rundir import read_metrics, read_status
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -46,7 +46,7 @@ SLURM_LONG = [*DEBUG, "--max-steps", 160, "--log-every", 5, "--eval-every", 0]  
 CLUSTER_NODES = {"n1": "10.231.77.11", "n2": "10.231.77.12"}  # tests/cluster/up.sh: NET=10.231.77
 CLUSTER_HOST = "10.231.77.1"  # this machine, as the nodes reach it
 # Slurm hostlists and their hosts as `scontrol show hostnames` on the test cluster (Slurm 22.05) gives them:
-# tests/unit/test_identity.py holds train.hostlist's own parser to this table, tests/e2e/test_slurm.py the table to
+# tests/unit/test_identity.py holds train.cluster.hostlist's own parser to this table, tests/e2e/test_slurm.py the table to
 # scontrol. Several brackets in one name go round in hostlist.c's order: the last fastest, then the first, ...
 HOSTLISTS = [
     ("n1", ["n1"]),

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.helpers import PY, end_hung, env_for_tests
-from train.runfiles import read_status
+from train.files.rundir import read_status
 
 VARIANTS = {"plain": [], "static-graph": ["--static-graph"], "compile": ["--compile"]}
 # Short runs: the end of the run is what is tested. An evaluation and a checkpoint at the end, as in every run.

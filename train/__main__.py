@@ -8,7 +8,7 @@
   srun python -m train                                 one Slurm task per rank
   python -m train.launch --gpus 2 -- ARGS              what `make train GPUS=2 ARGS=...` runs
 
-Exit codes (train/errors.py): 0 done, 1 failed, 2 bad input (one line on stderr), 75 stopped by a
+Exit codes (train/base/errors.py): 0 done, 1 failed, 2 bad input (one line on stderr), 75 stopped by a
 signal after saving a checkpoint. Under torchrun a failed run fails torchrun too: after an error a restart
 cannot mend, its restarts refuse at once and it exits non-zero; a stop leaves it with 0 (status.json says
 "stopped"; make, compose and the templates exit 75).
@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
+from train.base.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
 from train.cli import parse_config
-from train.runfiles import launch_run_dir
-from train.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
-from train.forkserver import start_fork_server
-from train.runfiles import failed_in_this_launch
+from train.cluster.forkserver import start_fork_server
+from train.files.rundir import launch_run_dir
+from train.files.rundir import failed_in_this_launch
 
 
 def main(argv: list[str]) -> int:
@@ -33,9 +33,10 @@ def main(argv: list[str]) -> int:
     if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
         return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
     if cfg.launch.spawn > 0 and not cfg.run.dry_run:
-        # --spawn N: the fork server imports torch and the trainer, once; this launcher never does (train/workers.py)
+        # --spawn N: the fork server imports torch and the trainer, once; this launcher never does
+        # (train/cluster/spawn.py)
         start_fork_server()
-        from train.workers import spawn_run  # noqa: PLC0415
+        from train.cluster.spawn import spawn_run  # noqa: PLC0415
 
         return spawn_run(cfg)
     # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer

@@ -1,4 +1,4 @@
-"""The command line and config files, read into the one Config (train/config.py): the flags derived from its
+"""The command line and config files, read into the one Config (train/config/settings.py): the flags derived from its
 sections (one per setting, grouped in --help by section), a .json or .toml file of the same names, a preset's
 defaults, and the sizes named --weights bring. A setting the config never reads is refused, never ignored.
 
@@ -12,10 +12,10 @@ import json
 import typing
 from pathlib import Path
 
-from train.config import (BUILT_IN, IMAGENET_FROM, PRESETS, SECTION_OF, SECTIONS, Config, flag, recipe, settings,
-                          unknown_key)
-from train.errors import ConfigError
-from train.vision import evaluation_transforms
+from train.base.errors import ConfigError
+from train.config.settings import (BUILT_IN, IMAGENET_FROM, PRESETS, SECTION_OF, SECTIONS, Config, flag, recipe,
+                                   settings, unknown_key)
+from train.recipe.vision import evaluation_transforms
 
 try:
     import tomllib

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train import checks
-from train.cuda_driver import MIN_DRIVER, driver_problem
-from train.distributed import destroy_and_leave_together, join_group
-from train.identity import free_port
-from train.identity import usable_cores
-from train.errors import ConfigError
-from train.metrics import nvml
+from train.base.errors import ConfigError
+from train.cluster.cuda_driver import MIN_DRIVER, driver_problem
+from train.cluster.distributed import destroy_and_leave_together, join_group
+from train.cluster.identity import free_port
+from train.cluster.identity import usable_cores
+from train.report.metrics import nvml
+from train.run import checks
 
 
 

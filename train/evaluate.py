@@ -13,9 +13,9 @@ trainer's evaluations call evaluate() from here, and so does the command, on a f
 
 Every rank scores its shard of the validation set, each sample counted exactly once (no padding), with the
 trainer's own evaluation: on the same data and layout the figures equal the run's final evaluation bit for bit.
-Rank 0 shows its progress (train/progress.py) and writes OUT (default RUN_DIR/eval-<checkpoint>.json): loss,
+Rank 0 shows its progress (train/base/progress.py) and writes OUT (default RUN_DIR/eval-<checkpoint>.json): loss,
 top-1, top-5 (more than 5 classes), per-class accuracy, the most confused pairs, the confusion matrix (rows: true
-class, columns: predicted); OUT.png, the report a person reads (train/report.py: the labelled matrix, per-class
+class, columns: predicted); OUT.png, the report a person reads (train/report/figure.py: the labelled matrix, per-class
 accuracy worst first, the pairs); the figures and the report to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>),
 and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). This module sits below the trainer: it
 imports neither the trainer nor its launcher, nor matplotlib but in the command's report.
@@ -33,18 +33,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.checks import check_launch
-from train.config import Config
+from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail
+from train.base.progress import Progress
+from train.cluster.distributed import init, teardown
+from train.cluster.identity import PeersNeverCame, identity, is_main
+from train.cluster.spawn import spawn_workers, workers_for
+from train.config.settings import Config
 from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
-from train.distributed import init, teardown
-from train.identity import PeersNeverCame, identity, is_main
-from train.errors import EXIT_FAILED, ConfigError, end_process, fail
-from train.models import build_model
-from train.progress import Progress
-from train.runfiles import atomic_write, read_classes, read_config, to_json
-from train.runtime import DTYPES, autocast, configure_runtime, pick_device, resolve_precision
-from train.weights import MEAN, STD, normalisation_on
-from train.workers import spawn_workers, workers_for
+from train.files.rundir import atomic_write, read_classes, read_config, to_json
+from train.recipe.models import build_model
+from train.recipe.weights import MEAN, STD, normalisation_on
+from train.run.checks import check_launch
+from train.run.runtime import DTYPES, autocast, configure_runtime, pick_device, resolve_precision
 
 
 def criterion_of(label_smoothing: float) -> str:
@@ -198,7 +198,7 @@ def evaluate_run(job: Job) -> int:
 
 def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict) -> None:
     """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary."""
-    from train import report as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
+    from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
 
     confusion = torch.tensor(result["confusion"])
     per_class = {name: (confusion[i, i] / row).item() if (row := confusion[i].sum()) else None
@@ -221,7 +221,7 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
         for key, value in scores.items():
             board.add_scalar(f"eval/{key}", value, 0)
         board.add_image("eval/report", pixels, 0, dataformats="HWC")
-    from train.tracking import log_evaluation  # noqa: PLC0415 - its mlflow import is for tracked runs only
+    from train.report.mlflow_tracking import log_evaluation  # noqa: PLC0415 - mlflow: for tracked runs only
 
     tracked = log_evaluation(job.run_dir, name, scores, [job.out, picture])
     top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""

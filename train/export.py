@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from train.runfiles import atomic_file, atomic_write, move_into_place, to_json
+from train.base.errors import ConfigError, end_process, fail
 from train.data import eval_steps, preprocessing
-from train.errors import ConfigError, end_process, fail
 from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
-from train.models import build_model
-from train.weights import normalisation
+from train.files.rundir import atomic_file, atomic_write, move_into_place, to_json
+from train.recipe.models import build_model
+from train.recipe.weights import normalisation
 
 MAX_BATCH = 4096
 FORMATS = {"pt2": "torch.export, for a process with torch", "onnx": "ONNX Runtime, TensorRT, ..."}

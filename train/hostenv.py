@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train.cuda_driver import driver_problem
+from train.cluster.cuda_driver import driver_problem
 
 GPU_COMPOSE = "docker-compose.yml:docker/compose.gpu.yml"
 CPU_COMPOSE = "docker-compose.yml"

@@ -1,11 +1,11 @@
-"""Starting the workers, after the checks (train/checks.py) passed:
+"""Starting the workers, after the checks (train/run/checks.py) passed:
 
   start(cfg)                    python -m train: this process is the one worker (or its --dry-run's plan)
-  check(cfg)                    the checks alone, as --spawn N's launcher has them made (train/workers.py)
+  check(cfg)                    the checks alone, as --spawn N's launcher has them made (train/cluster/spawn.py)
   python -m train.launch        make train and the container: GPUS=N picks the workers, N > 1 via torchrun
                                 (in this process, with the flags the Slurm template uses too)
 
-Each worker is train/worker.py's run_worker: its errors end there as one line and an exit code.
+Each worker is train/run/worker.py's run_worker: its errors end there as one line and an exit code.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from train.cluster import TORCHRUN_ENV, PlanError, torchrun_flags
-from train.runfiles import read_status, to_json
-from train.checks import preflight
-from train.config import Config
+from train.base.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
 from train.cli import parse_config
-from train.runfiles import default_run_dir
-from train.identity import identity, is_main
-from train.plan import dry_run
-from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
-from train.worker import run_worker
-from train.workers import workers_for
+from train.cluster.identity import identity, is_main
+from train.cluster.jobs import TORCHRUN_ENV, PlanError, torchrun_flags
+from train.cluster.spawn import workers_for
+from train.config.settings import Config
+from train.files.rundir import read_status, to_json
+from train.files.rundir import default_run_dir
+from train.run.checks import preflight
+from train.run.plan import dry_run
+from train.run.worker import run_worker
 
 
 def start(cfg: Config) -> int:
-    """python -m train, once the config parsed (--spawn N's launcher: train/workers.py's spawn_run)."""
+    """python -m train, once the config parsed (--spawn N's launcher: train/cluster/spawn.py's spawn_run)."""
     try:
         preflight(cfg)
         if cfg.run.dry_run:

@@ -135,7 +135,7 @@ def test_a_busy_rendezvous_port_is_named(finished_run, capfd, monkeypatch):
         busy.listen()
         port = busy.getsockname()[1]
         monkeypatch.setenv("MASTER_PORT", str(port))
-        # capfd: --spawn's checks run in a child of the workers' fork server (train/workers.py), which writes the
+        # capfd: --spawn's checks run in a child of the workers' fork server (train/cluster/spawn.py), which writes the
         # line to the launcher's stderr itself
         _refused(finished_run, capfd, ["--spawn", "2"], f"rendezvous port {port} is in use on this host")
     # The fork server went with the refusal: it would otherwise wait on, holding the launcher's output open.
@@ -174,7 +174,7 @@ def test_cuda_visible_devices_naming_a_missing_gpu(finished_run, capsys, monkeyp
     """On a GPU host NVML counts the GPUs and the line names the index the host lacks; on a host without a
     driver nothing can be counted and no GPU is visible at all: the generic line, which must not claim a
     count. (The index check itself, with counts: tests/unit/test_checks.py.)"""
-    from train.checks import host_gpu_count
+    from train.run.checks import host_gpu_count
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     gpus = host_gpu_count()
@@ -225,7 +225,7 @@ def test_a_checkpoint_of_another_model_is_refused(finished_run, tmp_path):
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused(finished_run, tmp_path):
-    from train import checkpoint as ckpt
+    from train.files import checkpoint_io as ckpt
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.distributed import destroy_and_leave_together, join_group, ordered_allreduce_hook
-from train.identity import free_port
+from train.cluster.distributed import destroy_and_leave_together, join_group, ordered_allreduce_hook
+from train.cluster.identity import free_port
 
 
 # ------------------------------------------------------------ real process groups

@@ -373,7 +373,7 @@ def test_tensorboard_service_serves_the_runs_on_the_nas(docker, image, nas, clus
 
     from tests.e2e.test_services import from_n1
     from tests.helpers import CLUSTER_HOST, python_cmd
-    from train.identity import free_port
+    from train.cluster.identity import free_port
 
     root, env_file = nas
     run(python_cmd("--preset", "debug", "--max-steps", 10, "--run-dir", root / "runs" / "tb1"))
@@ -422,7 +422,7 @@ def test_make_mlflow_serves_the_compose_runs_with_its_store_on_the_nas(docker, s
     from tests.e2e.test_services import SEARCH, from_n1
     from tests.helpers import CLUSTER_HOST
 
-    from train.identity import free_port
+    from train.cluster.identity import free_port
 
     root, env_file = nas
     port, tag = free_port(), mlflow_tag
@@ -499,7 +499,7 @@ def test_the_services_of_a_root_user_run_as_another_user_with_the_password_of_it
     store on the NAS is their user's alone, the store URI is in no command line, MLFLOW_AUTH=1 asks for the
     login on loopback, and `make mlflow` after the password file changed starts it with the new password."""
     from tests.e2e.test_services import SEARCH
-    from train.identity import free_port
+    from train.cluster.identity import free_port
 
     runs, env_file, port = tmp_path / "nas" / "runs", tmp_path / "compose.env", free_port()
     runs.mkdir(parents=True)

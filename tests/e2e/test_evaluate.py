@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status, tracked_env
-from train import report
-from train.identity import free_port
+from train.cluster.identity import free_port
+from train.report import figure
 
 
 def _equal_to_the_final_evaluation(run_dir, report):
@@ -148,7 +148,7 @@ def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_p
 
 
 def test_the_report_a_person_reads(tmp_path):
-    """make evaluate's eval-model.png is train/report.py's figure of eval-model.json, pixel for pixel
+    """make evaluate's eval-model.png is train/report/figure.py's figure of eval-model.json, pixel for pixel
     (tests/unit/test_report.py reads that figure: the labelled matrix, per-class accuracy worst first, the pairs),
     titled with the run, the checkpoint and top-1; TensorBoard has the same picture; the most confused pairs are
     the largest mistakes of the matrix, in the JSON and printed."""
@@ -167,15 +167,15 @@ def test_the_report_a_person_reads(tmp_path):
         assert re.search(rf"^  {re.escape(r['true'])} -> {re.escape(r['predicted'])} +{r['count']} ", proc.stdout,
                          re.MULTILINE)
     assert "most confused (true -> predicted: images, share of the true class):" in proc.stdout
-    fig = report.figure(record)
+    fig = figure.figure(record)
     assert fig.get_suptitle().startswith(f"exp1 · model.pt · top-1 {100 * record['accuracy']:.2f}%, top-5 ")
-    expected = report.save(fig, tmp_path / "again.png")
-    written = report.plt.imread(run_dir / "eval-model.png")
+    expected = figure.save(fig, tmp_path / "again.png")
+    written = figure.plt.imread(run_dir / "eval-model.png")
     assert written.shape[:2] == expected.shape[:2] and (np.round(written[..., :3] * 255) == expected).all()
     board = EventAccumulator(str(run_dir / "tensorboard" / "eval-model"), size_guidance={"images": 0})
     board.Reload()
     (image,) = board.Images("eval/report")
-    shown = report.plt.imread(io.BytesIO(image.encoded_image_string), format="png")
+    shown = figure.plt.imread(io.BytesIO(image.encoded_image_string), format="png")
     assert shown.shape[:2] == expected.shape[:2] and (np.round(shown[..., :3] * 255) == expected).all()
     assert board.Scalars("eval/accuracy")[0].value == record["accuracy"]
 
@@ -232,7 +232,7 @@ def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
 
 def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_path):
     """The report's plotting library is the evaluation command's alone: a training run, evaluations included,
-    never loads it (nor train.report)."""
+    never loads it (nor train.report.figure)."""
     def imported(proc) -> set[str]:
         return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
 
@@ -240,9 +240,9 @@ def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_p
     trained = imported(run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 2,
                                                                 "--run-dir", run_dir)[1:]]))
     assert "torch" in trained and "train.evaluate" in trained and status(run_dir)["state"] == "done"
-    assert not {m for m in trained if m.split(".")[0] == "matplotlib" or m == "train.report"}
+    assert not {m for m in trained if m.split(".")[0] == "matplotlib" or m == "train.report.figure"}
     evaluated = imported(run([PY, "-X", "importtime", "-m", "train.evaluate", str(run_dir)]))
-    assert {"matplotlib.pyplot", "train.report"} <= evaluated  # the control: it is seen where it is imported
+    assert {"matplotlib.pyplot", "train.report.figure"} <= evaluated  # the control: it is seen where it is imported
 
 
 def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_path):

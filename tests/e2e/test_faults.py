@@ -21,7 +21,7 @@ import torch
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, attempts, children,
                            end_hung, env_for_tests, metrics, python_cmd, reached_step, run, status, wait_for,
                            worker_pid)
-from train import checkpoint as ckpt
+from train.files import checkpoint_io as ckpt
 
 FAULT = LONG
 
@@ -146,7 +146,7 @@ def test_without_restarts_the_survivor_fails_fast_with_a_clear_message(tmp_path)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "[rank 0] lost contact with the other workers" in errors[0], err[-3000:]
     assert "run the same command to resume" in errors[0]
-    assert 'File "' in err and "train/trainer.py" in err  # where it was when the peer died
+    assert 'File "' in err and "train/run/trainer.py" in err  # where it was when the peer died
 
 
 def test_without_restarts_torchrun_ends_the_job(tmp_path):
@@ -415,7 +415,7 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout_with_stacks(tmp
     assert len(errors) == 1 and "lost contact with the other workers" in errors[0] and \
         ("Timed out" in errors[0] or "timeout" in errors[0]), \
         err[-5000:]
-    assert "train/trainer.py" in err and ("Thread 0x" in err or "Current thread" in err), err[-5000:]  # the stacks
+    assert "train/run/trainer.py" in err and ("Thread 0x" in err or "Current thread" in err), err[-5000:]  # the stacks
 
 
 def test_a_rank_stuck_outside_collectives_dumps_its_stack_and_exits(tmp_path):

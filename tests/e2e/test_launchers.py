@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from tests.helpers import DEBUG, PY, assert_bit_identical, env_for_tests, python_cmd, run, status, torchrun_cmd
-from train.identity import free_port
+from train.cluster.identity import free_port
 
 pytestmark = pytest.mark.check
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.helpers import DEBUG, make, metrics, python_cmd, run, snapshot, status, torchrun_cmd
-from train import checkpoint as ckpt
-from train import evaluate, export
+from train import evaluate
+from train import export
+from train.files import checkpoint_io as ckpt
 
 
 def strict_json(path: Path):

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model,
-                           metrics, python_cmd, run, status)
+from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model, metrics, python_cmd,
+                           run, status)
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def reference_2ranks(reference_run):
 def test_spawned_workers_are_forked_from_one_server_that_imported_torch(tmp_path):
     """--spawn N: torch (and torch._dynamo, which torch's optimizer loads) is imported once, by the fork server its
     checks and workers come from, whatever N; never by the launcher, never by a worker, never by a worker's
-    DataLoader workers, forked from it as under torchrun (train/forkserver.py, train/workers.py)."""
+    DataLoader workers, forked from it as under torchrun (train/cluster/forkserver.py, train/cluster/spawn.py)."""
     from PIL import Image
 
     for split in ("train", "val"):
@@ -43,7 +43,7 @@ def test_what_the_fork_server_imports_makes_no_cuda_call():
     count the GPUs. Every torch.cuda function goes through a torch._C._cuda_* one: each is wrapped here."""
     probe = """if True:
         import sys, torch
-        from train.forkserver import PRELOAD
+        from train.cluster.forkserver import PRELOAD
         calls = []
         for name in [n for n in dir(torch._C) if n.startswith("_cuda_") and callable(getattr(torch._C, n))]:
             def wrapped(*args, _f=getattr(torch._C, name), _name=name, **kwargs):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tests.helpers import CLUSTER_HOST, DEBUG, PY, REPO, MlflowServer, env_for_tests, python_cmd, run, wait_for
 from tests.processes import in_session
-from train.identity import free_port
+from train.cluster.identity import free_port
 
 SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
 

@@ -8,7 +8,7 @@ import time
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
                            python_cmd, reached_step, run, status, wait_for, worker_pid)
 from tests.processes import alive, descendants, in_session
-from train import checkpoint as ckpt
+from train.files import checkpoint_io as ckpt
 
 
 def _start(cmd, run_dir):

@@ -2,7 +2,7 @@
 the `cluster` fixture in tests/conftest.py).
 
 Without Slurm and root these tests skip, unless TRAINBOX_REQUIRE_SLURM=1 (CI) makes that a failure.
-The decisions of train/cluster.py are unit-tested in tests/unit/test_cluster.py, its hostlist parser in
+The decisions of train/cluster/jobs.py are unit-tested in tests/unit/test_cluster.py, its hostlist parser in
 tests/unit/test_identity.py against the table that the first test here holds to this cluster's scontrol.
 """
 
@@ -14,7 +14,7 @@ from datetime import datetime
 
 import pytest
 
-import train.hostlist as hostlist_module
+import train.cluster.hostlist as hostlist_module
 from tests.helpers import (CLUSTER_HOST, DEBUG, HOSTLISTS, MALFORMED_HOSTLISTS, RECIPE, REPO, SLURM_LONG,
                            SUFFIXED_HOSTLISTS, assert_bit_identical, assert_mlflow_run_complete, metrics, reached_step,
                            run, the_one_mlflow_run, tracked_env, wait_for)

@@ -13,10 +13,9 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from tests.helpers import (DEBUG, LONG, PY, MlflowServer, assert_bit_identical, assert_mlflow_run_complete, metrics,
-                           python_cmd, reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for,
-                           worker_pid)
-from train.identity import free_port
-from train.tracking import KEY_TAG, RECORD
+                           python_cmd, reached_step, run, status, the_one_mlflow_run, tracked_env, wait_for, worker_pid)
+from train.cluster.identity import free_port
+from train.report.mlflow_tracking import KEY_TAG, RECORD
 
 
 def test_one_mlflow_run_through_a_killed_worker_a_stop_and_a_resume(mlflow_server, reference_run, tmp_path):

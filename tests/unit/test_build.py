@@ -1,4 +1,4 @@
-"""The build step (train/build.py) in this process, one rank without a process group: the parts a run trains with,
+"""The build step (train/run/build.py) in this process, one rank without a process group: the parts a run trains with,
 made in the order a bit-identical resume depends on, and a second build resuming where a checkpoint left off."""
 
 import json
@@ -7,14 +7,14 @@ import threading
 import pytest
 import torch
 
-from train import runfiles
-from train.augment import BatchAugment
-from train.build import build
 from train.cli import parse_config
 from train.data import build_datasets
-from train.models import build_model
-from train.plan import dry_run, planned_precision
-from train.runtime import DTYPES, precision_of, resolve_precision
+from train.files import rundir
+from train.recipe.augment import BatchAugment
+from train.recipe.models import build_model
+from train.run.build import build
+from train.run.plan import dry_run, planned_precision
+from train.run.runtime import DTYPES, precision_of, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -40,9 +40,9 @@ def test_a_fresh_build_makes_every_part_and_writes_the_run_files(tmp_path):
     assert [n.tolist() for n in parts.norm] == [torch.tensor(parts.plan.normalize[k]).view(1, 3, 1, 1).tolist()
                                                 for k in ("mean", "std")]
     # The run's files: the plan as trained, the config, the status of a run that starts at step 0.
-    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(runfiles.to_json(parts.plan.to_dict()))
-    assert runfiles.read_config(tmp_path) == cfg.to_dict()
-    assert runfiles.read_status(tmp_path)["state"] == "running" and runfiles.read_status(tmp_path)["step"] == 0
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(rundir.to_json(parts.plan.to_dict()))
+    assert rundir.read_config(tmp_path) == cfg.to_dict()
+    assert rundir.read_status(tmp_path)["state"] == "running" and rundir.read_status(tmp_path)["step"] == 0
 
 
 def test_the_data_and_the_model_come_right_after_the_seed_and_the_rank_s_stream_last(tmp_path):
@@ -76,9 +76,9 @@ def test_a_second_build_resumes_where_the_checkpoint_left_off(tmp_path):
     assert parts.resumed.max_steps == 40
     assert all(torch.equal(a, b) for a, b in zip(parts.raw_model.state_dict().values(),
                                                  first.raw_model.state_dict().values(), strict=True))
-    plan = runfiles.read_json(tmp_path / "plan.json")
+    plan = rundir.read_json(tmp_path / "plan.json")
     assert plan["max_steps"] == 60 and plan["resumes"] == [{"step": 12, "changed": {"max_steps": [40, 60]}}]
-    assert runfiles.read_status(tmp_path)["step"] == 12
+    assert rundir.read_status(tmp_path)["step"] == 12
 
 
 def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):

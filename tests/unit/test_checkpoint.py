@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.helpers import Evil
-from train import checkpoint as ckpt
-from train import runfiles
-from train.errors import ConfigError
+from train.base.errors import ConfigError
+from train.files import checkpoint_io as ckpt
+from train.files import rundir
 
 
 def _state(step):
@@ -77,7 +77,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path):
     os.fsync = failing_fsync
     try:
         with pytest.raises(Boom):
-            runfiles.atomic_write(target, b"new contents")
+            rundir.atomic_write(target, b"new contents")
     finally:
         os.fsync = real_fsync
     assert target.read_bytes() == b"old"
@@ -118,8 +118,8 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
     from train.cli import parse_config
-    from train.models import SmallCNN
-    from train.optim import build_optimizer, decay_groups
+    from train.recipe.models import SmallCNN
+    from train.recipe.optim import build_optimizer, decay_groups
 
     torch.manual_seed(0)
     model = SmallCNN(10, 8)
@@ -148,7 +148,7 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
 def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
     """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
     from train.cli import parse_config
-    from train.optim import build_optimizer, decay_groups
+    from train.recipe.optim import build_optimizer, decay_groups
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])

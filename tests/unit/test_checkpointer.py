@@ -1,19 +1,19 @@
-"""The checkpointer (train/checkpointer.py) on a real small model, optimizer, schedule and EMA, in this process: what it
-saves comes back whole, the Trainer's position and the random stream included, and it alone writes the weights
+"""The checkpointer (train/run/checkpointer.py) on a real small model, optimizer, schedule and EMA, in this process:
+what it saves comes back whole, the Trainer's position and the random stream included, and it alone writes the weights
 files."""
 
 import pytest
 import torch
 
-from train import checkpoint as ckpt
-from train import runfiles
-from train.checkpointer import Checkpointer, capture_rng, newest_checkpoint, restore_rng
 from train.cli import parse_config
-from train.ema import ModelEma
-from train.models import build_model
-from train.optim import build_optimizer, build_scheduler, schedule_lengths
-from train.plan import dry_run
-from train.resume import Layout
+from train.config.resume import Layout
+from train.files import checkpoint_io as ckpt
+from train.files import rundir
+from train.recipe.ema import ModelEma
+from train.recipe.models import build_model
+from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
+from train.run.checkpointer import Checkpointer, capture_rng, newest_checkpoint, restore_rng
+from train.run.plan import dry_run
 
 CPU = torch.device("cpu")
 # A checkpoint's layout, in order: what trainbox's checkpoints hold (a change here is a change of the file format).
@@ -122,7 +122,7 @@ def test_every_weights_file_comes_from_the_checkpointer(tmp_path):
     assert (tmp_path / "model.pt").read_bytes() == ckpt.serialise(checkpointer.model.state_dict())
     assert (tmp_path / "model_ema.pt").read_bytes() == ckpt.serialise(checkpointer.ema.module.state_dict())
     checkpointer.record("done", 20)
-    status = runfiles.read_status(tmp_path)
+    status = rundir.read_status(tmp_path)
     assert (status["state"], status["step"], status["max_steps"]) == ("done", 20, checkpointer.plan.max_steps)
     assert (status["best"]["path"], status["best"]["step"], status["best_ema"]["step"]) == ("best.pt", 10, 20)
 

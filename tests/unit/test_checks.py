@@ -2,9 +2,9 @@
 
 import pytest
 
-from train.checks import check_gpu_per_worker, visible_devices_problem
-from train.errors import ConfigError
-from train.workers import workers_for
+from train.base.errors import ConfigError
+from train.cluster.spawn import workers_for
+from train.run.checks import check_gpu_per_worker, visible_devices_problem
 
 
 @pytest.mark.parametrize("value, host, problem", [

@@ -1,12 +1,12 @@
-"""train/cluster.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
+"""train/cluster/jobs.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
 
 import json
 
 import pytest
 
-import train.cluster as cluster
+import train.cluster.jobs as cluster
 from tests.helpers import PY, REPO
-from train.runfiles import write_status
+from train.files.rundir import write_status
 
 
 def _job_env(tmp_path, **extra):

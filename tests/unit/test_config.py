@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from train.config import PRESETS, SECTION_OF, Config, ConfigError, settings
 from train.cli import get_args_parser, parse_config
+from train.config.settings import PRESETS, SECTION_OF, Config, ConfigError, settings
 
 
 def test_every_field_has_a_default_and_help():
@@ -170,14 +170,14 @@ def test_the_same_settings_where_they_act_are_accepted(argv):
 def test_the_config_cannot_change_under_a_run():
     cfg = parse_config(["--preset", "debug"])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.run.max_steps = 3  # what a run derives goes into its plan (train/plan.py), never back into the config
+        cfg.run.max_steps = 3  # what a run derives goes into its plan (train/run/plan.py), never back into the config
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run = cfg.run  # nor a section swapped
 
 
 def test_the_config_is_in_sections_inside_and_flat_outside():
     """Each setting lives in one section; the command line, config files and config.json name it alone."""
-    from train.config import SECTIONS
+    from train.config.settings import SECTIONS
 
     names = [f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
     assert len(names) == len(set(names)) == len(SECTION_OF)  # no two sections share a name
@@ -196,7 +196,13 @@ def test_modules_of_one_concern_take_their_section():
     """docs/development.md: a module that reads one concern takes its section, not the whole config."""
     import inspect
 
-    from train import augment, ema, models, optim, tracker, tracking, weights
+    from train.recipe import augment
+    from train.recipe import ema
+    from train.recipe import models
+    from train.recipe import optim
+    from train.report import tracker
+    from train.report import mlflow_tracking
+    from train.recipe import weights
 
     takes = {models.build_model: "Model", models.check_model_spec: "Model", weights.read_weights: "Model",
              weights.fitted: "Model", models.frozen_names: "Model", models.trainable_model: "Model",
@@ -204,15 +210,15 @@ def test_modules_of_one_concern_take_their_section():
              optim.build_optimizer: "Optimisation", optim.decay_groups: "Optimisation",
              optim.build_scheduler: "Schedule", augment.BatchAugment: "Augmentation",
              augment.BatchAugment.wanted: "Augmentation", ema.adjusted_decay: "Regularisation",
-             tracker.start_tracking: "Tracking", tracking.tracking_uri: "Tracking",
-             tracking.experiment_name: "Tracking"}
+             tracker.start_tracking: "Tracking", mlflow_tracking.tracking_uri: "Tracking",
+             mlflow_tracking.experiment_name: "Tracking"}
     for function, section in takes.items():
         first = next(p for p in inspect.signature(function).parameters.values() if p.name != "self")
         assert first.annotation == section, (function.__qualname__, first.annotation)
 
 
 def test_help_groups_the_flags_by_the_section_each_field_declares():
-    from train.config import SECTIONS
+    from train.config.settings import SECTIONS
 
     assert list(SECTIONS) == ["run", "launch", "data", "augmentation", "model", "optimisation", "schedule",
                               "regularisation", "checkpoints", "tracking"]

@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
+from train.base.errors import DataError
 from train.bench.photos import make_photos
 from train.cli import parse_config
 from train.data import DeviceDecoder, build_datasets, build_train_loader, build_val_loader
-from train.errors import DataError
 
 
 @pytest.fixture(scope="module")

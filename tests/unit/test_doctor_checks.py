@@ -7,8 +7,8 @@ import socket
 import pytest
 
 from train import doctor
-from train.identity import free_port
-from train.identity import usable_cores
+from train.cluster.identity import free_port
+from train.cluster.identity import usable_cores
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""train/downloads.py: a complete file or folder takes its name whole, and only the first one does; a
+"""train/files/downloads.py: a complete file or folder takes its name whole, and only the first one does; a
 download into a folder where another process already placed the file leaves that file as it is (a real HTTP
 server on 127.0.0.1). Several real processes racing on one folder: tests/e2e/test_downloads.py."""
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import FileServer, small_cifar
+from train.base.errors import ConfigError
 from train.data.folders import cifar_split, download_cifar
-from train.downloads import private_name, publish
-from train.errors import ConfigError
-from train.weights import download, fetch
+from train.files.downloads import private_name, publish
+from train.recipe.weights import download, fetch
 
 
 def test_the_first_complete_file_or_folder_takes_the_name_and_a_later_one_does_not(tmp_path):

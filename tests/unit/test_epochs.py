@@ -2,10 +2,10 @@
 
 import pytest
 
-from train.checks import check_steps
-from train.config import steps_for_epochs
+from train.base.errors import ConfigError
 from train.cli import parse_config
-from train.errors import ConfigError
+from train.config.settings import steps_for_epochs
+from train.run.checks import check_steps
 
 
 # 1000 images, batch 16: an epoch is floor(1000 / workers / 16 / accumulation) steps (the sampler drops the rest)

@@ -9,7 +9,7 @@ from tests.helpers import REPO
 
 PROBE = """if True:
     import atexit, concurrent.futures, os, threading, time
-    from train.errors import run_exit_handlers
+    from train.base.errors import run_exit_handlers
 
     atexit.register(lambda: print("exit handler", flush=True))
     pool = concurrent.futures.ThreadPoolExecutor(1)  # its worker waits for work until threading's exit hook
@@ -33,5 +33,5 @@ def test_the_threads_end_and_the_exit_handlers_run_before_the_process_leaves():
 
 
 def test_a_forked_worker_runs_its_exit_handlers_alone():
-    """train/workers.py's spawned worker after a SystemExit: the handlers, not a join of its threads."""
+    """train/cluster/spawn.py's spawned worker after a SystemExit: the handlers, not a join of its threads."""
     assert _run(join=False)[:2] == ["exit handler", "handlers ran"]

@@ -1,12 +1,12 @@
-"""The one way trainbox writes a file (runfiles.atomic_file: temp name, fsync, rename, fsync of the folder) and reads a
-file's digest (runfiles.file_digest), on real files."""
+"""The one way trainbox writes a file (rundir.atomic_file: temp name, fsync, rename, fsync of the folder) and reads a
+file's digest (rundir.file_digest), on real files."""
 
 import hashlib
 import os
 
 import pytest
 
-from train import runfiles
+from train.files import rundir
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def fsynced(monkeypatch):
 def test_an_atomic_write_fsyncs_the_file_then_its_folder_and_leaves_no_temporary_file(tmp_path, fsynced):
     path = tmp_path / "status.json"
     path.write_text("old")
-    runfiles.atomic_write(path, b"new")
+    rundir.atomic_write(path, b"new")
     assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["status.json"]
     assert len(fsynced) == 2 and fsynced[0].startswith(str(tmp_path / ".status.json.tmp.")) and \
         fsynced[1] == str(tmp_path), fsynced
@@ -34,7 +34,7 @@ def test_an_atomic_write_fsyncs_the_file_then_its_folder_and_leaves_no_temporary
 def test_a_writer_that_fails_leaves_the_old_file_and_nothing_else(tmp_path):
     path = tmp_path / "figure.png"
     path.write_bytes(b"old")
-    with pytest.raises(RuntimeError, match="half-way"), runfiles.atomic_file(path, suffix=".png") as tmp:
+    with pytest.raises(RuntimeError, match="half-way"), rundir.atomic_file(path, suffix=".png") as tmp:
         assert tmp.name.endswith(".png") and tmp.parent == tmp_path
         tmp.write_bytes(b"half")
         raise RuntimeError("half-way")
@@ -47,5 +47,5 @@ def test_a_file_digest_is_hashlibs_of_its_bytes_also_without_file_digest(tmp_pat
         monkeypatch.delattr(hashlib, "file_digest", raising=False)
     data = os.urandom(3 << 20) + b"tail"
     (tmp_path / "f").write_bytes(data)
-    assert runfiles.file_digest(tmp_path / "f") == hashlib.sha256(data).hexdigest()
-    assert runfiles.file_digest(tmp_path / "f", "md5") == hashlib.md5(data).hexdigest()
+    assert rundir.file_digest(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+    assert rundir.file_digest(tmp_path / "f", "md5") == hashlib.md5(data).hexdigest()

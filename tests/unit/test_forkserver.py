@@ -1,6 +1,6 @@
-"""The fork server --spawn's workers come from (train/forkserver.py) is stopped when the launcher ends before any
-worker: stop_fork_server, the one place that reaches into multiprocessing's fork server. A Python that changes what it
-uses fails here."""
+"""The fork server --spawn's workers come from (train/cluster/forkserver.py) is stopped when the launcher ends before
+any worker: stop_fork_server, the one place that reaches into multiprocessing's fork server. A Python that changes what
+it uses fails here."""
 
 import multiprocessing
 import multiprocessing.forkserver
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from train.forkserver import stop_fork_server
+from train.cluster.forkserver import stop_fork_server
 
 
 def test_a_running_fork_server_is_stopped_and_reaped_and_a_new_one_can_start():

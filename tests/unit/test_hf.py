@@ -10,12 +10,12 @@ import subprocess
 import pytest
 
 from tests.sources import HF_PYTHON, draw_imagefolder, hf_disk_plan, hf_parquet_plan, listing, write_hf
+from train.base.errors import ConfigError, DataError
 from train.cli import parse_config
 from train.data import build_datasets, check_hf
-from train.data.hf import hf_splits
+from train.data.hfrows import hf_splits
 from train.data.tarindex import CACHE, FALLBACK
-from train.errors import ConfigError, DataError
-from train.pack import main as pack_main
+from train.pack.command import main as pack_main
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,8 @@ def test_a_dataset_of_one_split_is_told_how_to_make_a_validation_split(made, tmp
     for path in (made["parquet"] / "data").glob("validation-*.parquet"):  # its images' bytes, not relative paths
         shutil.copy(path, parquet / "data" / path.name.replace("validation", "train"))
     commands = []
-    for data, load in ((disk, f"load_from_disk('{disk}/train')"), (parquet, f"load_dataset('{parquet}', split='train')")):
+    for data, load in ((disk, f"load_from_disk('{disk}/train')"),
+                       (parquet, f"load_dataset('{parquet}', split='train')")):
         command = (f"import datasets; datasets.{load}.train_test_split(test_size=0.1, seed=0)"
                    f".save_to_disk('{data}-split')")
         with pytest.raises(ConfigError) as e:

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from train.checks import preflight
+from train.base.errors import ConfigError, DataError
 from train.cli import parse_config
 from train.data import build_datasets
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
-from train.errors import ConfigError, DataError
-from train.pack import main as pack_main
+from train.pack.command import main as pack_main
+from train.run.checks import preflight
 
 VAL = "path,label\nv.png,cat\n"
 

@@ -5,9 +5,10 @@ import sys
 
 from tests.helpers import REPO
 
-HOST_HELPERS = ("train/cluster.py", "train/hostenv.py")  # run before any environment exists
+HOST_HELPERS = ("train/cluster/jobs.py", "train/hostenv.py")  # run before any environment exists
 # What the host helpers may import
-STDLIB_ONLY = ("train/runfiles.py", "train/cuda_driver.py", "train/cluster.py", "train/hostlist.py")
+STDLIB_ONLY = ("train/files/rundir.py", "train/cluster/cuda_driver.py", "train/cluster/jobs.py",
+               "train/cluster/hostlist.py")
 
 
 def _imports(path) -> set[str]:
@@ -60,9 +61,9 @@ def test_evaluation_sits_below_the_trainer_and_its_launcher():
     evaluation, and the command line's workers, the cluster plans and the run files sit below both."""
     graph = _graph()
     for command in ("train.evaluate", "train.export"):
-        assert not {"train.trainer", "train.launch", "train.plan"} & _reach(graph, command), command
-    assert "train.evaluate" in graph["train.trainer"]
-    assert "train.trainer" not in _reach(graph, "train.workers") | _reach(graph, "train.cluster")
+        assert not {"train.run.trainer", "train.launch", "train.run.plan"} & _reach(graph, command), command
+    assert "train.evaluate" in graph["train.run.trainer"]
+    assert "train.run.trainer" not in _reach(graph, "train.cluster.spawn") | _reach(graph, "train.cluster.jobs")
 
 
 def test_no_module_of_the_package_is_long():

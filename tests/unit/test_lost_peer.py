@@ -1,5 +1,5 @@
-"""What counts as losing the other ranks (train/distributed.py `lost_peer`), on the errors torch itself raises: a
-real gloo group of two ranks in this process (each rank a thread with its own client of a real TCPStore, as
+"""What counts as losing the other ranks (train/cluster/distributed.py `lost_peer`), on the errors torch itself raises:
+a real gloo group of two ranks in this process (each rank a thread with its own client of a real TCPStore, as
 tests/unit/test_session.py's ranks are), real TCPStores. Also what torch 2.13 raises untyped, so that a torch
 that types them shows here first."""
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from train.distributed import PeersTimedOut, agree_on_session, lost_peer
+from train.cluster.distributed import PeersTimedOut, agree_on_session, lost_peer
 
 
 def _gloo_pair(timeout_s: float) -> tuple:

@@ -20,19 +20,19 @@ import torch
 from PIL import Image
 
 from tests.sources import assert_same_batches, batches
-from train import vision
+from train.base.errors import ConfigError, DataError
 from train.bench.photos import make_photos
 from train.cli import parse_config
+from train.cluster.identity import usable_cores
 from train.data import ShardSplit, build_datasets
 from train.data.decode import load_image
-from train.identity import usable_cores
-from train.errors import ConfigError, DataError
 from train.data.folders import imagefolder_split
 from train.data.tars import check_shards
-from train.pack import pack, verify
-from train.packimages import shrink
-from train.packshards import JOURNAL, write_shard
-from train.pack import main as pack_main
+from train.pack.command import pack, verify
+from train.pack.command import main as pack_main
+from train.pack.images import shrink
+from train.pack.shards import JOURNAL, write_shard
+from train.recipe import vision
 
 
 @pytest.fixture(scope="module")

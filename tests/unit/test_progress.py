@@ -1,6 +1,6 @@
-"""The progress line (train/progress.py): redrawn in place on a terminal (a real pty too), periodic plain lines
+"""The progress line (train/base/progress.py): redrawn in place on a terminal (a real pty too), periodic plain lines
 elsewhere, never one per item, nothing for a short wait where the caller asks so; and the first fetch of named
-weights (train/weights.py) showing it, from a real HTTP server on 127.0.0.1."""
+weights (train/recipe/weights.py) showing it, from a real HTTP server on 127.0.0.1."""
 
 import hashlib
 import io
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import FileServer
-from train.errors import ConfigError
-from train.progress import Progress, duration
-from train.weights import fetch
+from train.base.errors import ConfigError
+from train.base.progress import Progress, duration
+from train.recipe.weights import fetch
 
 LINE = re.compile(r"pack: ([\d,]+)/1,000 images \(\d+\.\d%\), [\d.,]+ images/s, ETA \d+ s")
 

@@ -15,8 +15,8 @@ from torchvision.transforms import v2
 
 from tests.unit.test_recipe_knobs import reference_groups
 from train.cli import parse_config
-from train.models import build_model
-from train.plan import dry_run
+from train.recipe.models import build_model
+from train.run.plan import dry_run
 
 RECIPES = Path(__file__).resolve().parents[2] / "train" / "recipes"
 # The published command lines (torchvision's references/classification README), and the top-1 each reached.

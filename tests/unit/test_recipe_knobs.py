@@ -8,12 +8,12 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.ops._utils import split_normalization_params
 from torchvision.transforms import v2
 
-from train.augment import BatchAugment
+from train.base.errors import ConfigError
 from train.cli import parse_config
-from train.errors import ConfigError
 from train.data import image_transforms, eval_steps
-from train.ema import ModelEma, adjusted_decay
-from train.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups, schedule_lengths
+from train.recipe.augment import BatchAugment
+from train.recipe.ema import ModelEma, adjusted_decay
+from train.recipe.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups, schedule_lengths
 
 
 def scheduler_of(cfg, optimizer):
@@ -75,7 +75,7 @@ def test_an_epoch_schedule_counts_in_epochs():
                                                                    "--schedule-unit", "epoch"],
                                    ["--lr-scheduler", "multistep"], ["--lr-milestones", "3,x"]])
 def test_an_impossible_schedule_is_one_line(flags):
-    from train.errors import ConfigError
+    from train.base.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         cfg = parse_config(flags)
         cfg.schedule.milestones()
@@ -131,7 +131,7 @@ DECAY_FLAGS = {"norm_weight_decay": "--norm-weight-decay", "bias_weight_decay": 
 def test_weight_decay_groups_are_the_references_by_name(model_name, given):
     """Every trainable parameter in the reference's group with the reference's decay, by name: a group of its own
     only for the decays given (on the meta device: no memory, no weights)."""
-    from train.models import build_model
+    from train.recipe.models import build_model
 
     cfg_args = ["--model", model_name, "--weight-decay", "1e-4"]
     for key, value in given.items():

@@ -10,7 +10,7 @@ from torchvision import transforms as v1
 from torchvision.transforms import v2
 
 from train.cli import parse_config
-from train.config import recipe
+from train.config.settings import recipe
 from train.data import eval_resize, image_transforms
 
 

@@ -1,4 +1,4 @@
-"""The evaluation report's figure (train/report.py), read from matplotlib's own objects: what a person sees on it
+"""The evaluation report's figure (train/report/figure.py), read from matplotlib's own objects: what a person sees on it
 for 10 to 1000 classes. tests/e2e/test_evaluate.py checks the figure `make evaluate` writes is this one."""
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import report
+from train.report import figure
 
 
 def a_record(count: int, seed: int = 0) -> dict:
@@ -22,7 +22,7 @@ def a_record(count: int, seed: int = 0) -> dict:
     return {"run": "exp1", "weights": "runs/exp1/best.pt", "loss": 0.9, "accuracy": np.trace(confusion) / truth.size,
             "top5": 0.95, "samples": int(truth.size), "classes": classes, "confusion": confusion.tolist(),
             "per_class_accuracy": {c: (confusion[i, i] / rows[i] if rows[i] else None) for i, c in enumerate(classes)},
-            "confused_pairs": report.confused_pairs(confusion.tolist(), classes)}
+            "confused_pairs": figure.confused_pairs(confusion.tolist(), classes)}
 
 
 def panels(fig) -> dict:
@@ -34,16 +34,16 @@ def panels(fig) -> dict:
 
 def test_the_confused_pairs_are_the_largest_mistakes_by_count():
     confusion = [[5, 3, 0], [1, 7, 4], [0, 4, 2]]
-    pairs = report.confused_pairs(confusion, ["a", "b", "c"])
+    pairs = figure.confused_pairs(confusion, ["a", "b", "c"])
     assert [(p["true"], p["predicted"], p["count"]) for p in pairs] == [
         ("c", "b", 4), ("b", "c", 4), ("a", "b", 3), ("b", "a", 1)]  # a tie: the larger share of the true class first
-    assert pairs[0]["share_of_true"] == 4 / 6 and report.confused_pairs([[3, 0], [0, 2]], ["a", "b"]) == []
+    assert pairs[0]["share_of_true"] == 4 / 6 and figure.confused_pairs([[3, 0], [0, 2]], ["a", "b"]) == []
 
 
 @pytest.mark.parametrize("count", [10, 30, 40, 60, 1000])
 def test_a_person_reads_the_figure(count):
     record = a_record(count)
-    fig = report.figure(record)
+    fig = figure.figure(record)
     axes = panels(fig)
     assert fig.get_suptitle() == (f"exp1 · best.pt · top-1 {100 * record['accuracy']:.2f}%, top-5 95.00% · "
                                   f"{40 * count} images, loss 0.9000")
@@ -86,13 +86,13 @@ def test_a_person_reads_the_figure(count):
     assert rows[1:] == [[p["true"], p["predicted"], str(p["count"]), f"{100 * p['share_of_true']:.1f}%"]
                         for p in record["confused_pairs"]]
     assert len(rows) == 11
-    report.plt.close(fig)
+    figure.plt.close(fig)
 
 
 def test_the_saved_png_is_the_figure(tmp_path):
-    fig = report.figure(a_record(12))
-    pixels = report.save(fig, tmp_path / "eval.png")
-    saved = report.plt.imread(tmp_path / "eval.png")
+    fig = figure.figure(a_record(12))
+    pixels = figure.save(fig, tmp_path / "eval.png")
+    saved = figure.plt.imread(tmp_path / "eval.png")
     assert saved.shape[:2] == pixels.shape[:2] and (np.round(saved[..., :3] * 255) == pixels).all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.png"]  # no temporary file left
 
@@ -104,6 +104,6 @@ def test_the_pictured_report_is_what_the_report_draws_today(tmp_path):
     docs = Path(__file__).resolve().parents[2] / "docs"
     record = json.loads((docs / "eval-report.json").read_text())
     assert record["run"] == "shapes-100-steps" and record["dataset"] == "shapes" and len(record["classes"]) == 10
-    drawn = report.save(report.figure(record), tmp_path / "now.png")
-    pictured = report.plt.imread(docs / "eval-report.png")
+    drawn = figure.save(figure.figure(record), tmp_path / "now.png")
+    pictured = figure.plt.imread(docs / "eval-report.png")
     assert pictured.shape[:2] == drawn.shape[:2] and (np.round(pictured[..., :3] * 255) == drawn).all()

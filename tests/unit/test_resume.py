@@ -1,4 +1,4 @@
-"""What a resume may change (train/resume.py): the settings a checkpoint fixes, the layout on another number of
+"""What a resume may change (train/config/resume.py): the settings a checkpoint fixes, the layout on another number of
 workers (the same samples in the same micro-batches), a run made longer (the schedule of its new length), and the
 record plan.json keeps of it. No processes."""
 
@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-from train.config import Config, settings
+from train.base.errors import ConfigError
+from train.config.resume import (FIXED, MAY_CHANGE, Layout, changed_settings, continue_layout, refusal, resume_record,
+                                 spliced_lr)
+from train.config.settings import Config, settings
 from train.data import ShardSampler, origin
-from train.errors import ConfigError
-from train.health import DivergenceGuard
-from train.optim import build_optimizer, build_scheduler, schedule_at
-from train.checkpointer import saved_length
-from train.resume import (FIXED, MAY_CHANGE, Layout, changed_settings, continue_layout, refusal, resume_record,
-                          spliced_lr)
-from train.runfiles import to_json
+from train.files.rundir import to_json
+from train.recipe.optim import build_optimizer, build_scheduler, schedule_at
+from train.run.checkpointer import saved_length
+from train.run.health import DivergenceGuard
 
 
 def test_every_setting_is_either_fixed_by_a_checkpoint_or_free_to_change():

@@ -2,7 +2,7 @@
 checks find it before anything starts (run_dir_problem) or the worker meets the error (write_problem). Each cause
 is made for real: a file, a read-only mount, a full tmpfs, another user's folder, an immutable one. The mounts
 live in a private mount namespace (`unshare --mount`, as tests/e2e/test_faults.py's disk-full test), so the
-cases that need one run in one short process that imports the standard library and train.runfiles alone."""
+cases that need one run in one short process that imports the standard library and train.files.rundir alone."""
 
 from __future__ import annotations
 
@@ -19,20 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from train import runfiles
-from train.runfiles import run_dir_problem, write_problem
+from train.files import rundir
+from train.files.rundir import run_dir_problem, write_problem
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 
 
 def meet(run_dir: Path) -> dict:
-    """What the checks say of run_dir, then what the worker meets preparing it (train/build.py
+    """What the checks say of run_dir, then what the worker meets preparing it (train/run/build.py
     prepare_run_dir: the folder, then its first file) and says of that error."""
     found = run_dir_problem(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        runfiles.write_status(run_dir, "starting", -1)
+        rundir.write_status(run_dir, "starting", -1)
     except OSError as e:
         return {"preflight": found, "errno": errno.errorcode[e.errno], "met": write_problem(run_dir, e)}
     return {"preflight": found, "errno": None, "met": None}
@@ -50,19 +50,19 @@ def write_on_a_full_disk(run_dir: str, out: str) -> None:
     written to out as JSON: what each error is, the line the worker ends on, and the failure recorded all the same."""
     run_dir, seen = Path(run_dir), {}
     try:
-        runfiles.write_status(run_dir, "running", 6)
+        rundir.write_status(run_dir, "running", 6)
     except OSError as e:
-        seen["status"] = [errno.errorcode[e.errno], runfiles.full_disk_problem(run_dir, e)]
-    metrics = runfiles.MetricsFile(run_dir)
+        seen["status"] = [errno.errorcode[e.errno], rundir.full_disk_problem(run_dir, e)]
+    metrics = rundir.MetricsFile(run_dir)
     try:
         metrics.append({"step": 6, "kind": "train"})
     except OSError as e:  # a line-buffered append: no file named
-        seen["metrics"] = [errno.errorcode[e.errno], e.filename, runfiles.full_disk_problem(run_dir, e)]
+        seen["metrics"] = [errno.errorcode[e.errno], e.filename, rundir.full_disk_problem(run_dir, e)]
     with contextlib.suppress(OSError):
         metrics.close()
-    runfiles.write_status(run_dir, "failed", 6, error="its disk is full", exit_code=2)
-    seen["recorded"] = runfiles.read_status(run_dir)
-    seen["elsewhere"] = runfiles.full_disk_problem(run_dir, OSError(errno.ENOSPC, "No space left on device",
+    rundir.write_status(run_dir, "failed", 6, error="its disk is full", exit_code=2)
+    seen["recorded"] = rundir.read_status(run_dir)
+    seen["elsewhere"] = rundir.full_disk_problem(run_dir, OSError(errno.ENOSPC, "No space left on device",
                                                                      "/elsewhere/data.idx"))
     Path(out).write_text(json.dumps(seen))
 
@@ -197,7 +197,7 @@ def test_a_disk_that_fills_while_a_run_trains(mounted):
 def test_a_log_line_a_full_disk_keeps_out_is_left_out_without_a_traceback(capsys):
     """train.log's handler on /dev/full, where every write meets ENOSPC as on a full disk: nothing said (the run's next
     write ends it on its one line); logging's own FileHandler prints a traceback of each line."""
-    from train.metrics import RunLog
+    from train.report.metrics import RunLog
 
     record = logging.LogRecord("train", logging.INFO, __file__, 0, "step 6", None, None)
     for handler in (RunLog("/dev/full"), logging.FileHandler("/dev/full")):
@@ -243,8 +243,8 @@ def test_only_ownership_gets_the_chown_advice(tmp_path, mounted):
 
 def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
     """The worker's own preparation of its run directory (every rank learns rank 0's line, as a ConfigError)."""
-    from train.build import prepare_run_dir
-    from train.errors import ConfigError
+    from train.run.build import prepare_run_dir
+    from train.base.errors import ConfigError
 
     run_dir = tmp_path / "notes.txt"
     run_dir.write_text("x")
@@ -255,9 +255,9 @@ def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
 
 def test_without_run_dir_the_checks_look_at_the_folder_runs_is_made_in(tmp_path, monkeypatch):
     """runs/<start time>, made by the run: a file named runs in the working folder stops it before any worker."""
-    from train.checks import preflight
+    from train.run.checks import preflight
     from train.cli import parse_config
-    from train.errors import ConfigError
+    from train.base.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("x")

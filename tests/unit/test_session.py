@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from train.distributed import agree_on_session
+from train.cluster.distributed import agree_on_session
 
 
 def _agree(store_port: int, world: int, delays: dict[int, float]) -> dict[int, str]:

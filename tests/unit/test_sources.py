@@ -17,9 +17,9 @@ from tests.sources import (assert_same_batches, batches, draw_imagefolder, link_
 from train.cli import parse_config
 from train.data import build_datasets
 from train.data.tarindex import load_split
-from train.pack import main as pack_main
-from train.pack import pack
-from train.plan import dry_run
+from train.pack.command import main as pack_main
+from train.pack.command import pack
+from train.run.plan import dry_run
 
 SOURCES = ["imagefolder", "imagefolder-links", "csv", "tsv", "jsonl", "webdataset", "tarfile", "hf-disk", "hf-parquet"]
 

@@ -19,13 +19,13 @@ import pytest
 from PIL import Image
 
 from tests.sources import add_member
-from train.checks import preflight
+from train.base.errors import ConfigError, DataError
 from train.cli import parse_config
 from train.data import build_datasets
 from train.data.tarindex import CACHE, FALLBACK, cache_dirs, find_tars, indexing, load_split
 from train.data.tars import check_shards, tar_splits
-from train.errors import ConfigError, DataError
-from train.pack import main as pack_main
+from train.pack.command import main as pack_main
+from train.run.checks import preflight
 
 
 def png(colour=(200, 30, 30)) -> bytes:

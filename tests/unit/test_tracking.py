@@ -1,11 +1,12 @@
-"""train/tracking.py's pure parts: which URIs it takes, when a run counts as continuing, what a failure
+"""train/report/mlflow_tracking.py's pure parts: which URIs it takes, when a run counts as continuing, what a failure
 is reported as. (Against a real server: tests/e2e/test_tracking.py.)"""
 
 import pytest
 
-from train.config import Config
-from train.errors import ConfigError
-from train.tracking import RECORD, check_uri, continues_a_tracked_run, experiment_name, failure_reason, tracking_uri
+from train.base.errors import ConfigError
+from train.config.settings import Config
+from train.report.mlflow_tracking import (RECORD, check_uri, continues_a_tracked_run, experiment_name, failure_reason,
+                                          tracking_uri)
 
 
 @pytest.mark.parametrize("uri", ["http://mlflow:5000", "https://mlflow.example.org", "http://10.0.0.5:5000/"])

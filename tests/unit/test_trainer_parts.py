@@ -8,21 +8,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.sources import draw_imagefolder
-from train.build import build
-from train.checkpoint import finished
 from train.cli import parse_config
+from train.cluster.distributed import teardown, wrap, wrappers_alive
 from train.data import prepare_inputs
-from train.runfiles import read_metrics, status_record
-from train.metrics import LogWindow
-from train.distributed import teardown, wrap, wrappers_alive
-from train.trainer import Trainer
+from train.files.checkpoint_io import finished
+from train.files.rundir import read_metrics, status_record
+from train.report.metrics import LogWindow
+from train.run.build import build
+from train.run.trainer import Trainer
 
 CPU = torch.device("cpu")
 
 
 def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch):
     now = [100.0]  # the clock the window reads, moved by hand
-    monkeypatch.setattr("train.metrics.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("train.report.metrics.time.perf_counter", lambda: now[0])
     window = LogWindow(torch.device("cpu"), samples_per_step=32)
     window.add([torch.tensor([1.0]), torch.tensor([0.5])])  # two micro-batches: the step's loss is 1.5
     window.add([torch.tensor([0.25]), torch.tensor([0.25])])
@@ -67,7 +67,9 @@ def rank_1_of_2(monkeypatch):
 
     import torch.distributed as dist
 
-    from train import distributed, identity, worker
+    from train.cluster import distributed
+    from train.cluster import identity
+    from train.run import worker
 
     monkeypatch.setattr(identity, "_identity", identity.Identity(1, 0, 2, 1, "torchrun", "127.0.0.1", 0))
     monkeypatch.setattr(worker, "is_main", lambda: False)
@@ -78,8 +80,8 @@ def rank_1_of_2(monkeypatch):
 
 
 def _end(tmp_path, message="out of memory during start-up"):
-    from train.errors import OutOfMemory
-    from train.worker import end_unrecoverable
+    from train.base.errors import OutOfMemory
+    from train.run.worker import end_unrecoverable
 
     error = OutOfMemory(message)
     end_unrecoverable(error, tmp_path, None)
@@ -94,7 +96,7 @@ def test_the_first_rank_to_meet_an_unrecoverable_error_says_it_and_the_others_do
 def test_when_rank_0_ended_first_on_its_recorded_error_its_peers_say_nothing(rank_1_of_2, tmp_path):
     """Rank 0 hosts the store (torchrun with a fresh store per attempt, srun): where it said its line, wrote
     status.json and exited before a peer on another node met the same error, the peer stays silent."""
-    from train.runfiles import write_status
+    from train.files.rundir import write_status
 
     write_status(tmp_path, "failed", -1, error="out of memory during start-up", exit_code=2)
     del rank_1_of_2["host"]  # rank 0 exited: its store is gone
@@ -104,7 +106,7 @@ def test_when_rank_0_ended_first_on_its_recorded_error_its_peers_say_nothing(ran
 def test_when_rank_0_is_gone_without_recording_an_error_this_run_the_peer_says_its_own(rank_1_of_2, tmp_path):
     import os
 
-    from train.runfiles import write_status
+    from train.files.rundir import write_status
 
     write_status(tmp_path, "failed", -1, error="an earlier run's error", exit_code=2)
     os.utime(tmp_path / "status.json", (0, 0))  # written before this process started

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from train.watchdog import Watchdog
+from train.base.watchdog import Watchdog
 
 
 def _overdue(watchdog: Watchdog) -> None:
@@ -76,7 +76,7 @@ def test_each_run_in_a_process_has_its_own_error_line():
 
 
 def test_a_phase_whose_caller_knows_what_no_progress_means_says_that(capfd):
-    """A rank from the environment alone, in its set-up (train/distributed.py): not 'a peer died'."""
+    """A rank from the environment alone, in its set-up (train/cluster/distributed.py): not 'a peer died'."""
     watchdog = Watchdog()
     watchdog.enter("process-group set-up", 1e6, "this process is rank 1 of 2 because RANK=1 ... are set")
     _overdue(watchdog)
@@ -91,7 +91,7 @@ def test_a_phase_whose_caller_knows_what_no_progress_means_says_that(capfd):
 
 
 def test_a_phase_inside_another_gives_the_outer_phase_back_with_its_limit():
-    from train.watchdog import Watchdog
+    from train.base.watchdog import Watchdog
 
     watchdog = Watchdog()
     watchdog.begin("rank 0", limit_s=50.0)
@@ -117,7 +117,7 @@ def test_a_phase_inside_an_unbounded_one_leaves_no_timer_behind():
 
     from tests.helpers import REPO
 
-    probe = ("import time\nfrom train.watchdog import watchdog\nwatchdog.begin('rank 0', limit_s=1.0)\n"
+    probe = ("import time\nfrom train.base.watchdog import watchdog\nwatchdog.begin('rank 0', limit_s=1.0)\n"
              "with watchdog.during('the checkpoint save of step 1'):\n    pass\ntime.sleep(2.5)\nprint('alive')\n")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert (proc.returncode, proc.stdout) == (0, "alive\n"), proc.stderr[-2000:]

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
+from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.data import prepare_inputs
-from train.errors import ConfigError
-from train.models import build_model, freeze, frozen_names, head_name
-from train.weights import IMAGENET, normalisation, normalisation_on
+from train.recipe.models import build_model, freeze, frozen_names, head_name
+from train.recipe.weights import IMAGENET, normalisation, normalisation_on
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -174,7 +174,7 @@ def test_the_public_normalisation_classes_are_every_layer_of_torchs_private_base
     A torch that moves the base or adds a layer fails here."""
     import importlib
 
-    from train import models
+    from train.recipe import models
 
     module, name = base.split(".")
     private = getattr(importlib.import_module(f"torch.nn.modules.{module}"), name)

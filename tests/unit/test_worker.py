@@ -1,4 +1,4 @@
-"""How a worker ends (train/worker.py), in this process: each error as its exit code and at most one line, said by
+"""How a worker ends (train/run/worker.py), in this process: each error as its exit code and at most one line, said by
 the rank that should say it; what counts as an error a restart cannot mend."""
 
 from types import SimpleNamespace
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from train.base.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DataError, OutOfMemory, PeerGaveUp
+from train.base.watchdog import watchdog
 from train.cli import parse_config
-from train.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DataError, OutOfMemory, PeerGaveUp
-from train.identity import PeersNeverCame
-from train.memory import advice, lower_precision, out_of_memory
-from train.watchdog import watchdog
-from train.worker import exit_code, unrecoverable
+from train.cluster.identity import PeersNeverCame
+from train.run.memory import advice, lower_precision, out_of_memory
+from train.run.worker import exit_code, unrecoverable
 
 
 def _interrupted_while_saving() -> RuntimeError:
@@ -82,7 +82,7 @@ def test_out_of_memory_in_a_run_with_a_checkpoint_advises_what_its_next_start_ta
     given = parse_config(["--preset", "debug", "--run-dir", str(tmp_path)])
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"")
-    trainer = SimpleNamespace(step=4, cfg=given.replace(grad_accum=2))  # as train/resume.py continued it
+    trainer = SimpleNamespace(step=4, cfg=given.replace(grad_accum=2))  # as train/config/resume.py continued it
     watchdog.enter("training", 60)
     try:
         oom = str(unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, torch.device("cpu"),

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from train.base.errors import ConfigError, fail
 from train.bench.arms import bare_main
 from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.sources import source_rows
-from train.identity import usable_cores
-from train.errors import ConfigError, fail
-from train.runfiles import to_json
+from train.cluster.identity import usable_cores
+from train.files.rundir import to_json
 
 
 # ---------------------------------------------------------------- report

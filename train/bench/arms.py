@@ -18,11 +18,11 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from train.cluster.distributed import destroy_and_leave_together, join_group
+from train.cluster.identity import free_port
 from train.data import make_shapes, prepare_inputs
-from train.distributed import destroy_and_leave_together, join_group
-from train.identity import free_port
-from train.models import SmallCNN
-from train.runfiles import read_metrics
+from train.files.rundir import read_metrics
+from train.recipe.models import SmallCNN
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]

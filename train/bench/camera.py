@@ -23,10 +23,10 @@ from PIL import Image
 from train.bench.arms import median, row
 from train.bench.photos import images_per_s, resized_box, write_photos
 from train.cli import parse_config
+from train.cluster.identity import usable_cores
 from train.data import ShardSplit, image_transforms, load_image
 from train.data.decode import decode
-from train.identity import usable_cores
-from train.pack import pack
+from train.pack.command import pack
 
 MAX_SIDE = 512
 

@@ -17,13 +17,13 @@ from PIL import Image
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import checkpoint as ckpt
 from train.bench.arms import _init, bare_arm, drain, free_port, median, row, trainer_arm
 from train.cli import parse_config
+from train.cluster.distributed import destroy_and_leave_together
 from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes
-from train.distributed import destroy_and_leave_together
-from train.models import SmallCNN
-from train.pack import pack
+from train.files import checkpoint_io as ckpt
+from train.pack.command import pack
+from train.recipe.models import SmallCNN
 
 
 # ---------------------------------------------------------------- CPU rows

@@ -23,10 +23,10 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
+from train.base.errors import ConfigError
 from train.bench.arms import median, row
 from train.cli import parse_config
 from train.data import image_transforms, eval_resize, load_image
-from train.errors import ConfigError
 
 SOURCES = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "hubble_deep_field.jpg", "retina.jpg",
            "ihc.png", "motorcycle_left.png", "motorcycle_right.png")

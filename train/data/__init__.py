@@ -8,7 +8,7 @@
   tarindex    where such tars are, and their index: made once in parallel, cached beside them or in the run folder
   hfdisk      a Hugging Face dataset on disk (save_to_disk's folder, or Parquet files): its splits, columns, labels
   hfcache     a Parquet split's image column as Arrow files, made once (beside it, or in the run folder)
-  hf          such a dataset read row by row from memory-mapped Arrow files, its checks, make pack's listing of it
+  hfrows      such a dataset read row by row from memory-mapped Arrow files, its checks, make pack's listing of it
   sources     each source as (path, tar member or dataset row, label) pairs in its fixed order: what make pack packs
   decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
               workers or on the GPU (--decode gpu)
@@ -21,15 +21,14 @@ This face hands on what the rest of trainbox uses.
 
 from train.data.decode import DeviceDecoder, load_image
 from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packed_with, read_idx, read_index
-from train.data.hf import check_hf
+from train.data.hfrows import check_hf
 from train.data.labelfiles import check_labelfiles
-from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names,
-                                default_num_workers, source_of)
+from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names, default_num_workers,
+                                source_of)
 from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapesDataset, make_shapes
 from train.data.tars import check_shards
-from train.data.transforms import (eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs,
-                                   train_size)
+from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs, train_size
 
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapesDataset", "ShardSampler", "ShardSplit",
            "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_hf", "check_imagefolder",

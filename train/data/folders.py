@@ -1,8 +1,8 @@
 """The file datasets on disk and their checks: an ImageFolder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*),
 listed by this project's own scan (train/data/scan.py: torchvision's ImageFolder's classes, samples and order, links
-followed and held to the folders, train and val apart), a pack of shards (train/pack.py writes it; read by offset:
-ShardSplit, an OffsetSplit as other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded only with --download, by local
-rank 0 of each node, safely into a --data-dir that several nodes share).
+followed and held to the folders, train and val apart), a pack of shards (train/pack/command.py writes it; read by
+offset: ShardSplit, an OffsetSplit as other tools' tars are, train/data/tars.py) and CIFAR-10 (torchvision's, downloaded
+only with --download, by local rank 0 of each node, safely into a --data-dir that several nodes share).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from train import vision
+from train.base.errors import ConfigError, DataError
+from train.cluster.distributed import gather
+from train.cluster.identity import identity
 from train.data.decode import as_tensor, load_image
 from train.data.scan import FolderScan, scan_split, scan_splits, within
-from train.distributed import gather
-from train.identity import identity
-from train.downloads import private_name, publish
-from train.errors import ConfigError, DataError
+from train.files.downloads import private_name, publish
+from train.recipe import vision
 
 
-PACK_JOURNAL = ".pack-journal.jsonl"  # an unfinished pack's record (train/pack.py)
+PACK_JOURNAL = ".pack-journal.jsonl"  # an unfinished pack's record (train/pack/command.py)
 
 
 def path_of(folder, index: int) -> str:
@@ -225,7 +225,7 @@ def download_cifar(root: Path, dataset=None) -> bool:
     """CIFAR-10 into root/cifar-10-batches-py as torchvision's own download puts it there (its URL, the archive's
     MD5 and every file's, checked by torchvision), safe when several nodes download into one --data-dir at once:
     each process downloads and extracts into a private folder inside root, checks it, and renames it into
-    place; the first complete copy wins, a later one is discarded (train/downloads.py). An archive placed in
+    place; the first complete copy wins, a later one is discarded (train/files/downloads.py). An archive placed in
     root by hand (cifar-10-python.tar.gz) is used instead of the network; no archive is kept. Whether this
     process's copy was placed (False: a complete copy was there). dataset: torchvision's CIFAR10 class, or a
     class with its attributes (the tests')."""

@@ -21,13 +21,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from train.base.errors import ConfigError
+from train.base.progress import Progress
+from train.cluster.distributed import broadcast_from_main
+from train.cluster.identity import is_main
 from train.data.hfdisk import SplitFiles, arrow, arrow_error
 from train.data.tarindex import cache_dirs
-from train.distributed import broadcast_from_main
-from train.identity import is_main
-from train.errors import ConfigError
-from train.progress import Progress
-from train.runfiles import atomic_write, to_json
+from train.files.rundir import atomic_write, to_json
 
 FORMAT = 1
 _temporary: list[Path] = []  # this process's own cache folder, where no other place could be written

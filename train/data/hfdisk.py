@@ -1,5 +1,5 @@
 """A Hugging Face dataset on disk (--dataset hf): where each split's files are, which columns hold the image and the
-label, and each split's labels and classes, read with pyarrow alone (no `datasets`: train/data/hf.py reads the
+label, and each split's labels and classes, read with pyarrow alone (no `datasets`: train/data/hfrows.py reads the
 images, train/data/hfcache.py makes Arrow files of Parquet ones).
 
   DIR/dataset_dict.json, DIR/SPLIT/...            DatasetDict.save_to_disk: each split a saved Dataset
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from train.errors import ConfigError
-from train.identity import first_line
+from train.base.errors import ConfigError
+from train.cluster.identity import first_line
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from train.base.errors import ConfigError, DataError
 from train.data.decode import as_tensor
-from train.errors import ConfigError, DataError
 
 SUFFIXES = (".csv", ".tsv", ".jsonl")
 SHOWN = 8  # a header's names a line shows (then their count)

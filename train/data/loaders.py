@@ -12,17 +12,17 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from train.config import Config
+from train.cluster.identity import identity, usable_cores
+from train.config.settings import Config
 from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, load_image, read_bytes
 from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
                                 is_pack, path_of)
-from train.data.hf import hf_splits
+from train.data.hfrows import hf_splits
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.data.samplers import SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
 from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
-from train.identity import identity, usable_cores
 
 
 class TensorLoader:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from train.errors import ConfigError
+from train.base.errors import ConfigError
 
 
 class SeededSample(Dataset):
@@ -66,8 +66,8 @@ class ShardSampler(Sampler):
     samples_per_rank. Each entry has a seed of its own, so the repetitions of an image are augmented apart.
 
     layout: the (workers, --grad-accum) the run's order was laid out for, at its first start; a resume on another
-    number of workers keeps it (train/resume.py). Each optimizer step is then made of the same micro-batches as in
-    the laid-out run, dealt to this run's ranks (see origin): the same samples in the same micro-batches, with the
+    number of workers keeps it (train/config/resume.py). Each optimizer step is then made of the same micro-batches as
+    in the laid-out run, dealt to this run's ranks (see origin): the same samples in the same micro-batches, with the
     same seeds."""
 
     def __init__(self, length: int, rank: int, world_size: int, seed: int, with_seeds: bool, reps: int = 0,

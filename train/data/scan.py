@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from train.errors import ConfigError
+from train.base.errors import ConfigError
 
 # torchvision's IMG_EXTENSIONS (tests/unit/test_folders.py holds them equal): a file counts by its name, in any case
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -7,7 +7,7 @@ source's fixed order, the order training reads it in. A reference is an image fi
   tars          SRC/train-*.tar, ... or SRC/train/*.tar     the tars sorted by name, their samples in tar order
                                                             (train/data/tars.py)
   hf            SRC/dataset_dict.json, SRC/train/*.arrow    the split's rows in the dataset's order
-                (save_to_disk), or Parquet files            (train/data/hf.py, hfdisk.py: the layouts)
+                (save_to_disk), or Parquet files            (train/data/hfrows.py, hfdisk.py: the layouts)
 
 A folder with label files is read as one; else a Hugging Face dataset as one; else a folder with tars as tars; else as
 an ImageFolder. A trainbox pack is not a source (it is packed already).
@@ -19,14 +19,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from train.base.errors import ConfigError, DataError
 from train.data.folders import check_imagefolder, is_pack
-from train.data.hf import HfRow, hf_listing
 from train.data.hfdisk import is_hf
+from train.data.hfrows import HfRow, hf_listing
 from train.data.labelfiles import Listing, has_label_files, read_labelfiles
 from train.data.scan import scan_splits
 from train.data.tarindex import DEFAULT_LABEL_KEY, has_split, load_split
 from train.data.tars import classes_of
-from train.errors import ConfigError, DataError
 
 SPLITS = ("train", "val")
 NAMED = 3  # the missing files a line names (then their count)

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from train.base.errors import ConfigError
+from train.base.progress import Progress
+from train.cluster.distributed import broadcast_from_main
+from train.cluster.identity import is_main, usable_cores
 from train.data.tarread import index_tar
-from train.distributed import broadcast_from_main
-from train.identity import is_main, usable_cores
-from train.errors import ConfigError
-from train.progress import Progress
-from train.runfiles import atomic_write, to_json
+from train.files.rundir import atomic_write, to_json
 
 CACHE = ".trainbox-index"  # beside the tars
 FALLBACK = "data-index"  # in the run folder, where the tars' folder cannot be written

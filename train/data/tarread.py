@@ -15,8 +15,8 @@ import tarfile
 from array import array
 from pathlib import Path
 
+from train.base.errors import ConfigError, first_few
 from train.data.scan import IMAGE_EXTENSIONS
-from train.errors import ConfigError, first_few
 
 IMAGE_SUFFIXES = tuple(e[1:] for e in IMAGE_EXTENSIONS)  # the ImageFolder's, in the order a sample's image is taken
 KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # webdataset's base_plus_ext: key, suffix

@@ -24,11 +24,11 @@ import contextlib
 import shutil
 from pathlib import Path
 
+from train.base.errors import ConfigError
 from train.data.folders import OffsetSplit, is_pack, read_index
 from train.data.labelfiles import class_list
 from train.data.tarindex import DEFAULT_LABEL_KEY, FALLBACK, TarIndex, has_split, load_split, shared_split
 from train.data.tarread import KEY
-from train.errors import ConfigError
 
 
 def classes_of(root: Path, train: TarIndex | None, split: TarIndex, split_name: str) -> tuple[list[str], str]:

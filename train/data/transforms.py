@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from train import vision
-from train.config import Augmentation, Config, recipe
-from train.weights import MEAN, STD
+from train.config.settings import Augmentation, Config, recipe
+from train.recipe import vision
+from train.recipe.weights import MEAN, STD
 
 
 def eval_resize(size: int) -> int:
@@ -28,7 +28,7 @@ def image_transforms(cfg: Config, train: bool):
     imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
     --auto-augment; eval: resize to --val-resize-size, centre crop to --val-crop-size, --interpolation);
     cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
-    training device (train/augment.py), as the reference's preset has it after Normalize."""
+    training device (train/recipe/augment.py), as the reference's preset has it after Normalize."""
     v2 = vision.v2
     size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
     if recipe(cfg) == "imagenet" and train:

@@ -1,0 +1,127 @@
+"""How a run can end: the exit codes, and the errors that carry one line (the cause and the fix)."""
+
+import atexit
+import gc
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import NoReturn
+
+from train.base.watchdog import watchdog
+
+EXIT_DONE = 0  # finished (or already finished): model.pt written
+EXIT_FAILED = 1  # a crash, or a worker lost its peers (one died, hung or was stopped): rerun to resume
+EXIT_BAD_INPUT = 2  # bad input or a condition the message names (disk full, bad image): fix it, then rerun
+EXIT_STOPPED = 75  # a signal stopped the run after it saved a checkpoint; run again to resume
+
+
+class ConfigError(ValueError):
+    """A user mistake in flags, a config file, the data or the run directory: one line, cause and fix."""
+
+
+class DataError(ConfigError):
+    """A dataset file that cannot be read, met by one rank while training: one line naming the file."""
+
+
+class OutOfMemory(ConfigError):
+    """The device (or the host) ran out of memory on one rank: one line naming where, the memory the device
+    has and the flags that lower what a step needs (train/run/memory.py)."""
+
+
+class PeerGaveUp(ConfigError):
+    """Another rank ended on an error that a restart cannot mend (its own line says which): this rank ends
+    with the same exit code and says nothing more."""
+
+
+def first_few(names, shown: int = 3) -> str:
+    """The first `shown` of names and how many more: a line that names what is wrong stays short whatever the
+    dataset's size ("a, b, c and 4,997 more")."""
+    names = list(names)
+    more = len(names) - shown
+    return ", ".join(map(str, names[:shown])) + (f" and {more:,} more" if more > 0 else "")
+
+
+def one_line(error: Exception) -> str:
+    """The message itself, also when a DataLoader worker re-raised it with its whole traceback."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return text
+
+
+def fail(message: str) -> int:
+    """A user's mistake, before anything started: one line on stderr, exit code 2. Under torchrun every worker
+    meets it, and meets it again in every attempt torchrun restarts: the line is said once per node and launch."""
+    if not _said_in_this_launch(message):
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _said_in_this_launch(message: str) -> bool:
+    """Under torchrun: whether a worker of this node's torchrun (this process's parent) said `message` already.
+    The first to create its marker (a file named by the launch, the torchrun process and the message) says it."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return False
+    folder = Path(tempfile.gettempdir()) / f"trainbox-{os.getuid()}"
+    marker = folder / hashlib.sha256(f"{run_id}\n{os.getppid()}\n{message}".encode()).hexdigest()[:32]
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return True
+    except OSError:  # no temporary folder to write: say it
+        return False
+    return False
+
+
+_ran_a_process_group = False
+
+
+def note_process_group() -> None:
+    """Called once this process joined a process group: it ends without the interpreter's teardown."""
+    global _ran_a_process_group
+    _ran_a_process_group = True
+
+
+def end_process(code: int) -> NoReturn:
+    """How every trainbox process ends. Python's last garbage collection walks every object torch made
+    (0.5 to 1 s per process): frozen, they are skipped. In a process that joined a process group, the
+    C++ teardown of what it leaves behind (the group itself after an error, a lost peer or a timeout;
+    the rendezvous store and gloo's threads even after a clean end) can abort the process at exit
+    ("terminate called without an active exception", exit 134) after it reported its result. Such a
+    process waits for its threads as the interpreter would (a checkpoint prune), runs its exit handlers
+    (logging, loader workers), flushes its output and leaves with its own code, without that teardown;
+    its files were closed and fsynced before this."""
+    gc.freeze()
+    dist = sys.modules.get("torch.distributed")
+    if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
+        # Bounded: a thread that never ends or an exit handler that hangs is named, its stacks printed, exit 1.
+        watchdog.enter("the process's exit (joining its threads, its exit handlers)", watchdog.run_limit_s,
+                       cause="a thread or an exit handler did not end")
+        run_exit_handlers(join_threads=True)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def run_exit_handlers(join_threads: bool) -> None:
+    """What the interpreter runs at its exit before its own teardown, for a process that leaves without that teardown
+    (os._exit): with join_threads, threading's exit hooks (a ThreadPoolExecutor's workers, which torch.compile makes,
+    wait for work until these tell them to leave, so joining them first would never end) and the join of every thread
+    that is not a daemon; then the atexit handlers (logging's, the loader workers' kill).
+
+    CPython has no public call for either: this is the one place that runs threading._threading_atexits and
+    atexit._run_exitfuncs() (checked against CPython 3.11.7, the same from 3.9 to 3.14). tests/unit/test_exit.py
+    fails on a Python where they are gone."""
+    if join_threads:
+        for hook in getattr(threading, "_threading_atexits", ()):
+            hook()
+        for thread in threading.enumerate():
+            if not thread.daemon and thread is not threading.current_thread():
+                thread.join()
+    atexit._run_exitfuncs()

@@ -1,0 +1,1 @@
+"""`make pack` (python -m train.pack): any source as WebDataset tar shards with an index."""

@@ -1,0 +1,1 @@
+"""What a run trains: models by name, starting weights, torchvision, the optimiser, the EMA, batch augmentation."""

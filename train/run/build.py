@@ -1,0 +1,234 @@
+"""The run's parts, built once from its config: `build(cfg, run_dir, device, precision)` returns them, resumed where the
+newest checkpoint left off (train/run/checkpointer.py; `Parts.resumed` holds the Trainer's position) or ready for a
+fresh start. The device and the precision are the worker's runtime (train/run/runtime.py), set at its start.
+
+The order is the run's contract: every rank makes the same random draws and collectives in the same order, and a
+resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read, and a dataset of
+files listed and checked, before anything is written (a refused dataset leaves no run folder); the data and the model
+are made right after torch.manual_seed(--seed), identical on every rank; the resume (or a fresh start's per-rank
+random stream) comes after the optimizer and before the DDP wrap; the run's files, the
+metrics and the tracking come last, from the step the run starts at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from train.base.errors import ConfigError
+from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
+from train.cluster.identity import identity, is_main
+from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
+from train.config.settings import Config
+from train.data import build_datasets, build_train_loader, build_val_loader, class_names, packed_with
+from train.files import checkpoint_io as ckpt
+from train.files import rundir
+from train.recipe.augment import BatchAugment
+from train.recipe.ema import ModelEma
+from train.recipe.models import trainable_model
+from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
+from train.recipe.weights import fitted, read_weights
+from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
+from train.report.tracker import Tracker, start_tracking
+from train.run.checkpointer import Checkpointer, newest_checkpoint
+from train.run.health import DivergenceGuard
+from train.run.plan import Plan, make_plan
+from train.run.runtime import DTYPES
+
+log = logging.getLogger("train")
+
+
+@dataclass(eq=False)
+class Parts:
+    """What a run trains with, each part made once."""
+
+    cfg: Config  # as given, or as it continues its checkpoint (--grad-accum may follow the workers)
+    run_dir: Path
+    device: torch.device
+    plan: Plan  # what the run derives from its config (train/run/plan.py)
+    precision: torch.dtype | None  # autocast's dtype; None: fp32
+    norm: tuple[torch.Tensor, torch.Tensor]  # the input normalisation's mean and std, on the device
+    train_loader: object  # micro-batches of --batch-size, in the sampler's order
+    sampler: object  # which samples this rank trains on, from which position (train/data/samplers.py)
+    val_loader: object  # this rank's share of the validation set, each sample once across ranks
+    raw_model: torch.nn.Module  # the model itself: what is saved and evaluated
+    model: torch.nn.Module  # what trains: raw_model, compiled and DDP-wrapped where asked
+    criterion: torch.nn.Module
+    augment: BatchAugment | None  # random erasing, Mixup/CutMix on the device (train/recipe/augment.py)
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # torch's LRScheduler over the optimizer
+    scaler: torch.amp.GradScaler  # enabled under fp16 only
+    ema: ModelEma | None  # --model-ema
+    guard: DivergenceGuard  # a loss that is not finite stops the run (train/run/health.py)
+    checkpointer: Checkpointer  # every file the weights go to, and what a checkpoint holds
+    tracker: Tracker | None  # MLflow, on rank 0 of a tracked run
+    metrics: MetricsWriter  # metrics.jsonl, TensorBoard, MLflow (rank 0; a no-op elsewhere)
+    telemetry: GpuTelemetry
+    window: LogWindow  # the figures between two log lines
+    resumed: Resumed | None  # where this start resumed from, the Trainer's position among it; None for a fresh start
+
+
+def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> Parts:
+    """The run's parts on this rank, on `device` in `precision` (the worker's runtime: train/run/runtime.py)."""
+    world = identity().world_size
+    # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
+    # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
+    state, source = newest_checkpoint(run_dir, device)
+    layout, relaid = Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum), ""
+    if state is not None:
+        cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
+    # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
+    initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
+    # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights. A dataset
+    # of files is listed and checked before the run folder is made: a refused one leaves no folder behind. The built-in
+    # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
+    torch.manual_seed(cfg.run.seed)
+    in_memory = cfg.data.dataset in ("shapes", "synthetic")
+    data = None if in_memory else build_datasets(cfg, run_dir=run_dir)
+    prepare_run_dir(run_dir)
+    train_set, val_set, num_classes = data or build_datasets(cfg, run_dir=run_dir)
+    names = class_names(train_set)
+    raw_model = model_on(cfg, num_classes, device, world)
+    # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
+    plan = make_plan(cfg, world, device.type, precision, train_set, val_set, num_classes, raw_model,
+                     str(run_dir), layout=layout)
+    # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
+    saved_plan = rundir.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
+    if state is not None:
+        check_same_data(cfg, run_dir, plan, names, saved_plan)
+    norm = tuple(torch.tensor(plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
+    train_loader, sampler, val_loader = loaders(cfg, plan, layout, train_set, val_set, device)
+    optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
+    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
+    guard = DivergenceGuard(device, fp16=scaler.is_enabled())
+    checkpointer = Checkpointer(run_dir, device, cfg, plan, layout, model=raw_model, optimizer=optimizer,
+                                scheduler=scheduler, scaler=scaler, ema=ema)
+    weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
+    if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
+        initial_state, weights = initial
+        raw_model.load_state_dict(fitted(cfg.model, initial_state, raw_model, num_classes))
+    resumed = checkpointer.restore(state, source)
+    if relaid:
+        log.info("%s", relaid)
+    model = wrapped(raw_model, cfg, device, world)
+    step = resumed.step if resumed else 0
+    write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
+    metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
+    telemetry = GpuTelemetry(device)
+    window = LogWindow(device, plan.global_batch)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
+    augment = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
+    # The MLflow run starts last, with nothing after it that can fail: the worker holds it from here (Parts.tracker)
+    # and ends it, FAILED too; a failure before leaves none RUNNING.
+    tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
+    checkpointer.tracker = metrics.tracker = tracker
+    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], norm=norm,
+                 train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
+                 criterion=criterion, augment=augment, optimizer=optimizer, scheduler=checkpointer.scheduler,
+                 scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
+                 telemetry=telemetry, window=window, resumed=resumed)
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """The run directory, made and written (a status that says the run is starting) by rank 0, with what a killed save
+    left removed; every rank learns rank 0's line where that fails. Then the log, to train.log there too."""
+    def prepare() -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+        rundir.write_status(run_dir, "starting", -1)  # a crash before training must not look "stopped"
+        freed = ckpt.remove_partial(run_dir)
+        if freed:
+            print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
+
+    on_main(prepare, lambda e: rundir.write_problem(run_dir, e))
+    setup_logging(run_dir if is_main() else None)
+
+
+def model_on(cfg: Config, num_classes: int, device: torch.device, world: int) -> torch.nn.Module:
+    """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
+    model = trainable_model(cfg.model, num_classes)  # frozen before the optimizer: no state for those parameters
+    if cfg.model.sync_bn and world > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model.to(device)
+    if cfg.model.channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
+def check_same_data(cfg: Config, run_dir: Path, plan: Plan, names: list[str], saved_plan: dict) -> None:
+    """A resume trains on the data the run trained on, wherever --data-dir now points: the same number of images in each
+    split and the same classes as plan.json (saved_plan) and classes.json say (rank 0 reads them; all learn)."""
+    found = broadcast_from_main(data_differences(saved_plan, rundir.read_classes(run_dir), plan, names)
+                                if is_main() else None)
+    if found:
+        raise ConfigError(f"{cfg.data.data_dir} is not the data {run_dir} trained on "
+                          f"({', '.join(found)}): point --data-dir at that data, or start a new --run-dir")
+
+
+def loaders(cfg: Config, plan: Plan, layout: Layout, train_set, val_set, device: torch.device) -> tuple:
+    """(train loader, its sampler, validation loader) of this rank."""
+    ident, pin = identity(), device.type == "cuda"
+    rank, world = ident.global_rank, ident.world_size
+    train_loader, sampler = build_train_loader(cfg, train_set, rank, world, pin, device,
+                                               layout=(layout.world_size, layout.grad_accum))
+    val_loader = build_val_loader(cfg, val_set, rank, world, pin, device)
+    if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
+        log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
+                 "warm-up %d steps", cfg.run.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
+                 world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum, plan.warmup_steps)
+    if is_main() and cfg.augmentation.ra_reps and world == 1:
+        log.info("sampler: %s", plan.sampler)
+    return train_loader, sampler, val_loader
+
+
+def wrapped(model: torch.nn.Module, cfg: Config, device: torch.device, world: int) -> torch.nn.Module:
+    """What trains: the model compiled (--compile) and, in a process group, DDP-wrapped (with the rank-ordered
+    reduction under --deterministic)."""
+    if cfg.model.compile:
+        model = torch.compile(model)
+    if dist.is_initialized():
+        model = wrap(model, device, gradient_as_bucket_view=True, bucket_cap_mb=cfg.model.bucket_cap_mb,
+                     static_graph=cfg.model.static_graph)
+        if cfg.run.deterministic and world > 1:
+            model.register_comm_hook(None, ordered_allreduce_hook)
+    return model
+
+
+def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan,
+                    names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
+                    checkpointer: Checkpointer) -> None:
+    """config.json, classes.json, plan.json (as trained: this start's plan after saved_plan's), manifest.json and
+    status.json ("running"), by rank 0; then the run's opening lines."""
+    ident = identity()
+    hostnames = gather(socket.gethostname())
+
+    def write() -> None:
+        trained = plan_as_trained(plan.to_dict(), saved_plan, resumed, cfg.to_dict(), ident.world_size,
+                                  plan.steps_per_epoch)
+        rundir.write_run_files(run_dir, cfg.to_dict(), names, trained)
+        manifest = build_manifest(cfg, ident, device, hostnames, resumed.step if resumed else None)
+        rundir.write_manifest(run_dir, {**manifest, **weights})
+        checkpointer.record("running", resumed.step if resumed else 0)
+
+    on_main(write, lambda e: rundir.write_problem(run_dir, e))
+    if is_main():
+        log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
+                 run_dir, ident.world_size, ident.launcher, device.type, plan.max_steps, plan.steps_per_epoch,
+                 plan.global_batch, str(DTYPES[plan.precision] or "fp32").replace("torch.", ""))  # torch's: bfloat16
+        if cfg.data.dataset == "shards":
+            log.info("data: %s", packed_with(Path(cfg.data.data_dir)))
+        if device.type == "cuda" and not cfg.run.deterministic:  # said once, where it applies
+            log.info("note: on CUDA, a resumed or restarted run equals an uninterrupted one bit for bit only with "
+                     "--deterministic (cuDNN and cuBLAS pick non-deterministic kernels otherwise, so even two "
+                     "uninterrupted runs differ in rounding)")

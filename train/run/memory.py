@@ -1,0 +1,95 @@
+"""Out of memory, as one line: where it happened, what the device has, and the flags that lower a step's need.
+
+An allocation that fails (CUDA's OutOfMemoryError, the CPU allocator's "can't allocate memory") is the most
+common first failure of a new job: a batch or an image size too large for the device. A restart cannot mend
+it, so it ends the run with exit code 2 (train/launch.py), not a traceback and not a restart loop.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from train.base.errors import OutOfMemory
+from train.config.settings import Config
+
+_CPU = "can't allocate memory"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and _CPU in str(error))
+
+
+def out_of_memory(error: BaseException, where: str, device: torch.device, cfg: Config, precision: str,
+                  checkpoint: Path | None) -> OutOfMemory:
+    """The one-line error for an allocation that failed `where` (e.g. "training step 1") on `device`, in the run's
+    `precision` (as resolved: what --precision auto chose); checkpoint: the run's newest, whose settings a resume
+    keeps (None: the next start may change them)."""
+    text = str(error)
+    cpu = re.search(r"tried to allocate (\d+) bytes", text)  # the CPU allocator's words
+    cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    asked = f"tried to allocate {_gib(int(cpu.group(1))) if cpu else cuda.group(1)}, " if cpu or cuda else ""
+    return OutOfMemory(f"out of memory during {where} on {_device_memory(device, asked)}: "
+                       + advice(cfg, where, checkpoint, lower_precision(device, precision)))
+
+
+def lower_precision(device: torch.device, precision: str) -> str | None:
+    """The precision below the run's that its GPU takes: bf16 where it has it, else fp16; None for a run in bf16 or
+    fp16 already (what --precision auto chose included) or on a CPU."""
+    if device.type != "cuda" or precision != "fp32":
+        return None
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def advice(cfg: Config, where: str, checkpoint: Path | None, lower_precision: str | None) -> str:
+    """What lowers the memory a step (or an evaluation) needs, as the run's next start can take it: the batch, the
+    images' size where it was spent (the training crop, or the evaluation's), a lower precision (lower_precision:
+    the one this GPU takes, None where the run already trains below fp32 or on a CPU). A run with a checkpoint
+    keeps its batch, sizes and precision on a resume (train/config/resume.py): those go to a new run from its
+    weights."""
+    opt, aug = cfg.optimisation, cfg.augmentation
+    if where.startswith("evaluation"):
+        size = ("--val-crop-size", aug.val_crop_size) if aug.val_crop_size else ("--image-size", cfg.data.image_size)
+    else:
+        size = ("--train-crop-size", aug.train_crop_size) if aug.train_crop_size else ("--image-size",
+                                                                                       cfg.data.image_size)
+    accum = f", now {opt.grad_accum}," if checkpoint is None else ""  # a resume may have changed it: a new run sets it
+    fixes = [f"a smaller --batch-size (now {opt.batch_size}; a larger --grad-accum{accum} keeps the global batch)",
+             f"a smaller {size[0]} (now {size[1]})"]
+    if lower_precision:
+        fixes.append(f"--precision {lower_precision}")
+    listed = ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    if checkpoint is None:
+        return f"use {listed}, then run the same command"
+    return (f"the run's checkpoint fixes its --batch-size, {size[0]} and --precision: run the same command on a "
+            f"device with more memory, or start a new --run-dir from its weights (--weights {checkpoint}) with "
+            f"{listed}")
+
+
+def _device_memory(device: torch.device, asked: str) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return (f"GPU {index} ({props.name}; {asked}it has {_gib(props.total_memory)}, "
+                f"{_gib(torch.cuda.memory_reserved(index))} held by this process)")
+    return f"the CPU ({asked}this machine has {_gib(host_memory())})"
+
+
+def host_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            value = limit.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -1,0 +1,195 @@
+"""The plan: what a run derives from its config, once, before it trains.
+
+  python -m train --dry-run ...           prints it as JSON and exits: no run folder, no download, no training
+  make train ARGS="--config train/recipes/resnet50.toml --data-dir /nas/imagenet --dry-run"   (GPUS=8: 8 workers)
+
+The Trainer builds it where it starts (make_plan, from its own datasets and model) and trains from it: the steps,
+the warm-up, the weight-decay groups, the normalisation, the learning rates, the EMA's decay. The run folder keeps
+it as plan.json. A dry run builds it with the same function from the same config, on a model on the meta device
+(no memory, no weights), for the workers the launch would start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.base.errors import ConfigError
+from train.config.resume import Layout
+from train.config.settings import Config, steps_for_epochs
+from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of, train_size
+from train.evaluate import criterion_of
+from train.files.rundir import launch_run_dir
+from train.recipe.augment import BatchAugment
+from train.recipe.ema import adjusted_decay
+from train.recipe.models import trainable_model
+from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
+from train.recipe.weights import cached_file, normalisation, resolve
+from train.run.checks import check_steps
+from train.run.runtime import precision_of
+
+# Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
+LR_EVERY_STEP = 1000
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_dir: str  # where the run writes (a dry run writes nothing there)
+    world_size: int  # workers, all nodes together
+    device: str  # cuda or cpu
+    precision: str  # fp32, bf16 or fp16 (a GradScaler with fp16)
+    source: dict  # what the run reads: the kind, each split's files, the order of the samples, whence the classes
+    train_samples: int
+    val_samples: int
+    num_classes: int
+    classes: list  # the class names, in label order (classes.json keeps them too)
+    steps_per_epoch: int  # optimizer steps per pass over the training set, on this layout
+    max_steps: int  # the run's optimizer steps (from --epochs, or --max-steps)
+    warmup_steps: int  # in optimizer steps (an epoch schedule's warm-up is whole epochs: lr says which)
+    epochs: float
+    global_batch: int  # workers x --batch-size x --grad-accum: images per optimizer step
+    sampler: str
+    normalize: dict  # mean and std per channel, of images scaled to [0, 1]
+    train_size: int  # the side of a training image in pixels: a micro-batch is batch x 3 x this x this
+    train_transform: str  # per image, in the loader (uint8 in, uint8 out)
+    batch_transform: str  # per batch, on the training device after the normalisation
+    eval_transform: str
+    loss: str
+    optimizer: dict  # its class and settings (the learning rate and weight decay are below), the gradient clipping
+    param_groups: list  # each: its weight_decay and its parameters' names
+    lr: dict  # per: epoch or step; values: the learning rate of each epoch's (or step's) optimizer steps
+    ema: dict | None  # decay per update (after the reference's adjustment), every_steps, restarted in the warm-up
+    weights: dict | None  # the starting weights
+    layout: dict  # the workers x batch x accumulation the sample order is laid out for (its first start: a resume on
+    # other workers keeps it, with the --grad-accum that keeps the global batch)
+    resumes: list  # each resume that changed something: its step and the changes, [before, after]
+    # (train/config/resume.py)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, val_set, num_classes: int,
+              model: torch.nn.Module, run_dir: str, layout: Layout | None = None) -> Plan:
+    """The plan of cfg on `world` workers, from the datasets and the model (frozen where --freeze says) the run
+    trains; a setting that has no effect on them is one line (ConfigError). layout: the one a resumed run's samples
+    are laid out for, else this start's."""
+    layout = layout or Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
+    steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg, layout.grad_accum)
+    max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
+    epochs = cfg.run.epochs or max_steps / steps_per_epoch
+    mean, std = normalisation(cfg)
+    batch = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
+    global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
+    return Plan(
+        run_dir=run_dir, world_size=world, device=device, precision=precision,
+        source=source_of(cfg, train_set, val_set), train_samples=len(train_set), val_samples=len(val_set),
+        num_classes=num_classes, classes=class_names(train_set), steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
+        sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
+        normalize={"mean": list(mean), "std": list(std)}, train_size=train_size(cfg),
+        train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
+        eval_transform=_transform_of(val_set, cfg),
+        loss=criterion_of(cfg.regularisation.label_smoothing), optimizer=_optimizer(cfg),
+        param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
+        lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
+        ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
+
+
+def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:
+    """--model-ema's adjusted decay, its period and when it restarts from the weights; None without it."""
+    reg, schedule = cfg.regularisation, cfg.schedule
+    if not reg.model_ema:
+        return None
+    warmup = (f"{schedule.warmup_epochs:g} epochs" if schedule.schedule_unit == "epoch"
+              else f"{warmup_steps} steps")
+    return {"decay": adjusted_decay(reg, global_batch, epochs), "given_decay": reg.model_ema_decay,
+            "every_steps": reg.model_ema_steps, "restarted_during": f"the warm-up ({warmup})"}
+
+
+def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epoch: int) -> dict:
+    """The learning rate of each epoch's optimizer steps, or of each step for runs of up to LR_EVERY_STEP steps
+    that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it."""
+    optimizer = _probe_optimizer(cfg)
+    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, max_steps, warmup_steps))
+    every_step = cfg.schedule.schedule_unit == "step"
+    per_step = every_step and max_steps <= LR_EVERY_STEP
+    values = []
+    with warnings.catch_warnings():  # the scheduler steps without an optimizer step: there is nothing to train
+        warnings.simplefilter("ignore", UserWarning)
+        for step in range(0, max_steps, 1 if every_step else steps_per_epoch):
+            if per_step or step % steps_per_epoch == 0:
+                values.append(optimizer.param_groups[0]["lr"])
+            scheduler.step()
+    return {"per": "step" if per_step else "epoch", "values": values}
+
+
+def _probe_optimizer(cfg: Config) -> torch.optim.Optimizer:
+    """The trainer's optimizer (build_optimizer) over one parameter of its own: its class and settings."""
+    probe = torch.nn.Linear(1, 1, bias=False)
+    opt = cfg.optimisation
+    return build_optimizer(opt, probe, [{"weight_decay": opt.weight_decay, "params": ["weight"]}])
+
+
+def _optimizer(cfg: Config) -> dict:
+    optimizer = _probe_optimizer(cfg)
+    keys = ("momentum", "dampening", "nesterov") if isinstance(optimizer, torch.optim.SGD) else ("betas", "eps")
+    return {"name": type(optimizer).__name__, **{k: optimizer.defaults[k] for k in keys},
+            "grad_clip": cfg.optimisation.grad_clip or None}
+
+
+def _transform_of(dataset, cfg: Config) -> str:
+    """The repr of the transform the dataset applies to each image (through its wrappers)."""
+    while dataset is not None:
+        transform = getattr(dataset, "transform", None)
+        if transform is not None:
+            return repr(transform)
+        dataset = getattr(dataset, "source", None)
+    return f"none: images made in memory at {cfg.data.image_size} px"
+
+
+def _weights(cfg: Config) -> dict | None:
+    if not cfg.model.weights:
+        return None
+    entry = resolve(cfg.model)
+    if entry is None:
+        return {"weights": cfg.model.weights, "file": str(Path(cfg.model.weights))}
+    return {"weights": cfg.model.weights, "torchvision": f"{type(entry).__name__}.{entry.name}",
+            "file": str(cached_file(entry)), "transforms": repr(entry.transforms())}
+
+
+def planned_device(cfg: Config) -> str:
+    """The device a dry run plans for: --device, else CUDA where it is here or where the config needs it
+    (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs), else the CPU."""
+    if cfg.launch.device != "auto":
+        return cfg.launch.device
+    needs_gpu = cfg.model.precision in ("bf16", "fp16") or cfg.data.decode == "gpu" or cfg.model.sync_bn
+    return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
+
+
+def planned_precision(cfg: Config, device: str) -> str:
+    """The precision a dry run plans for: the run's own (runtime.precision_of), or where it plans for a GPU this
+    machine lacks with --precision auto, what that GPU decides."""
+    if cfg.model.precision == "auto" and device == "cuda" and not torch.cuda.is_available():
+        return "bf16 on a GPU with bf16 (Ampere and newer), else fp32"
+    return precision_of(cfg.model, device)
+
+
+def dry_run(cfg: Config, world: int) -> Plan:
+    """The plan of cfg on `world` workers, without a process group, a run folder, a download or a weight."""
+    if cfg.data.dataset == "cifar10":
+        try:
+            check_cifar(Path(cfg.data.data_dir), False)
+        except ConfigError:
+            raise ConfigError(f"--dry-run downloads nothing, and CIFAR-10 is not under {cfg.data.data_dir}: run once "
+                              f"without --dry-run (with --download) first, or point --data-dir at it") from None
+    train_set, val_set, num_classes = build_datasets(cfg)
+    with torch.device("meta"):
+        model = trainable_model(cfg.model, num_classes)
+    device = planned_device(cfg)
+    return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
+                     launch_run_dir(cfg))

@@ -1,0 +1,61 @@
+"""A training or evaluation process's runtime: its device, CPU threads and determinism, and autocast
+precision, set once at its start (`autocast`: the one place a forward pass takes it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from train.cluster.identity import Identity, identity, usable_cores
+from train.config.settings import Config, Model
+from train.run.checks import check_precision
+
+log = logging.getLogger("train")
+
+
+def pick_device(requested: str, ident: Identity) -> torch.device:
+    """A GPU per local rank where CUDA is asked for or there (checks.check_devices made sure it is)."""
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", ident.local_rank)
+
+
+def configure_runtime(cfg: Config) -> None:
+    """Threads and determinism, before any tensor work."""
+    threads = cfg.launch.threads
+    if threads == 0:
+        threads = 1 if cfg.run.deterministic else max(1, usable_cores() // identity().local_world_size)
+    torch.set_num_threads(threads)
+    if cfg.run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+# autocast's dtype of each precision a run can train in (None: autocast off)
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def precision_of(spec: Model, device_type: str) -> str:
+    """The precision a run trains in on `device_type`: --precision, or with auto bf16 on a CUDA GPU that has it,
+    else fp32. The one place "auto" is decided: the run (resolve_precision) and its plan (train/run/plan.py) ask
+    here."""
+    if spec.precision != "auto":
+        return spec.precision
+    cuda = device_type == "cuda" and torch.cuda.is_available()
+    return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    """The precision this process trains or evaluates in on `device` (DTYPES[it]: autocast's dtype), checked."""
+    check_precision(cfg, on_cpu=device.type != "cuda")
+    return precision_of(cfg.model, device.type)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """The context a forward pass runs in: autocast to `dtype` on the device's type, off for fp32 (None)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)

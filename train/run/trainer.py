@@ -1,0 +1,326 @@
+"""The Trainer: one rank's run. Read `Trainer.train()` first: it is the whole loop, top to bottom, one call per concern.
+
+  Trainer(parts, stop)                 over the run's parts (train/run/build.py), from where the newest checkpoint
+                                       left off
+  Trainer.train()                      a step, the EMA, the position, the schedule, the log; then a stop, an
+                                       evaluation or a checkpoint when one is due
+  Trainer.train_step(micro_batches)    forward and backward over the micro-batches, clip, optimizer step: nothing else
+  Trainer.state_dict()                 the position, the one state the Trainer keeps itself: its checkpointer
+                                       (train/run/checkpointer.py) holds the rest and writes every weights file
+
+A worker's life around it (the runtime, the process group, the exit code) is train/run/worker.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.base.errors import EXIT_DONE, EXIT_STOPPED
+from train.base.watchdog import watchdog
+from train.cluster.distributed import StopSignal, broadcast_from_main, gather
+from train.cluster.identity import identity, is_main
+from train.data import origin, prepare_inputs
+from train.evaluate import evaluate
+from train.files import checkpoint_io as ckpt
+from train.files.rundir import process_start_time
+from train.recipe.augment import batch_seed
+from train.run.checkpointer import capture_rng, restore_rng
+from train.run.health import Diverged, diverged_evaluation
+from train.run.runtime import autocast
+
+if TYPE_CHECKING:
+    from train.run.build import Parts
+
+log = logging.getLogger("train")
+
+
+class Trainer:
+    """One rank's run: the loop over its parts (`parts`, train/run/build.py) from its position (step, epoch, step in
+    epoch)."""
+
+    def __init__(self, parts: Parts, stop: StopSignal):
+        self.parts, self.stop, self.checkpointer = parts, stop, parts.checkpointer
+        self.cfg, self.plan, self.run_dir, self.device = parts.cfg, parts.plan, parts.run_dir, parts.device
+        self.rank, self.world = identity().global_rank, identity().world_size
+        self.step = self.epoch = self.step_in_epoch = 0  # the position
+        self.eval_owed, self.last_eval, self.first_step_logged, self.settle_s = False, -1, False, 0.0
+        self.resumed_from = parts.resumed.step if parts.resumed else None
+        if parts.resumed:
+            self.load_state_dict(parts.resumed.position)
+
+    def state_dict(self) -> dict:
+        """The position (and whether the evaluation of its step is still owed): what a checkpoint holds of the
+        Trainer."""
+        return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "eval_owed": self.is_eval_step(self.step) and self.last_eval != self.step}
+
+    def load_state_dict(self, position: dict) -> None:
+        self.step, self.epoch, self.step_in_epoch = position["step"], position["epoch"], position["step_in_epoch"]
+        self.eval_owed = position["eval_owed"]
+
+    def release(self) -> None:
+        """The end of a clean run (done or stopped): drop the DDP wrapper, its reducer and, under --compile,
+        the compiled module it wraps, while every peer is still in the group. Freed only when run()'s frame
+        ends, after the peers have left, they were torn down without them, and a finished run's last rank
+        hung there (distributed.teardown now refuses to leave before they are gone)."""
+        watchdog.enter("the end of the run (freeing the DDP wrapper)")
+        self.parts.model = self.parts.raw_model
+        watchdog.pause()
+
+    # ------------------------------------------------------------ the loop
+
+    def train(self) -> int:
+        """The run from where it stands to max_steps. Returns the exit code (0 done, 75 stopped)."""
+        cfg, parts, max_steps = self.cfg, self.parts, self.plan.max_steps
+        watchdog.enter("training")
+        try:
+            if self.eval_owed:  # stopped at an evaluation step before evaluating
+                self.evaluate()
+            if cfg.run.stop_at and self.resumed_from is not None and cfg.run.stop_at <= self.step < max_steps:
+                return self.stop_here(f"--stop-at {cfg.run.stop_at}: already at step {self.step}", save=False)
+            parts.model.train()
+            self.settle_s = self.settle_buckets()
+            batches = self.batches()
+            while self.step < max_steps:
+                lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step trains at
+                losses = self.train_step(self.micro_batches(batches))
+                self.update_ema()
+                epoch_ended = self.advance()
+                if epoch_ended or cfg.schedule.schedule_unit == "step":
+                    parts.scheduler.step()
+                parts.guard.observe(self.step, losses, lr)
+                self.after_step(losses)
+                if self.stop.agreed() or self.step == cfg.run.stop_at:
+                    return self.stop_here("--stop-at" if self.step == cfg.run.stop_at else
+                                          self.stop.received or "a stop signal on another rank")
+                if self.is_eval_step(self.step):
+                    self.evaluate()
+                if self.step % cfg.checkpoints.save_every == 0 and self.step < max_steps:
+                    self.save(f"every {cfg.checkpoints.save_every} steps")
+            return self.finish()
+        finally:
+            parts.metrics.close()
+
+    def train_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """One optimizer step: forward and backward over the --grad-accum micro-batches (gradients synchronised on
+        the last only), clip, optimizer and grad scaler. Returns the micro-batches' losses."""
+        parts, opt = self.parts, self.cfg.optimisation
+        model, scaler = parts.model, parts.scaler
+        losses = []
+        for micro, (x, y) in enumerate(micro_batches):
+            last = micro == opt.grad_accum - 1
+            with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+                with autocast(self.device, parts.precision):
+                    loss = parts.criterion(model(x), y) / opt.grad_accum
+                scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        if opt.grad_clip > 0:
+            scaler.unscale_(parts.optimizer)
+            torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), opt.grad_clip)
+        scaler.step(parts.optimizer)
+        scaler.update()
+        parts.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    def micro_batches(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This step's --grad-accum micro-batches, each augmented as the recipe asks (random erasing, Mixup/CutMix),
+        seeded by its position in the run (the laid-out run's rank and micro-batch), not by a random stream."""
+        cfg, augment = self.cfg, self.parts.augment
+        for micro in range(cfg.optimisation.grad_accum):
+            x, y = next(batches)
+            if augment is not None:
+                rank0, micro0 = origin(self.rank, micro, self.world, self.parts.sampler.layout)
+                x, y = augment(x, y, batch_seed(cfg.run.seed, self.step, micro0, rank0))
+                x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+            yield x, y
+
+    def update_ema(self) -> None:
+        """The reference's EMA rule: every --model-ema-steps optimizer steps of an epoch (counted from its
+        first), restarted from the weights while the warm-up lasts."""
+        ema = self.parts.ema
+        if ema is None or self.step_in_epoch % self.cfg.regularisation.model_ema_steps:
+            return
+        ema.update_parameters(self.parts.raw_model)
+        if self.in_warmup():
+            ema.restart()
+
+    def in_warmup(self) -> bool:
+        """Whether the optimizer step just taken was in the warm-up (an epoch of it, with --schedule-unit epoch)."""
+        if self.cfg.schedule.schedule_unit == "epoch":
+            return self.epoch < self.cfg.schedule.warmup_epochs
+        return self.step < self.plan.warmup_steps
+
+    def advance(self) -> bool:
+        """The position after an optimizer step, the one place it moves forward (a resume sets it from the
+        checkpoint). Returns whether the step ended an epoch (the position is then the next epoch's start)."""
+        self.step += 1
+        self.step_in_epoch += 1
+        if self.step_in_epoch < self.plan.steps_per_epoch:
+            return False
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return True
+
+    def settle_buckets(self) -> float:
+        """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
+        order the gradients became ready; with more than 2 ranks the all-reduce's summation order depends on
+        where a value sits in its bucket. So every attempt (a fresh start, a resume, a restart) makes that
+        first backward here, on a batch of zeros, and leaves no trace: the gradients dropped, the parameters
+        untouched (no optimizer step), the buffers (BatchNorm statistics) and every RNG stream restored. Its
+        first real step then runs with the rebuilt layout, as an uninterrupted run's every step does. Returns
+        the seconds it took (make bench reports them against a step)."""
+        parts, cfg = self.parts, self.cfg
+        if not isinstance(parts.model, DDP):
+            return 0.0
+        started = time.perf_counter()
+        buffers = [b.detach().clone() for b in parts.raw_model.buffers()]
+        rng = capture_rng(self.device)
+        size = self.plan.train_size  # a training step's shape: no more memory than one, no compile for another
+        x = torch.zeros(cfg.optimisation.batch_size, 3, size, size, device=self.device)
+        x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+        for _ in range(2 if cfg.model.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
+            with autocast(self.device, parts.precision):
+                y = torch.zeros(cfg.optimisation.batch_size, dtype=torch.long, device=self.device)
+                loss = parts.criterion(parts.model(x), y)
+            loss.backward()
+            parts.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(parts.raw_model.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        restore_rng(rng, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once per attempt: the time is the pass's, not its launch's
+        return time.perf_counter() - started
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
+        spent waiting for each goes into the logging window."""
+        parts, opt, channels_last = self.parts, self.cfg.optimisation, self.cfg.model.channels_last
+        while True:
+            epoch = self.epoch
+            parts.sampler.set_epoch(epoch, start=self.step_in_epoch * opt.grad_accum * opt.batch_size)
+            loader = iter(parts.train_loader)
+            while self.epoch == epoch:  # until advance() has moved into the next epoch
+                waiting = time.perf_counter()
+                x, y = next(loader)
+                parts.window.wait += time.perf_counter() - waiting
+                x = prepare_inputs(x, self.device, channels_last, *parts.norm)
+                yield x, y.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------ after a step
+
+    def after_step(self, losses: list[torch.Tensor]) -> None:
+        """The watchdog, the logging window and, once, the time from launch to the first step."""
+        watchdog.progress()
+        self.parts.window.add(losses)
+        if not self.first_step_logged:  # launch to first optimizer step, start-up included (no sync)
+            self.first_step_logged = True
+            self.parts.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
+                                                               "settle_s": self.settle_s})
+        if self.step % self.cfg.checkpoints.log_every == 0 or self.step == self.plan.max_steps:
+            self.log_window()
+            self.check_health()
+
+    def log_window(self) -> None:
+        """One log line and metrics record: the window's means over every rank, with GPU telemetry."""
+        parts = self.parts
+        window = parts.window.report(self.world)
+        values = {"loss": window["loss"], "lr": parts.scheduler.get_last_lr()[0],
+                  **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
+                  "epoch": self.epoch - (self.step_in_epoch == 0)}  # the epoch of the step just taken
+        for r, reading in enumerate(gather(parts.telemetry.read()) if self.device.type == "cuda" else []):
+            # A rank without NVML reads {}: it adds nothing; a MIG slice has no utilisation.
+            values.update({f"gpu{r}_{k}": v for k, v in reading.items()})
+        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.plan.max_steps,
+                 values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
+        parts.metrics.write(self.step, "train", values)
+        self.checkpointer.record("running", self.step)  # alive: the step and the time, at every log line
+
+    def check_health(self, models: tuple = ()) -> None:
+        """Every rank at once: stop a diverged run (train/run/health.py) before it writes anything; models: weights
+        about to be written, checked too. Exit code 2 and one line: what happened, what to try, where to start again."""
+        why = self.parts.guard.check(self.step, self.parts.scaler, models)
+        if why is not None:
+            self.diverged(why)
+
+    def diverged(self, why: str) -> None:
+        """Raise the one line of a diverged run (every rank at once): `why`, what to try, where to start again."""
+        newest = ckpt.list_checkpoints(self.run_dir)[-1:] if is_main() else []
+        kept = broadcast_from_main(str(newest[0]) if newest else None)
+        opt, precision = self.cfg.optimisation, self.plan.precision
+        clip = "--grad-clip 1.0" if not opt.grad_clip else f"a --grad-clip below {opt.grad_clip:g}"
+        other = {"fp16": ", --precision bf16 or fp32", "bf16": ", --precision fp32"}.get(precision, "")
+        start = (f"--weights {kept} starts it from this run's newest checkpoint, which is finite" if kept else
+                 "this run saved no checkpoint")
+        raise Diverged(f"{why}; a restart cannot mend that: try a lower --lr, {clip}{other}, in a new --run-dir "
+                       f"({start})")
+
+    def weights(self) -> tuple[torch.nn.Module, ...]:
+        """The weights a save writes: the model's, and the EMA's with --model-ema."""
+        return (self.parts.raw_model, *([self.parts.ema.module] if self.parts.ema is not None else []))
+
+    def is_eval_step(self, step: int) -> bool:
+        every = self.cfg.checkpoints.eval_every
+        return bool(every) and step % every == 0 and step < self.plan.max_steps
+
+    def evaluate(self) -> dict:
+        """The model (and its EMA) on the validation set; the best so far kept as best.pt (best_ema.pt). A diverged
+        model is neither evaluated (its weights are checked first) nor kept: a loss that is not finite stops the run."""
+        parts = self.parts
+        self.check_health(self.weights())
+        with watchdog.during(f"evaluation at step {self.step}"):
+            self.last_eval = self.step
+            models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
+            results = {name: evaluate(model, parts.val_loader, self.device, parts.precision,
+                                      self.cfg.model.channels_last, watchdog.progress, top5=self.plan.num_classes > 5,
+                                      norm=parts.norm, label_smoothing=self.cfg.regularisation.label_smoothing)
+                       for name, model in models.items()}
+        for name, figures in results.items():
+            top5 = f", top-5 {100 * figures['top5']:.2f}%" if "top5" in figures else ""
+            log.info("eval step %d: %sloss %.4f, accuracy %.2f%%%s over %d samples",
+                     self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
+        result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
+        parts.metrics.write(self.step, "eval", {**result, "criterion": self.plan.loss})
+        why = diverged_evaluation(self.step, {name: figures["loss"] for name, figures in results.items()})
+        if why is not None:
+            self.diverged(why)
+        self.checkpointer.keep_best(self.step, results[""])
+        if parts.ema is not None:
+            self.checkpointer.keep_best(self.step, results["EMA "], ema=True)
+        return result
+
+    def save(self, reason: str) -> None:
+        """The checkpoint of this step, once every rank knows the weights are finite."""
+        self.check_health(self.weights())
+        self.checkpointer.save(self.state_dict(), reason)
+
+    def stop_here(self, reason: str, save: bool = True) -> int:
+        """A stop signal (agreed by every rank), or --stop-at: checkpoint, status 'stopped', exit 75."""
+        if save:
+            log.info("%s: saving at step %d and exiting with code %d (run again to resume)",
+                     reason, self.step, EXIT_STOPPED)
+            self.save(reason)
+        else:
+            log.info("%s, nothing to train (exit %d)", reason, EXIT_STOPPED)
+        self.checkpointer.record("stopped", self.step, exit_code=EXIT_STOPPED)
+        return EXIT_STOPPED
+
+    def finish(self) -> int:
+        """At max_steps: the last checkpoint, the final evaluation, model.pt and status 'done'."""
+        if self.checkpointer.saved_step != self.step:
+            self.save("end of run")
+        final = self.evaluate()
+        self.check_health(self.weights())
+        self.checkpointer.save_final()
+        if is_main():
+            self.checkpointer.record("done", self.step, **{f"val_{k}": v for k, v in final.items()})
+            log.info("done: %s", self.run_dir / "model.pt")
+            if self.parts.tracker:
+                self.parts.tracker.upload(self.run_dir / "manifest.json")
+        return EXIT_DONE
