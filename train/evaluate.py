@@ -1,5 +1,5 @@
-"""Evaluation, one verb: a model scored on a validation set, every sample counted once across ranks. The
-trainer's evaluations call evaluate() from here, and so does the command, on a finished run:
+"""A finished run's model scored again, on its validation set or another, with the trainer's own evaluation
+(evaluate(), train/run/validate.py), every sample counted once across ranks:
 
   python -m train.evaluate RUN_DIR (make evaluate RUN=...): a finished run's model, on its validation set or another
 
@@ -17,8 +17,8 @@ Rank 0 shows its progress (train/base/progress.py) and writes OUT (default RUN_D
 top-1, top-5 (more than 5 classes), per-class accuracy, the most confused pairs, the confusion matrix (rows: true
 class, columns: predicted); OUT.png, the report a person reads (train/report/figure.py: the labelled matrix, per-class
 accuracy worst first, the pairs); the figures and the report to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>),
-and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). This module sits below the trainer: it
-imports neither the trainer nor its launcher, nor matplotlib but in the command's report.
+and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). It imports neither the trainer nor its
+launcher, nor matplotlib but in the command's report.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail
 from train.base.progress import Progress
@@ -39,56 +37,13 @@ from train.cluster.distributed import init, teardown
 from train.cluster.identity import PeersNeverCame, identity, is_main
 from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config
-from train.data import build_datasets, build_val_loader, class_names, prepare_inputs
+from train.data import build_datasets, build_val_loader, class_names
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.recipe.models import build_model
-from train.recipe.weights import MEAN, STD, normalisation_on
+from train.recipe.weights import normalisation_on
 from train.run.checks import check_launch
-from train.run.runtime import DTYPES, autocast, configure_runtime, pick_device, resolve_precision
-
-
-def criterion_of(label_smoothing: float) -> str:
-    """The loss a run trains with and its evaluations report (plan.json's "loss", the evaluation records' criterion)."""
-    return f"CrossEntropyLoss(label_smoothing={label_smoothing})"
-
-
-@torch.inference_mode()
-def evaluate(model, loader, device, autocast_dtype, channels_last: bool, progress=lambda: None, top5: bool = False,
-             confusion_of: int = 0, norm: tuple = (MEAN, STD), label_smoothing: float = 0.0) -> dict:
-    """Loss, accuracy (top-1) and, with top5 (more than 5 classes), top-5 accuracy over the whole validation
-    set, each sample counted once across ranks; with confusion_of=C classes, the C x C confusion matrix too
-    (rows: the true class, columns: the predicted one). The loss is the training criterion's (criterion_of: its
-    label smoothing too, as torchvision's reference evaluates with its criterion), averaged over the samples.
-
-    Every rank evaluates with rank 0's buffers (BatchNorm statistics), those the checkpoint and model.pt
-    hold: a rank's own differ after its last training batch, and the figures would then depend on
-    whether the run was resumed. The next training step broadcasts rank 0's buffers anyway (DDP)."""
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, correct, count, correct in the top 5
-    confusion = torch.zeros(confusion_of, confusion_of, dtype=torch.int64, device=device)
-    for x, y in loader:
-        x, y = prepare_inputs(x, device, channels_last, *norm), y.to(device, non_blocking=True)
-        with autocast(device, autocast_dtype):
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float(), y, reduction="sum", label_smoothing=label_smoothing)
-        totals[1] += (logits.argmax(1) == y).sum()
-        totals[2] += y.numel()
-        if top5:
-            totals[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(1).sum()
-        if confusion_of:
-            confusion.index_put_((y, logits.argmax(1)), torch.ones_like(y), accumulate=True)
-        progress()
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-        if confusion_of:
-            dist.all_reduce(confusion)
-    loss, correct, count, in_top5 = totals.tolist()
-    model.train()
-    return {"loss": loss / count, "accuracy": correct / count, **({"top5": in_top5 / count} if top5 else {}),
-            "samples": int(count), **({"confusion": confusion.cpu().tolist()} if confusion_of else {})}
+from train.run.runtime import DTYPES, configure_runtime, pick_device, resolve_precision
+from train.run.validate import criterion_of, evaluate
 
 
 # --checkpoint by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.

@@ -239,7 +239,7 @@ def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_p
     run_dir = tmp_path / "run"
     trained = imported(run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 2,
                                                                 "--run-dir", run_dir)[1:]]))
-    assert "torch" in trained and "train.evaluate" in trained and status(run_dir)["state"] == "done"
+    assert "torch" in trained and "train.run.validate" in trained and status(run_dir)["state"] == "done"
     assert not {m for m in trained if m.split(".")[0] == "matplotlib" or m == "train.report.figure"}
     evaluated = imported(run([PY, "-X", "importtime", "-m", "train.evaluate", str(run_dir)]))
     assert {"matplotlib.pyplot", "train.report.figure"} <= evaluated  # the control: it is seen where it is imported

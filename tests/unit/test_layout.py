@@ -5,10 +5,11 @@ import sys
 
 from tests.helpers import REPO
 
-HOST_HELPERS = ("train/cluster/jobs.py", "train/hostenv.py")  # run before any environment exists
-# What the host helpers may import
-STDLIB_ONLY = ("train/files/rundir.py", "train/cluster/cuda_driver.py", "train/cluster/jobs.py",
-               "train/cluster/hostlist.py")
+# Run before any environment exists (python3 -m train.cluster, python3 -m train.hostenv)
+HOST_HELPERS = ("train/cluster/__main__.py", "train/cluster/jobs.py", "train/hostenv.py")
+# What the host helpers may import (the packages' own __init__ modules too: importing train.cluster.jobs runs them)
+STDLIB_ONLY = ("train/__init__.py", "train/cluster/__init__.py", "train/files/__init__.py", "train/files/rundir.py",
+               "train/cluster/cuda_driver.py", "train/cluster/jobs.py", "train/cluster/hostlist.py")
 
 
 def _imports(path) -> set[str]:
@@ -62,7 +63,7 @@ def test_evaluation_sits_below_the_trainer_and_its_launcher():
     graph = _graph()
     for command in ("train.evaluate", "train.export"):
         assert not {"train.run.trainer", "train.launch", "train.run.plan"} & _reach(graph, command), command
-    assert "train.evaluate" in graph["train.run.trainer"]
+    assert "train.run.validate" in graph["train.run.trainer"]
     assert "train.run.trainer" not in _reach(graph, "train.cluster.spawn") | _reach(graph, "train.cluster.jobs")
 
 
@@ -83,3 +84,41 @@ def test_no_code_outside_the_tests_edits_sys_path():
     for path in [*REPO.glob("train/**/*.py"), *REPO.glob("docker/*.py"), *REPO.glob("slurm/*")]:
         text = path.read_text(errors="replace")
         assert "sys.path.insert" not in text and "sys.path.append" not in text, path
+
+
+# The packages from the ground up. A module imports modules of its own package and of the packages below it, never
+# of one above; the entry points (train/*.py: the commands users run) and make bench's train/bench/ import any.
+LAYERS = ("base", "files", "config", "cluster", "recipe", "data", "report", "run", "pack")
+
+
+def test_each_package_imports_only_its_own_and_the_packages_below_it():
+    def layer(module: str) -> int:
+        package = module.split(".")[1] if module.count(".") else ""
+        return LAYERS.index(package) if package in LAYERS else len(LAYERS)
+
+    graph = _graph()
+    upward = sorted(f"{m} -> {n}" for m, imported in graph.items() for n in imported if layer(n) > layer(m))
+    assert not upward, upward
+    assert {m.split(".")[1] for m in graph if m.count(".") >= 2 and m.split(".")[1] in LAYERS} == set(LAYERS)
+
+
+def test_no_module_name_is_another_with_a_suffix():
+    """A newcomer finds a file by its name: no checkpoint beside a checkpointer, no worker beside workers."""
+    names = sorted({p.stem for p in (REPO / "train").rglob("*.py") if not p.stem.startswith("__")})
+    extended = [(a, b) for a in names for b in names if a != b and b.startswith(a)]
+    assert not extended, extended
+
+
+def test_every_path_of_the_package_the_docs_name_exists():
+    """README and docs name files by their paths (train/run/trainer.py): each must be there, so a move of a module
+    cannot leave a doc pointing nowhere."""
+    import re
+
+    named = set()
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        named |= {(doc.name, m) for m in re.findall(r"\btrain/(?:[\w-]+/)*[\w-]+\.(?:py|toml|sh|json|log)\b", text)}
+        named |= {(doc.name, m) for m in re.findall(r"\btrain/(?:[\w-]+/)+(?=[\s`)|,.:;])", text)}
+    assert len(named) > 40  # the map of docs/development.md alone names more
+    missing = sorted(f"{doc}: {path}" for doc, path in named if not (REPO / path).exists())
+    assert not missing, missing

@@ -22,7 +22,6 @@ from train.base.errors import ConfigError
 from train.config.resume import Layout
 from train.config.settings import Config, steps_for_epochs
 from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of, train_size
-from train.evaluate import criterion_of
 from train.files.rundir import launch_run_dir
 from train.recipe.augment import BatchAugment
 from train.recipe.ema import adjusted_decay
@@ -31,6 +30,7 @@ from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, s
 from train.recipe.weights import cached_file, normalisation, resolve
 from train.run.checks import check_steps
 from train.run.runtime import precision_of
+from train.run.validate import criterion_of
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
 LR_EVERY_STEP = 1000

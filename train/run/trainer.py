@@ -27,7 +27,7 @@ from train.base.watchdog import watchdog
 from train.cluster.distributed import StopSignal, broadcast_from_main, gather
 from train.cluster.identity import identity, is_main
 from train.data import origin, prepare_inputs
-from train.evaluate import evaluate
+from train.run.validate import evaluate
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
 from train.recipe.augment import batch_seed
