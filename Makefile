@@ -67,6 +67,8 @@ RUN ?=
 CHECKPOINT ?= model
 # ... and, for a run of your own package.module:factory model, that factory (a run folder alone never runs code)
 MODEL ?=
+# ... and, for a run of your own package.module:factory task (docs/tasks.md), that factory
+TASK ?=
 # `make export`: pt2 (torch.export, for a process with torch) or onnx (ONNX Runtime, TensorRT, ...; adds ONNX_VENV)
 FORMAT ?= pt2
 # The output of `make enroot` / `make apptainer` (put them on the NAS for Slurm jobs)
@@ -197,14 +199,14 @@ evaluate: $(STAMP) ## score a run's model: RUN=runs/<name> [CHECKPOINT=best] [DA
 	@test -n "$(RUN)" || { echo "error: name the run: make evaluate RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
 	  >&2; exit 2; }
 	$(PY) -m train.evaluate "$(RUN)" --checkpoint "$(CHECKPOINT)" $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") \
-	  --gpus "$(GPUS)" $(if $(MODEL),--model "$(MODEL)")
+	  --gpus "$(GPUS)" $(if $(MODEL),--model "$(MODEL)") $(if $(TASK),--task "$(TASK)")
 
 export: $(EXPORT_NEEDS) ## ship a run's model: RUN=runs/<name> [CHECKPOINT=best] [FORMAT=onnx] -> RUN/model.pt2 or .onnx
 	@$(call renamed_weights,export)
 	@test -n "$(RUN)" || { echo "error: name the run: make export RUN=runs/<name> (CHECKPOINT=best for best.pt)" \
 	  >&2; exit 2; }
 	$(EXPORT_VENV)/bin/python -m train.export "$(RUN)" --checkpoint "$(CHECKPOINT)" --format "$(FORMAT)" \
-	  $(if $(MODEL),--model "$(MODEL)")
+	  $(if $(MODEL),--model "$(MODEL)") $(if $(TASK),--task "$(TASK)")
 
 onnx-setup: $(ONNX_VENV)/.installed ## ONNX export's environment: .venv plus docker/onnx.lock in .venv-onnx
 

@@ -44,12 +44,24 @@ def _coerce(name: str, value, source: str):
     return value
 
 
+# The settings that only the built-in classification's data, transforms, batch augmentations and loss read.
+IMAGE_PIPELINE = ("dataset", "path_column", "label_column", "label_key", "image_column", "train_split", "val_split",
+                  "download", "image_size", "train_samples", "val_samples", "decode", "normalize", "augment",
+                  "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
+                  "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "label_smoothing",
+                  "width")
+
+
 def inert(cfg: Config) -> dict[str, str]:
     """The settings this config never reads, each with why and the fix: given by a user, they are refused
     (parse_config), never ignored."""
     small = ("--augment cifar" if cfg.augmentation.augment == "cifar"
              else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
+    own = ":" in cfg.run.task  # a task of the user's: its own data and model, none of the image pipeline's
     rules: list[tuple[tuple[str, ...], bool, str]] = [
+        (IMAGE_PIPELINE, own, f"with --task {cfg.run.task} (a task of your own reads its own data: the built-in "
+                              f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
+                              f"it, or read the setting in your task (docs/tasks.md)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
           "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "

@@ -37,23 +37,24 @@ from train.cluster.distributed import init, teardown
 from train.cluster.identity import PeersNeverCame, identity, is_main
 from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config
-from train.data import build_datasets, build_val_loader, class_names
+from train.data import build_val_loader
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
-from train.recipe.models import build_model
-from train.recipe.weights import normalisation_on
 from train.run.checks import check_launch
 from train.run.runtime import DTYPES, configure_runtime, pick_device, resolve_precision
-from train.run.validate import criterion_of, evaluate
+from train.run.validate import evaluate
+from train.tasks.factory import build_task
+from train.tasks.task import Task
 
 
 # --checkpoint by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
 CHECKPOINTS = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
 
 
-def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, list[str], dict, Path]:
+def load_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") -> tuple[Config, list[str], dict, Path]:
     """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
-    model). A run folder is data, never code: a run of a `package.module:factory` model is loaded only when the
-    command line names the same factory (`model`, --model), since building it imports and runs that module."""
+    model). A run folder is data, never code: a run of a `package.module:factory` model or task is loaded only when
+    the command line names the same factory (`model`, --model; `task`, --task), since building it imports and runs
+    that module."""
     saved, classes = read_config(run_dir), read_classes(run_dir)
     if not saved or classes is None:
         raise ConfigError(f"{run_dir} is not a trainbox run directory (no readable config.json / classes.json): pass "
@@ -70,6 +71,13 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "") -> tuple[Config, l
                           f"--model {trained} (MODEL= with make) if you trust that module")
     if model and model != trained:
         raise ConfigError(f"--model {model}: {run_dir} was trained with --model {trained}: pass that, or no --model")
+    trained_task = cfg.run.task
+    if ":" in trained_task and task != trained_task:
+        given = f"--task {task} does not name it" if task else "its factory would be imported and run"
+        raise ConfigError(f"{run_dir} was trained with --task {trained_task}, code outside trainbox, and {given}: pass "
+                          f"--task {trained_task} (TASK= with make) if you trust that module")
+    if task and task != trained_task:
+        raise ConfigError(f"--task {task}: {run_dir} was trained with --task {trained_task}: pass that, or no --task")
     path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
     if not path.is_file():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
@@ -106,12 +114,13 @@ class Job:
     data_dir: str
     out: Path
     model: str = ""  # --model: a run of a package.module:factory model is evaluated only when it names it
+    task: str = ""  # --task: the same for a task of the user's
     device: str = ""  # cpu: GPUS=0 (make's), else the run's --device
 
 
 def evaluate_run(job: Job) -> int:
     """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
-    cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model)
+    cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model, job.task)
     cfg = cfg.replace(**{name: value for name, value in (("data_dir", job.data_dir), ("device", job.device)) if value})
     configure_runtime(cfg)
     ident = identity()
@@ -119,13 +128,14 @@ def evaluate_run(job: Job) -> int:
     init(device, cfg.launch.timeout_s)
     clean = False
     try:
-        _, val_set, _ = build_datasets(cfg, train=False, run_dir=job.run_dir)
-        if class_names(val_set) != classes:
-            raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(class_names(val_set)[:5])}, ...) are not "
+        task = build_task(cfg)
+        _, val_set = task.datasets(run_dir=job.run_dir, train=False)
+        if task.classes != classes:
+            raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(task.classes[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set with the run's class folders")
         loader = build_val_loader(cfg, val_set, ident.global_rank, ident.world_size, device.type == "cuda", device)
-        model = build_model(cfg.model, len(classes))
+        model = task.network(cfg.model)
         try:
             model.load_state_dict(state)
         except (RuntimeError, KeyError) as e:
@@ -138,37 +148,31 @@ def evaluate_run(job: Job) -> int:
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = evaluate(model, loader, device, DTYPES[resolve_precision(cfg, device)], cfg.model.channels_last,
-                              progress.update, top5=len(classes) > 5, confusion_of=len(classes),
-                              norm=normalisation_on(cfg, device), label_smoothing=cfg.regularisation.label_smoothing)
+            result = evaluate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)], progress.update,
+                              detail=True)
         finally:
             progress.close()
         if is_main():
-            report(job, cfg, classes, source, result)
+            report(job, cfg, task, source, result)
         clean = True
         return 0
     finally:
         teardown(clean, cfg.launch.timeout_s)
 
 
-def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict) -> None:
-    """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary."""
-    from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
-
-    confusion = torch.tensor(result["confusion"])
-    per_class = {name: (confusion[i, i] / row).item() if (row := confusion[i].sum()) else None
-                 for i, name in enumerate(classes)}
-    scores = {k: result[k] for k in ("loss", "accuracy", "top5", "samples") if k in result}
+def report(job: Job, cfg: Config, task: Task, source: Path, result: dict) -> None:
+    """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary. What
+    the record holds beyond the scores, the picture and the summary's lines are the task's (task.report)."""
+    scores = {k: v for k, v in result.items() if isinstance(v, (int, float))}
     record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data.data_dir,
-              "dataset": cfg.data.dataset, "world_size": identity().world_size, **scores,
-              "criterion": criterion_of(cfg.regularisation.label_smoothing),
-              "per_class_accuracy": per_class, "confused_pairs": figures.confused_pairs(result["confusion"], classes),
-              "classes": classes, "confusion": result["confusion"]}
+              "dataset": cfg.data.dataset, "world_size": identity().world_size, "task": task.name, **scores}
+    figure, lines = task.report(record, result)
     atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())
     picture = job.out.with_suffix(".png")
-    fig = figures.figure(record)
-    pixels = figures.save(fig, picture)
-    figures.plt.close(fig)
+    from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
+
+    pixels = figures.save(figure, picture)
+    figures.plt.close(figure)
     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - only the evaluation command writes here
 
     name = f"eval-{Path(job.checkpoint).stem}"
@@ -179,18 +183,10 @@ def report(job: Job, cfg: Config, classes: list[str], source: Path, result: dict
     from train.report.mlflow_tracking import log_evaluation  # noqa: PLC0415 - mlflow: for tracked runs only
 
     tracked = log_evaluation(job.run_dir, name, scores, [job.out, picture])
-    top5 = f", top-5 {100 * result['top5']:.2f}%" if "top5" in result else ""
-    print(f"{source}: loss {result['loss']:.4f}, top-1 {100 * result['accuracy']:.2f}%{top5} over "
-          f"{result['samples']} samples -> {job.out} (+ {picture.name}{', MLflow run ' + tracked if tracked else ''})")
-    worst = sorted((v, k) for k, v in per_class.items() if v is not None)[:5]
-    print("lowest per-class accuracy: " + ", ".join(f"{k} {100 * v:.1f}%" for v, k in worst))
-    if record["confused_pairs"]:
-        pairs = [(f"{r['true']} -> {r['predicted']}", r["count"], 100 * r["share_of_true"])
-                 for r in record["confused_pairs"]]
-        width = max(len(pair) for pair, _, _ in pairs)
-        print("most confused (true -> predicted: images, share of the true class):")
-        for pair, count, share in pairs:
-            print(f"  {pair:<{width}}  {count:>6}  {share:5.1f}%")
+    print(f"{source}: {lines[0]} over {result['samples']} samples -> {job.out} (+ {picture.name}"
+          f"{', MLflow run ' + tracked if tracked else ''})")
+    for line in lines[1:]:
+        print(line)
 
 
 def main(argv: list[str]) -> int:
@@ -208,8 +204,9 @@ def main(argv: list[str]) -> int:
         spawn, on_cpu = local_workers(ns.spawn, ns.gpus)
         check_launch(spawn)  # a rank from the environment (a shell's leftovers) without its rendezvous: one line
         job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
-                  ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model, "cpu" if on_cpu else "")
-        load_run(job.run_dir, job.checkpoint, job.model)  # a bad run folder, checkpoint or model: one line
+                  ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model, ns.task,
+                  "cpu" if on_cpu else "")
+        load_run(job.run_dir, job.checkpoint, job.model, job.task)  # a bad run folder, checkpoint or model: one line
         if spawn:
             return spawn_workers(spawn, partial(worker, job))
         return worker(job)
@@ -255,6 +252,8 @@ def finished_run_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--weights", help=argparse.SUPPRESS)  # the old spelling: one line naming the new
     parser.add_argument("--model", default="", help="a run of a package.module:factory model: the same factory, "
                                                     "to allow its import (a run folder alone never runs code)")
+    parser.add_argument("--task", default="", help="a run of a package.module:factory task: the same factory, to "
+                                                   "allow its import")
     return parser
 
 

@@ -37,29 +37,28 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError, end_process, fail
-from train.data import eval_steps, preprocessing
 from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
 from train.files.rundir import atomic_file, atomic_write, move_into_place, to_json
-from train.recipe.models import build_model
-from train.recipe.weights import normalisation
+from train.tasks.factory import build_task
 
 MAX_BATCH = 4096
 FORMATS = {"pt2": "torch.export, for a process with torch", "onnx": "ONNX Runtime, TensorRT, ..."}
 ONNX_PACKAGES = ("onnx", "onnxscript")  # what torch.onnx's exporter imports (onnxruntime only runs the file)
-ONNX_NAMES = {"input": "images", "output": "logits"}  # the ONNX model's input and output
 
 
-def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt: str = "pt2") -> Path:
-    cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec)
-    model = build_model(cfg.model, len(classes))
+def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt: str = "pt2",
+           task_spec: str = "") -> Path:
+    cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec, task_spec)
+    task = build_task(cfg)
+    task.describe({"classes": classes})
+    model = task.network(cfg.model)
     try:
         model.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError) as e:
         raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
                           f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
     model.eval()
-    size = eval_steps(cfg)[1]  # what the evaluation feeds the model: its centre crop
-    example = torch.zeros(2, 3, size, size)
+    example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:
         program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
@@ -68,26 +67,25 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
         raise ConfigError(f"--model {cfg.model.model} cannot be exported with torch.export ({why}): nothing was "
                           f"written") from None
     if fmt == "onnx":
-        save_onnx(to_onnx(program, example, cfg.model.model), out)
-        shape = {"format": "onnx", **ONNX_NAMES}
+        save_onnx(to_onnx(program, example, cfg.model.model, names), out)
+        shape = {"format": "onnx", **names}
     else:
         with atomic_file(out, suffix=".pt2") as tmp:  # torch.export.save wants the .pt2 suffix
             torch.export.save(program, tmp)
         shape = {"format": "pt2", "max_batch": MAX_BATCH}
-    record = {"weights": str(source), "model": cfg.model.model, "image_size": size, **shape,
-              **preprocessing(cfg, classes, *normalisation(cfg))}
+    record = {"weights": str(source), "model": cfg.model.model, "task": task.name, **described, **shape}
     atomic_write(out.with_name(out.name + ".json"), (to_json(record, indent=2) + "\n").encode())
     return out
 
 
-def to_onnx(program, example: torch.Tensor, model: str):
+def to_onnx(program, example: torch.Tensor, model: str, names: dict):
     """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram), the batch dimension named
     and dynamic. An operator ONNX has no translation for is one line naming it."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.onnx's deprecation notes on its own internals
             return torch.onnx.export(program, (example,), dynamo=True, verbose=False,
-                                     input_names=[ONNX_NAMES["input"]], output_names=[ONNX_NAMES["output"]],
+                                     input_names=[names["input"]], output_names=[names["output"]],
                                      dynamic_shapes=({0: "batch"},))
     except Exception as e:  # noqa: BLE001 - the exporter wraps its reasons; the innermost one says which operator
         while e.__cause__ is not None:
@@ -136,10 +134,10 @@ def main(argv: list[str]) -> int:
         check_format(ns.format)
         if ns.out and not out.parent.is_dir():
             raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")
-        written = export(ns.run_dir, ns.checkpoint, out, ns.model, ns.format)
+        written = export(ns.run_dir, ns.checkpoint, out, ns.model, ns.format, ns.task)
     except ConfigError as e:
         return fail(str(e))
-    print(f"exported {written} (+ {written.name}.json: size, mean, std, interpolation, classes)")
+    print(f"exported {written} (+ {written.name}.json: its input and output, and what a caller does before it)")
     return 0
 
 

@@ -36,9 +36,9 @@ def test_a_fresh_build_makes_every_part_and_writes_the_run_files(tmp_path):
     assert parts.scheduler is parts.checkpointer.scheduler and parts.checkpointer.model is parts.raw_model
     assert [len(g["params"]) for g in parts.optimizer.param_groups] == \
         [len(g["params"]) for g in parts.plan.param_groups]
-    assert parts.criterion.label_smoothing == cfg.regularisation.label_smoothing
-    assert [n.tolist() for n in parts.norm] == [torch.tensor(parts.plan.normalize[k]).view(1, 3, 1, 1).tolist()
-                                                for k in ("mean", "std")]
+    assert parts.task.name == "classification" and parts.task.label_smoothing == cfg.regularisation.label_smoothing
+    assert [n.tolist() for n in parts.task.normalisation_on(CPU)] == \
+        [torch.tensor(parts.plan.normalize[k]).view(1, 3, 1, 1).tolist() for k in ("mean", "std")]
     # The run's files: the plan as trained, the config, the status of a run that starts at step 0.
     assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(rundir.to_json(parts.plan.to_dict()))
     assert rundir.read_config(tmp_path) == cfg.to_dict()

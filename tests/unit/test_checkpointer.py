@@ -14,11 +14,12 @@ from train.recipe.models import build_model
 from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.run.checkpointer import Checkpointer, capture_rng, newest_checkpoint, restore_rng
 from train.run.plan import dry_run
+from train.tasks.factory import build_task
 
 CPU = torch.device("cpu")
 # A checkpoint's layout, in order: what trainbox's checkpoints hold (a change here is a change of the file format).
 LAYOUT = ["model", "optimizer", "scheduler", "scaler", "step", "epoch", "step_in_epoch", "world_size", "batch_size",
-          "grad_accum", "layout", "max_steps", "rng", "config", "eval_owed", "best", "ema", "best_ema"]
+          "grad_accum", "layout", "max_steps", "rng", "config", "eval_owed", "best", "ema", "best_ema", "task"]
 
 
 def _position(step: int, step_in_epoch: int = 0, epoch: int = 0, eval_owed: bool = False) -> dict:
@@ -36,7 +37,7 @@ def _checkpointer(tmp_path, seed: int, *flags: str) -> Checkpointer:
     scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
     return Checkpointer(tmp_path, CPU, cfg, plan, Layout(1, cfg.optimisation.batch_size, 1), model=model,
                         optimizer=optimizer, scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                        ema=ModelEma(model, plan.ema["decay"], CPU))
+                        ema=ModelEma(model, plan.ema["decay"], CPU), task=build_task(cfg))
 
 
 def _train(checkpointer, steps: int) -> None:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from tests.sources import draw_imagefolder
 from train.cli import parse_config
 from train.cluster.distributed import teardown, wrap, wrappers_alive
-from train.data import prepare_inputs
 from train.files.checkpoint_io import finished
 from train.files.rundir import read_metrics, status_record
 from train.report.metrics import LogWindow
@@ -24,17 +23,17 @@ def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch)
     now = [100.0]  # the clock the window reads, moved by hand
     monkeypatch.setattr("train.report.metrics.time.perf_counter", lambda: now[0])
     window = LogWindow(torch.device("cpu"), samples_per_step=32)
-    window.add([torch.tensor([1.0]), torch.tensor([0.5])])  # two micro-batches: the step's loss is 1.5
-    window.add([torch.tensor([0.25]), torch.tensor([0.25])])
+    window.add([torch.tensor(32.0), torch.tensor(16.0)], [32, 32])  # two micro-batches of 32: loss sums and counts
+    window.add([torch.tensor(8.0), torch.tensor(8.0)], [32, 32])
     window.wait += 0.1
     now[0] = 100.5
     values = window.report(world=1)
-    assert values["loss"] == pytest.approx(1.0)  # (1.5 + 0.5) / 2 steps
+    assert values["loss"] == 0.5  # the mean over every item: (32 + 16 + 8 + 8) / 128
     assert values["step_time_s"] == pytest.approx(0.25)  # 0.5 s over 2 steps
     assert values["samples_per_s"] == pytest.approx(128)  # 2 steps x 32 samples in 0.5 s
     assert values["data_wait_frac"] == pytest.approx(0.2)  # 0.1 s of the 0.5 s
-    assert (window.steps, window.wait, window.loss.item()) == (0, 0.0, 0.0)
-    window.add([torch.tensor([2.0])])
+    assert (window.steps, window.wait, window.loss.tolist()) == (0, 0.0, [0.0, 0.0])
+    window.add([torch.tensor(64.0)], [32])
     now[0] = 101.25
     again = window.report(world=1)  # a new window, opened at the report: 0.75 s for its one step
     assert (again["loss"], again["step_time_s"], again["samples_per_s"]) == pytest.approx((2.0, 0.75, 32 / 0.75))
@@ -150,9 +149,11 @@ def test_the_evaluation_reports_the_training_criterion_and_says_which_it_is(tmp_
     parts.metrics.close()
     parts.raw_model.eval()
     with torch.no_grad():
-        batches = [(parts.raw_model(prepare_inputs(x, CPU, False, *parts.norm)), y) for x, y in parts.val_loader]
+        batches = [parts.task.inputs(batch, CPU) for batch in parts.val_loader]
+        batches = [(parts.raw_model(x), y) for x, y in batches]
     logits, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    smoothed, plain = parts.criterion(logits, labels).item(), F.cross_entropy(logits, labels).item()
+    smoothed = torch.nn.CrossEntropyLoss(label_smoothing=0.1)(logits, labels).item()
+    plain = F.cross_entropy(logits, labels).item()
     # One sum of 64 float32 terms against another order of the same: rounding differs by at most 64 ulp.
     assert result["loss"] == pytest.approx(smoothed, rel=64 * 2**-23) != plain
     recorded = read_metrics(tmp_path, "eval", strict=True)

@@ -45,7 +45,7 @@ def test_the_classifier_head_is_found(model, head):
 def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
     cfg = parse_config(["--freeze", "backbone", "--width", "8"])
     model = build_model(cfg.model, 10)
-    names = frozen_names(cfg.model, model, 10)
+    names = frozen_names(cfg.model, model, lambda: head_name(model, 10))
     assert names and not any(n.startswith("head.2.") for n in names)
     freeze(model, names)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -62,11 +62,13 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_in_training_mode():
 
 def test_freeze_prefixes_and_their_mistakes():
     cfg = parse_config(["--freeze", "features.0,features.1", "--width", "8"])
-    names = frozen_names(cfg.model, build_model(cfg.model, 10), 10)
+    model = build_model(cfg.model, 10)
+    names = frozen_names(cfg.model, model, lambda: head_name(model, 10))
     assert names and all(n.startswith(("features.0.", "features.1.")) for n in names)
     with pytest.raises(ConfigError, match="--freeze head.9: no parameter of --model cnn is named so"):
         bad = parse_config(["--freeze", "head.9"])
-        frozen_names(bad.model, build_model(bad.model, 10), 10)
+        model = build_model(bad.model, 10)
+        frozen_names(bad.model, model, lambda: head_name(model, 10))
 
 
 def test_named_weights_bring_their_own_evaluation_transforms():

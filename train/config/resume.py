@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # What the run is. A setting added to the config must be placed in FIXED or MAY_CHANGE (tests/unit/test_resume.py).
 FIXED = frozenset({
-    "seed", "dataset", "path_column", "label_column", "label_key", "image_column", "train_split", "val_split",
+    "task", "seed", "dataset", "path_column", "label_column", "label_key", "image_column", "train_split", "val_split",
     "image_size", "train_samples", "val_samples",
     "normalize",
     "augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment", "ra_magnitude",

@@ -38,6 +38,8 @@ class Run:
                                   "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
                                   "exit: no run folder, no download, no training")
     deterministic: bool = _field(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
+    task: str = _field("classification", "what the run trains for: classification (images and class labels), or "
+                                         "package.module:factory, a task of your own (docs/tasks.md)")
 
 
 @dataclass(frozen=True)

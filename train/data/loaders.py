@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from train.cluster.identity import identity, usable_cores
 from train.config.settings import Config
@@ -25,20 +25,36 @@ from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
 
 
+def in_memory(dataset) -> tuple[torch.Tensor, ...] | None:
+    """The tensors of a dataset held in memory whole, its items their rows (the built-in sets; a task's TensorDataset),
+    moved to the training device once and cut into batches there; None for any other dataset."""
+    if isinstance(dataset, ShapesDataset):
+        return dataset.images, dataset.labels
+    return tuple(dataset.tensors) if isinstance(dataset, TensorDataset) else None
+
+
+def to_device(dataset, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """An in-memory dataset's tensors on the device (the built-in sets keep them there)."""
+    if isinstance(dataset, ShapesDataset):
+        return dataset.to(device).images, dataset.labels
+    dataset.tensors = tuple(t.to(device) for t in dataset.tensors)
+    return dataset.tensors
+
+
 class TensorLoader:
     """Batches straight from in-memory tensors: no worker processes, no per-sample collate."""
 
-    def __init__(self, dataset: ShapesDataset, sampler: ShardSampler, batch_size: int):
-        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+    def __init__(self, tensors: tuple[torch.Tensor, ...], sampler: ShardSampler, batch_size: int):
+        self.tensors, self.sampler, self.batch_size = tensors, sampler, batch_size
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
 
     def __iter__(self):
-        indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.dataset.images.device)
+        indices = torch.tensor(list(self.sampler), dtype=torch.long).to(self.tensors[0].device)
         for b in range(len(self)):
             idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
-            yield self.dataset.images[idx], self.dataset.labels[idx]
+            yield tuple(t[idx] for t in self.tensors)
 
 
 def class_names(dataset) -> list[str]:
@@ -157,12 +173,12 @@ def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_mem
     """layout: the (workers, --grad-accum) the run's sample order is laid out for (a resume on other workers keeps
     it); default: this one."""
     opt = cfg.optimisation
-    in_memory = isinstance(dataset, ShapesDataset)
-    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=not in_memory,
+    held = in_memory(dataset) is not None
+    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=not held,
                            reps=cfg.augmentation.ra_reps, batch_size=opt.batch_size, grad_accum=opt.grad_accum,
                            layout=layout)
-    if isinstance(dataset, ShapesDataset):  # in memory: batches are cut on the training device itself
-        return TensorLoader(dataset.to(device or torch.device("cpu")), sampler, cfg.optimisation.batch_size), sampler
+    if held:  # in memory: batches are cut on the training device itself
+        return TensorLoader(to_device(dataset, device or torch.device("cpu")), sampler, opt.batch_size), sampler
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
     loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.optimisation.batch_size,
@@ -178,10 +194,10 @@ def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memor
                      device: torch.device | None = None):
     """Each rank takes indices rank, rank+W, ... with no padding: every sample counted exactly once."""
     indices = list(range(rank, len(dataset), world_size))
-    if isinstance(dataset, ShapesDataset):
-        dataset.to(device or torch.device("cpu"))
-        idx = torch.tensor(indices, dtype=torch.long, device=dataset.images.device)
-        return [(dataset.images[idx[i:i + 256]], dataset.labels[idx[i:i + 256]]) for i in range(0, len(idx), 256)]
+    if in_memory(dataset) is not None:
+        tensors = to_device(dataset, device or torch.device("cpu"))
+        idx = torch.tensor(indices, dtype=torch.long, device=tensors[0].device)
+        return [tuple(t[idx[i:i + 256]] for t in tensors) for i in range(0, len(idx), 256)]
     workers = default_num_workers(cfg)
     files = isinstance(dataset, FileBytes)
     loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.optimisation.batch_size * 2,

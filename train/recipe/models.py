@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ def trainable_model(spec: Model, num_classes: int) -> nn.Module:
     """build_model's network as a run trains it (and as its plan and checks see it): frozen where --freeze says,
     before any optimizer has state for it."""
     model = build_model(spec, num_classes)
-    freeze(model, frozen_names(spec, model, num_classes))
+    freeze(model, frozen_names(spec, model, lambda: head_name(model, num_classes)))
     return model
 
 
@@ -97,13 +98,14 @@ def head_name(model: nn.Module, num_classes: int) -> str:
     return heads[-1]
 
 
-def frozen_names(spec: Model, model: nn.Module, num_classes: int) -> list[str]:
-    """The parameter names --freeze selects; a prefix that selects nothing is a mistake."""
+def frozen_names(spec: Model, model: nn.Module, head: Callable[[], str]) -> list[str]:
+    """The parameter names --freeze selects (head: the name of the model's head module, asked for by backbone alone);
+    a prefix that selects nothing is a mistake."""
     if not spec.freeze:
         return []
     names = [name for name, _ in model.named_parameters()]
     if spec.freeze == "backbone":
-        head = head_name(model, num_classes) + "."
+        head = head() + "."
         return [n for n in names if not n.startswith(head)]
     chosen = []
     for prefix in (p.strip() for p in spec.freeze.split(",") if p.strip()):

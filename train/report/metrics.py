@@ -206,26 +206,28 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.loss = torch.zeros(1, device=self.device)  # summed on the device: no sync per step
+        self.loss = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum, count: on the device, no sync
         self.steps, self.wait, self.start = 0, 0.0, time.perf_counter()
 
-    def add(self, losses: list[torch.Tensor]) -> None:
-        """One optimizer step: the losses of its micro-batches."""
-        for loss in losses:
-            self.loss += loss
+    def add(self, sums: list[torch.Tensor], counts: list) -> None:
+        """One optimizer step: its micro-batches' loss sums and the items each sums over (the task's loss)."""
+        for total, count in zip(sums, counts, strict=True):
+            self.loss[0] += total
+            self.loss[1] += count
         self.steps += 1
 
     def report(self, world: int) -> dict:
-        """The window's figures (every rank calls it on the same step: an all-reduce); starts a new one."""
+        """The window's figures (every rank calls it on the same step: an all-reduce); starts a new one. The loss:
+        the mean over every item the window's steps trained on, on every rank."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.start
-        totals = torch.cat([self.loss, torch.tensor([self.wait], device=self.device)])
+        totals = torch.cat([self.loss, torch.tensor([self.wait], dtype=torch.float64, device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(totals)
-        loss_mean, wait_mean = (totals / world).tolist()
-        values = {"loss": loss_mean / self.steps, "samples_per_s": self.steps * self.samples_per_step / elapsed,
-                  "step_time_s": elapsed / self.steps, "data_wait_frac": wait_mean / elapsed}
+        loss_sum, count, wait = totals.tolist()
+        values = {"loss": loss_sum / count, "samples_per_s": self.steps * self.samples_per_step / elapsed,
+                  "step_time_s": elapsed / self.steps, "data_wait_frac": wait / world / elapsed}
         self.reset()
         return values
 

@@ -26,13 +26,11 @@ from train.base.errors import ConfigError
 from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
 from train.cluster.identity import identity, is_main
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.config.settings import Config
-from train.data import build_datasets, build_train_loader, build_val_loader, class_names, packed_with
+from train.config.settings import BUILT_IN, Config
+from train.data import build_train_loader, build_val_loader, packed_with
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
-from train.recipe.augment import BatchAugment
 from train.recipe.ema import ModelEma
-from train.recipe.models import trainable_model
 from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.recipe.weights import fitted, read_weights
 from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
@@ -41,6 +39,8 @@ from train.run.checkpointer import Checkpointer, newest_checkpoint
 from train.run.health import DivergenceGuard
 from train.run.plan import Plan, make_plan
 from train.run.runtime import DTYPES
+from train.tasks.factory import build_task
+from train.tasks.task import Task
 
 log = logging.getLogger("train")
 
@@ -54,14 +54,13 @@ class Parts:
     device: torch.device
     plan: Plan  # what the run derives from its config (train/run/plan.py)
     precision: torch.dtype | None  # autocast's dtype; None: fp32
-    norm: tuple[torch.Tensor, torch.Tensor]  # the input normalisation's mean and std, on the device
+    task: Task  # what the run trains for: its data, model, loss, metric (train/tasks/)
     train_loader: object  # micro-batches of --batch-size, in the sampler's order
     sampler: object  # which samples this rank trains on, from which position (train/data/samplers.py)
     val_loader: object  # this rank's share of the validation set, each sample once across ranks
     raw_model: torch.nn.Module  # the model itself: what is saved and evaluated
     model: torch.nn.Module  # what trains: raw_model, compiled and DDP-wrapped where asked
-    criterion: torch.nn.Module
-    augment: BatchAugment | None  # random erasing, Mixup/CutMix on the device (train/recipe/augment.py)
+    augment: object | None  # the task's batch augmentation on the device (classification: random erasing, Mixup/CutMix)
     optimizer: torch.optim.Optimizer
     scheduler: object  # torch's LRScheduler over the optimizer
     scaler: torch.amp.GradScaler  # enabled under fp16 only
@@ -78,6 +77,7 @@ class Parts:
 def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> Parts:
     """The run's parts on this rank, on `device` in `precision` (the worker's runtime: train/run/runtime.py)."""
     world = identity().world_size
+    task = build_task(cfg)
     # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
     # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
     state, source = newest_checkpoint(run_dir, device)
@@ -90,20 +90,19 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     # of files is listed and checked before the run folder is made: a refused one leaves no folder behind. The built-in
     # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
     torch.manual_seed(cfg.run.seed)
-    in_memory = cfg.data.dataset in ("shapes", "synthetic")
-    data = None if in_memory else build_datasets(cfg, run_dir=run_dir)
+    in_memory = cfg.data.dataset in BUILT_IN
+    data = None if in_memory else task.datasets(run_dir)
     prepare_run_dir(run_dir)
-    train_set, val_set, num_classes = data or build_datasets(cfg, run_dir=run_dir)
-    names = class_names(train_set)
-    raw_model = model_on(cfg, num_classes, device, world)
+    train_set, val_set = data or task.datasets(run_dir)
+    names = task.classes
+    raw_model = model_on(cfg, task, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
-    plan = make_plan(cfg, world, device.type, precision, train_set, val_set, num_classes, raw_model,
-                     str(run_dir), layout=layout)
+    plan = make_plan(cfg, world, device.type, precision, train_set, val_set, task, raw_model, str(run_dir),
+                     layout=layout)
     # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
     saved_plan = rundir.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
     if state is not None:
         check_same_data(cfg, run_dir, plan, names, saved_plan)
-    norm = tuple(torch.tensor(plan.normalize[k], device=device).view(1, 3, 1, 1) for k in ("mean", "std"))
     train_loader, sampler, val_loader = loaders(cfg, plan, layout, train_set, val_set, device)
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -111,11 +110,11 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
     checkpointer = Checkpointer(run_dir, device, cfg, plan, layout, model=raw_model, optimizer=optimizer,
-                                scheduler=scheduler, scaler=scaler, ema=ema)
+                                scheduler=scheduler, scaler=scaler, ema=ema, task=task)
     weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
     if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
         initial_state, weights = initial
-        raw_model.load_state_dict(fitted(cfg.model, initial_state, raw_model, num_classes))
+        raw_model.load_state_dict(fitted(cfg.model, initial_state, raw_model, len(names) or None))
     resumed = checkpointer.restore(state, source)
     if relaid:
         log.info("%s", relaid)
@@ -125,15 +124,13 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
     telemetry = GpuTelemetry(device)
     window = LogWindow(device, plan.global_batch)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.regularisation.label_smoothing)
-    augment = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
     # The MLflow run starts last, with nothing after it that can fail: the worker holds it from here (Parts.tracker)
     # and ends it, FAILED too; a failure before leaves none RUNNING.
     tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
     checkpointer.tracker = metrics.tracker = tracker
-    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], norm=norm,
+    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], task=task,
                  train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
-                 criterion=criterion, augment=augment, optimizer=optimizer, scheduler=checkpointer.scheduler,
+                 augment=task.augment(), optimizer=optimizer, scheduler=checkpointer.scheduler,
                  scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
                  telemetry=telemetry, window=window, resumed=resumed)
 
@@ -155,9 +152,9 @@ def prepare_run_dir(run_dir: Path) -> None:
     setup_logging(run_dir if is_main() else None)
 
 
-def model_on(cfg: Config, num_classes: int, device: torch.device, world: int) -> torch.nn.Module:
-    """The model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
-    model = trainable_model(cfg.model, num_classes)  # frozen before the optimizer: no state for those parameters
+def model_on(cfg: Config, task: Task, device: torch.device, world: int) -> torch.nn.Module:
+    """The task's model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
+    model = task.model(cfg.model)  # frozen before the optimizer: no state for those parameters
     if cfg.model.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)

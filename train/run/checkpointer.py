@@ -35,6 +35,7 @@ from train.config.settings import Config
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
 from train.recipe.optim import schedule_at, schedule_lengths
+from train.tasks.task import Task
 
 log = logging.getLogger("train")
 
@@ -81,8 +82,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, device: torch.device, cfg: Config, plan, layout: Layout, *,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
-                 ema: torch.nn.Module | None):
+                 ema: torch.nn.Module | None, task: Task):
         self.run_dir, self.device, self.cfg, self.plan, self.layout = run_dir, device, cfg, plan, layout
+        self.task = task  # its metric picks best.pt; its state goes into every checkpoint
         self.model, self.optimizer, self.scheduler, self.scaler, self.ema = model, optimizer, scheduler, scaler, ema
         self.rank, self.world = identity().global_rank, identity().world_size
         self.tracker = None  # MLflow (train/report/tracker.py): what is written goes there too, once tracking started
@@ -120,10 +122,12 @@ class Checkpointer:
         return error
 
     def keep_best(self, step: int, result: dict, ema: bool = False) -> None:
-        """best.pt: the model of the evaluation (at `step`) with the highest top-1 so far (a tie keeps the earlier),
-        apart from the newest-K checkpoints, written atomically; status.json names it. ema: best_ema.pt, the EMA's."""
-        best = self.best_ema if ema else self.best
-        if best is not None and result["accuracy"] <= best["val_accuracy"]:
+        """best.pt: the model of the evaluation (at `step`) with the best score of the task's metric so far (the
+        highest top-1 for classification; a tie keeps the earlier), apart from the newest-K checkpoints, written
+        atomically; status.json names it. ema: best_ema.pt, the EMA's."""
+        best, metric = self.best_ema if ema else self.best, self.task.metric
+        if best is not None and not (result[metric] > best[f"val_{metric}"] if self.task.higher_is_better else
+                                     result[metric] < best[f"val_{metric}"]):
             return
         best = {"step": step, **{f"val_{k}": v for k, v in result.items()}}
         if ema:
@@ -175,7 +179,7 @@ class Checkpointer:
                 "max_steps": self.plan.max_steps, "rng": rng,
                 "config": cfg.to_dict(), "eval_owed": position["eval_owed"],
                 "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None,
-                "best_ema": self.best_ema}
+                "best_ema": self.best_ema, "task": {"name": self.task.name, "state": self.task.state_dict()}}
 
     def restore(self, state: dict | None, source: Path | None) -> Resumed | None:
         """Back to the checkpoint `state` (the newest that verifies, `source`): what it resumed, the Trainer's position
@@ -215,6 +219,11 @@ class Checkpointer:
             self.ema.load_state_dict(state["ema"])
         if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
             self.scaler.load_state_dict(state["scaler"])
+        task = state.get("task", {"name": "classification", "state": {}})  # older checkpoints: classification's
+        if task["name"] != self.task.name:
+            raise ConfigError(f"{source} is a checkpoint of --task {task['name']}: resume it with --task "
+                              f"{task['name']}, or start a new --run-dir")
+        self.task.load_state_dict(task["state"])
         eval_owed = state.get("eval_owed", False) and step < plan.max_steps  # older checkpoints: none
         self.best, self.best_ema = state.get("best"), state.get("best_ema")
         if step_in_epoch >= plan.steps_per_epoch:  # saved at an epoch's end: the next one's start

@@ -19,15 +19,17 @@ from train.cluster.identity import Identity, alone_fix, launch_variables, resolv
 from train.cluster.jobs import port_problem
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
 from train.config.settings import Config
-from train.data import check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards, samples_per_rank
+from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
-from train.recipe.models import build_model, check_model_spec, frozen_names, trainable_model
+from train.recipe.models import check_model_spec, frozen_names
 from train.recipe.optim import decay_groups
 from train.recipe.weights import fitted, read_weights, resolve
 from train.report.metrics import nvml
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
+from train.tasks.factory import build_task
+from train.tasks.task import Task
 
 
 
@@ -37,22 +39,12 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     ident = check_launch(cfg.launch.spawn, cfg.run.dry_run)
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
-    if cfg.data.dataset == "cifar10":
-        check_cifar(Path(cfg.data.data_dir), cfg.data.download)
-    if cfg.data.dataset == "imagefolder":
-        check_imagefolder(Path(cfg.data.data_dir))
-    if cfg.data.dataset == "csv":  # every row, in seconds for a million; whether each file exists is left to the loader
-        check_labelfiles(Path(cfg.data.data_dir), cfg.data.path_column, cfg.data.label_column)
-    if cfg.data.dataset == "shards":  # a pack's index, or another tool's tars indexed once (and cached)
-        # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
-        check_shards(Path(cfg.data.data_dir), cfg.data.label_key,
-                     Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
-    if cfg.data.dataset == "hf":  # the layout, the columns and every label (the label column alone is read)
-        check_hf(Path(cfg.data.data_dir), cfg.data.image_column, cfg.data.label_column, cfg.data.train_split,
-                 cfg.data.val_split)
+    task = build_task(cfg)
+    # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
+    task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
     check_model_spec(cfg.model)
-    check_weights(cfg)
-    check_decay_groups(cfg)
+    check_weights(cfg, task)
+    check_decay_groups(cfg, task)
     if cfg.data.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
         check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
@@ -71,28 +63,28 @@ def preflight(cfg: Config, world: int | None = None) -> None:
         check_tracking(cfg, ident.global_rank)
 
 
-def check_weights(cfg: Config) -> None:
+def check_weights(cfg: Config, task: Task) -> None:
     """--weights that name nothing or no file, and --freeze prefixes that match no parameter (the names, on a
     model built on the meta device: no memory, no time), answered before any worker starts."""
     if not cfg.model.weights and not cfg.model.freeze:
         return
     with torch.device("meta"):
-        model = build_model(cfg.model, 1000)
+        model = task.network(cfg.model)  # before the data is read: a classifier of a stand-in class count
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
     resuming = run_dir is not None and run_dir.is_dir() and bool(checkpoint_io.list_checkpoints(run_dir))
     if cfg.model.weights and resolve(cfg.model) is None and not resuming:  # a file (named weights: the workers fetch)
         fitted(cfg.model, read_weights(cfg.model, fetched=False)[0], model, None)
-    frozen_names(cfg.model, model, 1000)
+    frozen_names(cfg.model, model, lambda: task.head(model))
 
 
-def check_decay_groups(cfg: Config) -> None:
+def check_decay_groups(cfg: Config, task: Task) -> None:
     """A weight decay given for parameters the model has none of (--transformer-embedding-decay on a ResNet, a
     --norm-weight-decay whose layers are all frozen): one line before any worker starts, on the meta device."""
     opt = cfg.optimisation
     if opt.norm_weight_decay is None and opt.bias_weight_decay is None and opt.transformer_embedding_decay is None:
         return
     with torch.device("meta"):
-        model = trainable_model(cfg.model, 1000)
+        model = task.model(cfg.model)
     decay_groups(cfg.optimisation, model, cfg.model.model)
 
 

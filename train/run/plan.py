@@ -21,16 +21,15 @@ import torch
 from train.base.errors import ConfigError
 from train.config.resume import Layout
 from train.config.settings import Config, steps_for_epochs
-from train.data import build_datasets, check_cifar, class_names, describe_sampler, source_of, train_size
+from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
-from train.recipe.augment import BatchAugment
 from train.recipe.ema import adjusted_decay
-from train.recipe.models import trainable_model
 from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
-from train.recipe.weights import cached_file, normalisation, resolve
+from train.recipe.weights import cached_file, resolve
 from train.run.checks import check_steps
 from train.run.runtime import precision_of
-from train.run.validate import criterion_of
+from train.tasks.factory import build_task
+from train.tasks.task import Task
 
 # Runs of at most this many steps list every step's learning rate; longer ones the rate at each epoch's start.
 LR_EVERY_STEP = 1000
@@ -42,6 +41,7 @@ class Plan:
     world_size: int  # workers, all nodes together
     device: str  # cuda or cpu
     precision: str  # fp32, bf16 or fp16 (a GradScaler with fp16)
+    task: dict  # what the run trains for (--task): its name, loss and the metric that picks best.pt (train/tasks/)
     source: dict  # what the run reads: the kind, each split's files, the order of the samples, whence the classes
     train_samples: int
     val_samples: int
@@ -53,8 +53,8 @@ class Plan:
     epochs: float
     global_batch: int  # workers x --batch-size x --grad-accum: images per optimizer step
     sampler: str
-    normalize: dict  # mean and std per channel, of images scaled to [0, 1]
-    train_size: int  # the side of a training image in pixels: a micro-batch is batch x 3 x this x this
+    normalize: dict | None  # mean and std per channel, of images scaled to [0, 1] (a task of images)
+    train_size: int | None  # the side of a training image in pixels: a micro-batch is batch x 3 x this x this
     train_transform: str  # per image, in the loader (uint8 in, uint8 out)
     batch_transform: str  # per batch, on the training device after the normalisation
     eval_transform: str
@@ -73,7 +73,7 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, val_set, num_classes: int,
+def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, val_set, task: Task,
               model: torch.nn.Module, run_dir: str, layout: Layout | None = None) -> Plan:
     """The plan of cfg on `world` workers, from the datasets and the model (frozen where --freeze says) the run
     trains; a setting that has no effect on them is one line (ConfigError). layout: the one a resumed run's samples
@@ -82,19 +82,16 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
     steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg, layout.grad_accum)
     max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
     epochs = cfg.run.epochs or max_steps / steps_per_epoch
-    mean, std = normalisation(cfg)
-    batch = BatchAugment(cfg.augmentation, num_classes) if BatchAugment.wanted(cfg.augmentation) else None
+    batch, described = task.augment(), task.plan()
     global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
     return Plan(
-        run_dir=run_dir, world_size=world, device=device, precision=precision,
-        source=source_of(cfg, train_set, val_set), train_samples=len(train_set), val_samples=len(val_set),
-        num_classes=num_classes, classes=class_names(train_set), steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        run_dir=run_dir, world_size=world, device=device, precision=precision, task=described,
+        source=task.source(train_set, val_set), train_samples=len(train_set), val_samples=len(val_set),
+        num_classes=len(task.classes), classes=task.classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
-        normalize={"mean": list(mean), "std": list(std)}, train_size=train_size(cfg),
-        train_transform=_transform_of(train_set, cfg), batch_transform=repr(batch) if batch else "none",
-        eval_transform=_transform_of(val_set, cfg),
-        loss=criterion_of(cfg.regularisation.label_smoothing), optimizer=_optimizer(cfg),
+        **task.input_steps(train_set, val_set), batch_transform=repr(batch) if batch else "none",
+        loss=described["loss"], optimizer=_optimizer(cfg),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
@@ -142,16 +139,6 @@ def _optimizer(cfg: Config) -> dict:
             "grad_clip": cfg.optimisation.grad_clip or None}
 
 
-def _transform_of(dataset, cfg: Config) -> str:
-    """The repr of the transform the dataset applies to each image (through its wrappers)."""
-    while dataset is not None:
-        transform = getattr(dataset, "transform", None)
-        if transform is not None:
-            return repr(transform)
-        dataset = getattr(dataset, "source", None)
-    return f"none: images made in memory at {cfg.data.image_size} px"
-
-
 def _weights(cfg: Config) -> dict | None:
     if not cfg.model.weights:
         return None
@@ -187,9 +174,10 @@ def dry_run(cfg: Config, world: int) -> Plan:
         except ConfigError:
             raise ConfigError(f"--dry-run downloads nothing, and CIFAR-10 is not under {cfg.data.data_dir}: run once "
                               f"without --dry-run (with --download) first, or point --data-dir at it") from None
-    train_set, val_set, num_classes = build_datasets(cfg)
+    task = build_task(cfg)
+    train_set, val_set = task.datasets()
     with torch.device("meta"):
-        model = trainable_model(cfg.model, num_classes)
+        model = task.model(cfg.model)
     device = planned_device(cfg)
-    return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, num_classes, model,
+    return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, task, model,
                      launch_run_dir(cfg))

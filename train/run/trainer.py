@@ -20,20 +20,21 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.base.errors import EXIT_DONE, EXIT_STOPPED
 from train.base.watchdog import watchdog
 from train.cluster.distributed import StopSignal, broadcast_from_main, gather
 from train.cluster.identity import identity, is_main
-from train.data import origin, prepare_inputs
-from train.run.validate import evaluate
+from train.data import origin
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
 from train.recipe.augment import batch_seed
 from train.run.checkpointer import capture_rng, restore_rng
 from train.run.health import Diverged, diverged_evaluation
 from train.run.runtime import autocast
+from train.run.validate import evaluate
 
 if TYPE_CHECKING:
     from train.run.build import Parts
@@ -90,13 +91,13 @@ class Trainer:
             batches = self.batches()
             while self.step < max_steps:
                 lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step trains at
-                losses = self.train_step(self.micro_batches(batches))
+                sums, counts = self.train_step(self.micro_batches(batches))
                 self.update_ema()
                 epoch_ended = self.advance()
                 if epoch_ended or cfg.schedule.schedule_unit == "step":
                     parts.scheduler.step()
-                parts.guard.observe(self.step, losses, lr)
-                self.after_step(losses)
+                parts.guard.observe(self.step, sums, lr)
+                self.after_step(sums, counts)
                 if self.stop.agreed() or self.step == cfg.run.stop_at:
                     return self.stop_here("--stop-at" if self.step == cfg.run.stop_at else
                                           self.stop.received or "a stop signal on another rank")
@@ -108,28 +109,45 @@ class Trainer:
         finally:
             parts.metrics.close()
 
-    def train_step(self, micro_batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    def train_step(self, micro_batches: Iterator[tuple]) -> tuple[list[torch.Tensor], list]:
         """One optimizer step: forward and backward over the --grad-accum micro-batches (gradients synchronised on
-        the last only), clip, optimizer and grad scaler. Returns the micro-batches' losses."""
-        parts, opt = self.parts, self.cfg.optimisation
+        the last only), clip, optimizer and grad scaler. The task gives each micro-batch's loss as a sum and a count;
+        each sum is divided by the count of the whole step, every micro-batch on every rank (DDP then averages over
+        the ranks, hence the world size above it): the gradient of the step's mean, as one large batch gives it,
+        whatever the accumulation and the workers. Returns the micro-batches' loss sums and counts."""
+        parts, task, opt = self.parts, self.parts.task, self.cfg.optimisation
         model, scaler = parts.model, parts.scaler
-        losses = []
-        for micro, (x, y) in enumerate(micro_batches):
+        steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
+        scale = self.world / self.step_count(steps) if task.variable_count else None
+        sums, counts = [], []
+        for micro, (x, target) in enumerate(steps):
+            if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
+                scale = 1 / (opt.grad_accum * task.count(target))
             last = micro == opt.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with autocast(self.device, parts.precision):
-                    loss = parts.criterion(model(x), y) / opt.grad_accum
-                scaler.scale(loss).backward()
-            losses.append(loss.detach())
+                    total, count = task.loss(model(x), target)
+                scaler.scale(total * scale).backward()
+            sums.append(total.detach())
+            counts.append(count)
         if opt.grad_clip > 0:
             scaler.unscale_(parts.optimizer)
             torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), opt.grad_clip)
         scaler.step(parts.optimizer)
         scaler.update()
         parts.optimizer.zero_grad(set_to_none=True)
-        return losses
+        return sums, counts
 
-    def micro_batches(self, batches: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def step_count(self, micro_batches: list[tuple]) -> torch.Tensor:
+        """The items the loss of this step sums over, on every rank (an all-reduce of one number on the device: no
+        wait for the host)."""
+        total = sum(torch.as_tensor(self.parts.task.count(target), device=self.device, dtype=torch.float64)
+                    for _, target in micro_batches)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        return total
+
+    def micro_batches(self, batches: Iterator) -> Iterator[tuple]:
         """This step's --grad-accum micro-batches, each augmented as the recipe asks (random erasing, Mixup/CutMix),
         seeded by its position in the run (the laid-out run's rank and micro-batch), not by a random stream."""
         cfg, augment = self.cfg, self.parts.augment
@@ -181,14 +199,12 @@ class Trainer:
         started = time.perf_counter()
         buffers = [b.detach().clone() for b in parts.raw_model.buffers()]
         rng = capture_rng(self.device)
-        size = self.plan.train_size  # a training step's shape: no more memory than one, no compile for another
-        x = torch.zeros(cfg.optimisation.batch_size, 3, size, size, device=self.device)
-        x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+        # the task's batch of a training step's shape: no more memory than one, no compile for another
+        x, target = parts.task.example(cfg.optimisation.batch_size, self.device)
         for _ in range(2 if cfg.model.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
             with autocast(self.device, parts.precision):
-                y = torch.zeros(cfg.optimisation.batch_size, dtype=torch.long, device=self.device)
-                loss = parts.criterion(parts.model(x), y)
-            loss.backward()
+                total, count = parts.task.loss(parts.model(x), target)
+            (total / count).backward()
             parts.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for buffer, saved in zip(parts.raw_model.buffers(), buffers, strict=True):
@@ -201,24 +217,23 @@ class Trainer:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
         spent waiting for each goes into the logging window."""
-        parts, opt, channels_last = self.parts, self.cfg.optimisation, self.cfg.model.channels_last
+        parts, opt = self.parts, self.cfg.optimisation
         while True:
             epoch = self.epoch
             parts.sampler.set_epoch(epoch, start=self.step_in_epoch * opt.grad_accum * opt.batch_size)
             loader = iter(parts.train_loader)
             while self.epoch == epoch:  # until advance() has moved into the next epoch
                 waiting = time.perf_counter()
-                x, y = next(loader)
+                batch = next(loader)
                 parts.window.wait += time.perf_counter() - waiting
-                x = prepare_inputs(x, self.device, channels_last, *parts.norm)
-                yield x, y.to(self.device, non_blocking=True)
+                yield parts.task.inputs(batch, self.device)
 
     # ------------------------------------------------------------ after a step
 
-    def after_step(self, losses: list[torch.Tensor]) -> None:
+    def after_step(self, sums: list[torch.Tensor], counts: list) -> None:
         """The watchdog, the logging window and, once, the time from launch to the first step."""
         watchdog.progress()
-        self.parts.window.add(losses)
+        self.parts.window.add(sums, counts)
         if not self.first_step_logged:  # launch to first optimizer step, start-up included (no sync)
             self.first_step_logged = True
             self.parts.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
@@ -277,14 +292,12 @@ class Trainer:
         with watchdog.during(f"evaluation at step {self.step}"):
             self.last_eval = self.step
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
-            results = {name: evaluate(model, parts.val_loader, self.device, parts.precision,
-                                      self.cfg.model.channels_last, watchdog.progress, top5=self.plan.num_classes > 5,
-                                      norm=parts.norm, label_smoothing=self.cfg.regularisation.label_smoothing)
+            results = {name: evaluate(model, parts.val_loader, parts.task, self.device, parts.precision,
+                                      watchdog.progress)
                        for name, model in models.items()}
         for name, figures in results.items():
-            top5 = f", top-5 {100 * figures['top5']:.2f}%" if "top5" in figures else ""
-            log.info("eval step %d: %sloss %.4f, accuracy %.2f%%%s over %d samples",
-                     self.step, name, figures["loss"], 100 * figures["accuracy"], top5, figures["samples"])
+            log.info("eval step %d: %s%s over %d samples", self.step, name, parts.task.summary(figures),
+                     figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         parts.metrics.write(self.step, "eval", {**result, "criterion": self.plan.loss})
         why = diverged_evaluation(self.step, {name: figures["loss"] for name, figures in results.items()})

@@ -1,0 +1,77 @@
+"""The task seam end to end: a task of the user's in one file (docs/tasks.md's, run as printed), and what the trainer
+guarantees any task (the step's mean over a count that varies, the metric's direction picking best.pt, the records)."""
+
+import json
+import re
+
+import torch
+
+from tests.helpers import PY, REPO, env_for_tests, load_model, metrics, python_cmd, run, status
+
+
+def _printed_task(folder):
+    """docs/tasks.md's task module, as the page prints it, saved where the page says: mytasks/sines.py."""
+    text = (REPO / "docs" / "tasks.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.splitlines()) < 80  # a task in one file, short
+    (folder / "mytasks").mkdir()
+    (folder / "mytasks" / "sines.py").write_text(code)
+    command = re.search(r"PYTHONPATH=\. (python -m train --task .*)", text).group(1)
+    return command.split()[3:]  # the trainer's flags, as printed
+
+
+def test_the_task_of_docs_tasks_md_trains_evaluates_and_exports_as_printed(tmp_path):
+    flags = _printed_task(tmp_path)
+    assert flags[:2] == ["--task", "mytasks.sines:build"] and "--spawn" in flags
+    env = env_for_tests(PYTHONPATH=f"{tmp_path}:{REPO}")
+    run_dir = tmp_path / "run"
+    run(python_cmd(*flags, "--run-dir", run_dir), env=env)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["task"] == {"name": "mytasks.sines:build", "loss": "Sines.loss, summed over the items",
+                            "metric": "rmse", "better": "lower"}
+    evals = metrics(run_dir, "eval")
+    assert [e["step"] for e in evals] == [100, 200, 300] and evals[-1]["rmse"] < evals[0]["rmse"] / 2  # it learns
+    best = min(evals, key=lambda e: e["rmse"])  # the lowest: the metric's direction, not "accuracy"
+    assert status(run_dir)["best"]["step"] == best["step"] and status(run_dir)["best"]["val_rmse"] == best["rmse"]
+    checkpoint = torch.load(run_dir / "checkpoints" / "step_00000300.pt", weights_only=True)
+    assert checkpoint["task"] == {"name": "mytasks.sines:build", "state": {}}  # a checkpoint records its task
+    # A run folder is data, never code: without --task its factory is not imported; with it, the report and export.
+    refused = run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best"], expect=2, env=env)
+    assert refused.stderr.startswith("error: ") and "pass --task mytasks.sines:build" in refused.stderr
+    scored = run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best", "--task", "mytasks.sines:build",
+                  "--spawn", "2"], env=env)  # the run's layout: its evaluation's figures, bit for bit
+    report = json.loads((run_dir / "eval-best.json").read_text())
+    assert report["rmse"] == best["rmse"] and report["samples"] == 512 and "rmse" in scored.stdout
+    run([PY, "-m", "train.export", str(run_dir), "--task", "mytasks.sines:build"], env=env)
+    described = json.loads((run_dir / "model.pt2.json").read_text())
+    assert described["task"] == "mytasks.sines:build" and described["input_shape"] == ["N", 32]
+    program = torch.export.load(run_dir / "model.pt2").module()
+    model = load_model(run_dir)
+    x = torch.randn(5, 32)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 3))
+    net.load_state_dict(model)
+    assert torch.equal(program(x), net(x))  # the exported program is the trained network
+    # A resume under another task, and a flag of the image pipeline, are one line each.
+    other = run(python_cmd("--max-steps", "310", "--run-dir", run_dir), expect=2)
+    assert "--task mytasks.sines:build -> classification" in other.stderr and other.stderr.count("\n") == 1
+    mixup = run(python_cmd(*flags, "--mixup-alpha", "0.2", "--run-dir", tmp_path / "r2"), expect=2, env=env)
+    assert "--mixup-alpha 0.2 has no effect with --task mytasks.sines:build" in mixup.stderr
+    assert not (tmp_path / "r2").exists()
+
+
+def test_accumulation_and_workers_train_on_the_mean_of_a_step_whose_count_varies(tmp_path):
+    """tests.tasks:masked counts only some numbers of each target, a different number per batch: 2 workers x 2
+    micro-batches of 8 train on the same mean as 1 worker x 32, in float64 to rounding (5.6e-17 measured on the
+    weights, 1.8e-15 on the losses), where a mean per micro-batch (each divided by its own count) is off by far more."""
+    common = ["--task", "tests.tasks:masked", "--max-steps", 20, "--log-every", 1, "--eval-every", 10, "--lr", 0.01]
+    split, one = tmp_path / "split", tmp_path / "one"
+    run(python_cmd(*common, "--spawn", 2, "--batch-size", 8, "--grad-accum", 2, "--run-dir", split))
+    run(python_cmd(*common, "--batch-size", 32, "--run-dir", one))
+    a, b = metrics(split, "train"), metrics(one, "train")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 21))
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) < 1e-9, (x["step"], x["loss"], y["loss"])
+    weights, reference = load_model(split), load_model(one)
+    assert all((weights[k] - reference[k]).abs().max() < 1e-9 for k in weights)
+    assert metrics(split, "eval")[-1]["samples"] == metrics(one, "eval")[-1]["samples"] == 128  # each counted once

@@ -1,0 +1,40 @@
+"""The task a run names: --task classification (the default), or package.module:factory, a function of your own that
+takes the Config and returns a Task (docs/tasks.md). As with --model, a run folder is data, never code: a resume, make
+evaluate and make export import a factory only when the command names it again."""
+
+from __future__ import annotations
+
+import importlib
+
+from train.base.errors import ConfigError
+from train.config.settings import Config
+from train.tasks.classification import Classification
+from train.tasks.task import Task
+
+BUILT_IN = {"classification": Classification}
+
+
+def build_task(cfg: Config) -> Task:
+    """The run's task, built once."""
+    name = cfg.run.task
+    if name in BUILT_IN:
+        return BUILT_IN[name](cfg)
+    if ":" not in name:
+        raise ConfigError(f"--task {name!r} is not one of {', '.join(BUILT_IN)} nor package.module:factory: pass one "
+                          f"of those")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"--task {name}: cannot import {module_name} ({e}): check the module path and that it is on "
+                          f"PYTHONPATH") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"--task {name}: {module_name} has no function {attr!r}: name a function that takes the "
+                          f"Config and returns a train.tasks.task.Task")
+    task = factory(cfg)
+    if not isinstance(task, Task):
+        raise ConfigError(f"--task {name} returned a {type(task).__name__}, not a train.tasks.task.Task: make the "
+                          f"factory return one (a subclass of it)")
+    task.name = name
+    return task
