@@ -1,7 +1,8 @@
 """The built-in datasets, made in memory from the seed (no download, no files):
 
 - shapes: 10 classes of procedurally drawn shapes and textures with random position, size, colours and noise.
-  It needs a real model to learn.
+  It needs a real model to learn. For segmentation (make_shape_masks, ShapeMasks) the same shapes with a mask each:
+  the background and the ten shapes.
 - synthetic: random images and labels (1000 classes), for measuring speed: nothing to learn, nothing to load.
 
 The trainer moves them to its device once and cuts batches there (loaders.TensorLoader): batches never wait.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 NUM_SHAPE_CLASSES = 10
@@ -24,9 +25,29 @@ SYNTHETIC_CLASSES = 1000
 SHAPE_CLASSES = ("disk", "square", "ring", "plus", "triangle", "diamond",
                  "h-stripes", "v-stripes", "checker", "x-cross")
 
+# make_shape_masks's shapes lie within this many radii of their centre (the triangle reaches 1.27, the square 1.21)
+CONFINED = 1.3
+
 
 def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n images (uint8, n x 3 x size x size) of 10 classes, a pure function of (n, size, seed)."""
+    images, labels, _ = draw_shapes(n, size, seed, confined=False)
+    return images, labels
+
+
+def make_shape_masks(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shapes for segmentation: n images (uint8, n x 3 x size x size) and their masks (uint8, n x size x size:
+    0 the background, k + 1 the pixels of SHAPE_CLASSES[k]), a pure function of (n, size, seed). The same draws as
+    make_shapes's images of that seed, each shape held within CONFINED radii of its centre: the textures (stripes,
+    checker), which fill make_shapes's whole image, become discs of texture, so every image has background; the
+    other shapes lie within that disc already, their images make_shapes's own."""
+    images, labels, regions = draw_shapes(n, size, seed, confined=True)
+    return images, (regions * (labels + 1).view(n, 1, 1)).to(torch.uint8)
+
+
+def draw_shapes(n: int, size: int, seed: int, confined: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(images, labels, the region each image's shape covers: n x size x size bool), every draw from one generator
+    seeded with `seed`, in one order; confined: each region cut to the disc of CONFINED radii."""
     g = torch.Generator().manual_seed(seed)
 
     def u(*shape):
@@ -58,12 +79,15 @@ def make_shapes(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
         wave(x) ^ wave(y),                                                  # checkerboard
         (((dx - dy).abs() < r * 0.25) | ((dx + dy).abs() < r * 0.25)) & (dist < r * 1.2),  # x-cross
     ], dim=1)
-    mask = masks[torch.arange(n), labels].unsqueeze(1).float()  # n x 1 x H x W
+    region = masks[torch.arange(n), labels]  # n x H x W
+    if confined:
+        region = region & (dist < r * CONFINED)
+    mask = region.unsqueeze(1).float()  # n x 1 x H x W
     fg, bg = u(n, 3, 1, 1), u(n, 3, 1, 1)
     # Keep foreground and background apart in brightness so every image is legible.
     fg = torch.where((fg - bg).abs().mean(1, keepdim=True) < 0.25, 1 - bg, fg)
     images = mask * fg + (1 - mask) * bg + 0.12 * torch.randn(n, 3, size, size, generator=g)
-    return (images.clamp(0, 1) * 255).round().to(torch.uint8), labels
+    return (images.clamp(0, 1) * 255).round().to(torch.uint8), labels, region
 
 
 class ShapesDataset(Dataset):
@@ -82,6 +106,15 @@ class ShapesDataset(Dataset):
 
     def __getitem__(self, index):
         return self.images[index], self.labels[index]
+
+
+class ShapeMasks(TensorDataset):
+    """make_shape_masks's images and masks, items (uint8 3 x H x W image, uint8 H x W mask): the trainer holds them on
+    its device and cuts batches there (loaders.in_memory); a mask's values index `classes`."""
+
+    def __init__(self, n: int, size: int, seed: int):
+        super().__init__(*make_shape_masks(n, size, seed))
+        self.classes = ["background", *SHAPE_CLASSES]
 
 
 class SyntheticDataset(ShapesDataset):
