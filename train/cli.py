@@ -66,6 +66,11 @@ def inert(cfg: Config) -> dict[str, str]:
           "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
          f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
+        (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
+          "ra_magnitude", "augmix_severity", "decode"), cfg.data.dataset == "masks",
+         "with --dataset masks (the loader workers decode each image and its mask and move them together at "
+         "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
+         "resize and centre crop): drop it"),
         (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
@@ -205,8 +210,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def _weights_sizes(cfg: Config, given: dict) -> Config:
     """Named --weights bring their own evaluation transforms (resize R, crop C, interpolation): on image files they
     are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
-    (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win."""
-    if not cfg.model.weights or cfg.data.dataset in BUILT_IN:
+    (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win. --dataset masks reads
+    --image-size alone (train/data/masks.py), as the segmentation weights' own transforms give no crop."""
+    if not cfg.model.weights or cfg.data.dataset in (*BUILT_IN, "masks"):
         return cfg
     own = evaluation_transforms(cfg.model.model, cfg.model.weights)  # torchvision is imported for named weights only
     if own is None:  # a file

@@ -60,9 +60,13 @@ class Data:
                                     "DATA_DIR/val); csv (label files: DATA_DIR/train.csv and val.csv, or .tsv, "
                                     ".jsonl: a path and a label per row); shards (make pack's, or WebDataset tars of "
                                     "another tool); hf (a Hugging Face dataset: save_to_disk's folder, or Parquet "
-                                    "files); synthetic: random images for benchmarks (learns nothing)",
-                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "hf", "synthetic"))
-    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards and hf")
+                                    "files); masks (segmentation: DATA_DIR/train/images/<stem>.jpg, .png, ... and "
+                                    "DATA_DIR/train/masks/<stem>.png, the same under val/, each mask's pixels a class "
+                                    "index or 255, ignored; class names in DATA_DIR/classes.txt, else the values); "
+                                    "synthetic: random images for benchmarks (learns nothing)",
+                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "hf", "masks",
+                                             "synthetic"))
+    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards, hf and masks")
     path_column: str = _field("", "csv: the label files' column of image paths; empty: the first of path, image, "
                                   "file, filename, filepath")
     label_column: str = _field("", "csv: the label files' column of labels (class names, or indices into "

@@ -3,6 +3,8 @@
   shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
   folders     file datasets on disk: an ImageFolder, packed shards (read by offset), CIFAR-10, and their checks
   scan        an ImageFolder split's listing: its classes and images, as torchvision's, links followed and checked
+  masks       images and their segmentation masks on disk (DATA_DIR/<split>/images, masks/), their check, their
+              joint transforms
   labelfiles  label files (train.csv / .tsv / .jsonl: a path and a label per row), classes.txt, their checks
   tars        WebDataset tars of other tools, read by offset as packed shards, their classes and checks
   tarindex    where such tars are, and their index: made once in parallel, cached beside them or in the run folder
@@ -25,6 +27,7 @@ from train.data.hfrows import check_hf
 from train.data.labelfiles import check_labelfiles
 from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names, default_num_workers,
                                 source_of)
+from train.data.masks import check_mask_folder, mask_datasets, mask_transforms
 from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapeMasks, ShapesDataset, make_shape_masks, make_shapes
 from train.data.tars import check_shards
@@ -32,7 +35,7 @@ from train.data.transforms import eval_resize, eval_steps, image_transforms, pre
 
 __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapeMasks", "ShapesDataset", "ShardSampler",
            "ShardSplit", "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_hf",
-           "check_imagefolder", "check_labelfiles", "check_shards", "class_names",
+           "check_imagefolder", "check_labelfiles", "check_mask_folder", "check_shards", "class_names",
            "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms", "load_image",
-           "make_shape_masks", "make_shapes", "packed_with", "prepare_inputs",
+           "make_shape_masks", "make_shapes", "mask_datasets", "mask_transforms", "packed_with", "prepare_inputs",
            "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of", "train_size"]

@@ -1,6 +1,6 @@
 """torchvision, in one place, for the runs that use it: its modules handed out on first use (vision.v2,
-vision.io, vision.datasets, vision.models), and its models' weights by name. The import costs about 1.5 s of a
-process's start-up, and the built-in dataset and model need none of it. No trainbox module but the errors is
+vision.io, vision.datasets, vision.models, vision.tv_tensors), and its models' weights by name. The import costs about
+1.5 s of a process's start-up, and the built-in dataset and model need none of it. No trainbox module but the errors is
 imported here, so the config may ask it for the named weights' sizes while it is parsed.
 
   from train.recipe import vision
@@ -16,7 +16,7 @@ from pathlib import Path
 from train.base.errors import ConfigError
 
 MODULES = {"v2": "torchvision.transforms.v2", "io": "torchvision.io", "datasets": "torchvision.datasets",
-           "models": "torchvision.models"}
+           "models": "torchvision.models", "tv_tensors": "torchvision.tv_tensors"}
 
 
 def __getattr__(name: str):
