@@ -7,6 +7,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m tests.chaos --trials 5 --launchers torchrun --faults kill --workers 4
   python -m tests.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
   python -m tests.chaos --recipe                         the runs with a published recipe's knobs on
+  python -m tests.chaos --task segmentation              the runs of the built-in segmentation task
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -511,6 +512,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
                         help="comma-separated world sizes, even for slurm (half on each node): default 2,4")
     parser.add_argument("--recipe", action="store_true", help="train with a published recipe's knobs on (EMA, "
                         "Mixup/CutMix, random erasing, label smoothing)")
+    parser.add_argument("--task", default="classification", choices=("classification", "segmentation"),
+                        help="the built-in task the runs train (segmentation: the shapes' masks, torchvision's "
+                             "lraspp_mobilenet_v3_large)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
@@ -532,6 +536,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
         problem = f"--out {out} contains whitespace (make's ARGS would split it): choose another folder"
     elif out.exists() and any(out.iterdir()):
         problem = f"{out} is not empty: pass a new --out"
+    elif ns.recipe and ns.task != "classification":
+        problem = "--recipe's knobs (Mixup/CutMix, random erasing, label smoothing) are classification's: drop --task"
     elif ns.reference and (len(sizes) != 1 or not (Path(ns.reference) / "model.pt").is_file()):
         problem = f"--reference {ns.reference}: give the model.pt folder of a finished run and a single --workers"
     else:
@@ -546,9 +552,9 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}, "
-          f"seed {ns.seed}, in {out}", flush=True)
-    extra = RECIPE if ns.recipe else []
+    print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}"
+          f"{' (segmentation)' if ns.task == 'segmentation' else ''}, seed {ns.seed}, in {out}", flush=True)
+    extra = RECIPE if ns.recipe else ["--task", "segmentation"] if ns.task == "segmentation" else []
     references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}

@@ -52,13 +52,22 @@ IMAGE_PIPELINE = ("dataset", "path_column", "label_column", "label_key", "image_
                   "width")
 
 
+# The image pipeline's settings that --task segmentation never reads.
+SEGMENTATION_SKIPS = ("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
+                      "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha",
+                      "label_smoothing", "decode", "width")
+
+
 def inert(cfg: Config) -> dict[str, str]:
     """The settings this config never reads, each with why and the fix: given by a user, they are refused
     (parse_config), never ignored."""
     small = ("--augment cifar" if cfg.augmentation.augment == "cifar"
              else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
     own = ":" in cfg.run.task  # a task of the user's: its own data and model, none of the image pipeline's
+    masks = cfg.run.task == "segmentation"
     rules: list[tuple[tuple[str, ...], bool, str]] = [
+        (SEGMENTATION_SKIPS, masks, "with --task segmentation (its images and masks take the segmentation reference's "
+                                    "joint transforms, its loss no label smoothing, its batches no mixing): drop it"),
         (IMAGE_PIPELINE, own, f"with --task {cfg.run.task} (a task of your own reads its own data: the built-in "
                               f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
                               f"it, or read the setting in your task (docs/tasks.md)"),
@@ -197,6 +206,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if given.get(length) and steps in given:
             raise ConfigError(f"--{flag(length)} and --{flag(steps)} both set the same length: give one of them")
     values = {**PRESETS.get(preset, {}), **file_values, **args}
+    if values.get("task") == "segmentation" and "model" not in given:  # the task's own default network
+        values["model"] = "lraspp_mobilenet_v3_large"
     cfg = Config.from_dict(values)
     cfg.validate()
     cfg = _weights_sizes(cfg, given)

@@ -153,20 +153,20 @@ def evaluate_run(job: Job) -> int:
         finally:
             progress.close()
         if is_main():
-            report(job, cfg, task, source, result)
+            report(job, cfg, task, source, result, task.pictures(model, val_set, device))
         clean = True
         return 0
     finally:
         teardown(clean, cfg.launch.timeout_s)
 
 
-def report(job: Job, cfg: Config, task: Task, source: Path, result: dict) -> None:
+def report(job: Job, cfg: Config, task: Task, source: Path, result: dict, pictures: list) -> None:
     """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary. What
     the record holds beyond the scores, the picture and the summary's lines are the task's (task.report)."""
     scores = {k: v for k, v in result.items() if isinstance(v, (int, float))}
     record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data.data_dir,
               "dataset": cfg.data.dataset, "world_size": identity().world_size, "task": task.name, **scores}
-    figure, lines = task.report(record, result)
+    figure, lines = task.report(record, result, pictures)
     atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())
     picture = job.out.with_suffix(".png")
     from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone

@@ -61,7 +61,7 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:
-        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(task.exportable(model), (example,), dynamic_shapes=({0: batch},))
     except Exception as e:  # noqa: BLE001 - torch.export's errors are many; its first line says why
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         raise ConfigError(f"--model {cfg.model.model} cannot be exported with torch.export ({why}): nothing was "

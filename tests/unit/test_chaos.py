@@ -11,6 +11,8 @@ from tests import chaos
     (["--workers", "2,x"], "error: --workers '2,x': give world sizes"),
     (["--launchers", "torchrun,mpirun"], "error: unknown launcher or fault ['mpirun']"),
     (["--trials", "0"], "(or --trials < 1)"),
+    (["--recipe", "--task", "segmentation"], "error: --recipe's knobs (Mixup/CutMix, random erasing, label smoothing) "
+                                             "are classification's: drop --task"),
 ])
 def test_the_drill_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, expected):
     out = tmp_path / "chaos"

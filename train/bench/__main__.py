@@ -16,6 +16,7 @@ from train.bench.camera import camera_rows
 from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
+from train.bench.pixels import segmentation_rows
 from train.bench.sources import source_rows
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
@@ -125,7 +126,8 @@ def main(argv: list[str]) -> int:
             bars.update(measured)
             return [*loop, *comm_rows(out, size), *exactness, *recipe]
 
-        groups += [trainer_group, lambda: pipeline_rows(out, size, ns.rounds),
+        groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
+                   lambda: pipeline_rows(out, size, ns.rounds),
                    lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
                    lambda: shard_rows(out, size, ns.rounds),
                    lambda: source_rows(out, size, ns.rounds),  # after shard_rows: the same folder

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
-from train.data import make_shapes, prepare_inputs
+from train.data import make_shape_masks, make_shapes, prepare_inputs
 from train.files.rundir import read_metrics
 from train.recipe.models import SmallCNN
 
@@ -42,10 +42,20 @@ def _bare_worker(rank: int, spec: dict) -> None:
     world, started = spec["world"], spec["launched"]
     _init(rank, world, spec["port"], spec["threads"])
     torch.manual_seed(0)
-    images, labels = make_shapes(spec["samples"], spec["image_size"], seed=1)
-    model = DDP(SmallCNN(10, spec["width"]))
+    if spec.get("task") == "segmentation":  # the tutorial loop on torchvision's LRASPP and the shapes' masks
+        images, labels = make_shape_masks(spec["samples"], spec["image_size"], seed=1)
+        labels = labels.long()
+        model = DDP(torchvision.models.get_model("lraspp_mobilenet_v3_large", weights=None, weights_backbone=None,
+                                                 num_classes=11))
+        cross_entropy = nn.CrossEntropyLoss(ignore_index=255)
+
+        def loss_fn(output, target):
+            return cross_entropy(output["out"], target)
+    else:
+        images, labels = make_shapes(spec["samples"], spec["image_size"], seed=1)
+        model = DDP(SmallCNN(10, spec["width"]))
+        loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, fused=True)
-    loss_fn = nn.CrossEntropyLoss()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))[rank::world]
     per_step = len(order) // spec["batch"]
     times, first, window = [], None, time.perf_counter()

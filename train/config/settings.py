@@ -38,8 +38,9 @@ class Run:
                                   "transforms, learning rates, EMA, sampler, precision, weights) as JSON on stdout and "
                                   "exit: no run folder, no download, no training")
     deterministic: bool = _field(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
-    task: str = _field("classification", "what the run trains for: classification (images and class labels), or "
-                                         "package.module:factory, a task of your own (docs/tasks.md)")
+    task: str = _field("classification", "what the run trains for: classification (images and class labels), "
+                                         "segmentation (a class per pixel), or package.module:factory, a task of your "
+                                         "own (docs/tasks.md)")
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ class Model:
     """The network, its starting weights and how it runs."""
 
     model: str = _field("cnn", "cnn (small built-in), a torchvision classification model name, or "
-                               "package.module:factory")
+                               "package.module:factory; --task segmentation: a torchvision segmentation model name "
+                               "(default lraspp_mobilenet_v3_large)")
     weights: str = _field("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
                               "DEFAULT for --model's default; fetched once per node into TORCH_HOME) or a file "
                               "(model.pt, best.pt, a checkpoint, a state_dict); a head of another class count is "

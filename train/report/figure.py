@@ -128,3 +128,47 @@ def save(fig: plt.Figure, path: Path) -> np.ndarray:
     with atomic_file(path, suffix=".png") as tmp:  # imsave reads the format from the name
         plt.imsave(tmp, pixels)
     return pixels
+
+
+def segmentation_title(record: dict) -> str:
+    return (f"{record['run']} · {Path(record['weights']).name} · mIoU {100 * record['miou']:.2f}%, pixel accuracy "
+            f"{100 * record['pixel_accuracy']:.2f}% · {record['samples']} images, loss {record['loss']:.4f}")
+
+
+def segmentation_figure(record: dict, pictures: list) -> plt.Figure:
+    """A segmentation's report: per-class IoU worst first (dashed: the mean) on the left; on the right a few images of
+    the validation set, each with its true mask and the model's, one colour per class (ignored pixels white)."""
+    rows = max(len(pictures), 1)
+    fig = plt.figure(figsize=(15, max(6.0, 2.6 * rows)), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(rows, 4, width_ratios=[6, 3, 3, 3])
+    ax = fig.add_subplot(grid[:, 0])
+    scored = sorted((v, k) for k, v in record["iou"].items() if v is not None)[:WORST_SHOWN]
+    values = [100 * v for v, _ in scored]
+    ax.barh(range(len(scored)), values, color=[plt.cm.RdYlGn(v / 100) for v in values], edgecolor="grey")
+    ax.set_yticks(range(len(scored)), [k for _, k in scored], fontsize=9)
+    ax.invert_yaxis()  # the worst on top
+    ax.set_xlim(0, 100)
+    ax.axvline(100 * record["miou"], color="black", linestyle="--", linewidth=1)
+    ax.set_xlabel(f"IoU of the class (%); dashed: the mean, {100 * record['miou']:.1f}%")
+    ax.set_title("per-class IoU, worst first", fontsize=11)
+    colours = plt.get_cmap("tab20", max(len(record["classes"]), 2))
+    for row, (image, truth, predicted) in enumerate(pictures):
+        for column, (shown, name) in enumerate(((image.permute(1, 2, 0).numpy(), "image"),
+                                                (_coloured(truth, colours), "true mask"),
+                                                (_coloured(predicted, colours), "predicted"))):
+            axis = fig.add_subplot(grid[row, column + 1])
+            axis.imshow(shown, interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+            if row == 0:
+                axis.set_title(name, fontsize=11)
+    fig.suptitle(segmentation_title(record), fontsize=13, fontweight="bold")
+    return fig
+
+
+def _coloured(mask, colours) -> np.ndarray:
+    """A mask as RGB: class k in the colour map's k-th colour, ignored pixels (255) white."""
+    values = np.asarray(mask, dtype=np.int64)
+    rgb = colours(np.where(values == 255, 0, values))[..., :3]
+    rgb[values == 255] = 1.0
+    return rgb

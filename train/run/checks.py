@@ -23,7 +23,7 @@ from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
-from train.recipe.models import check_model_spec, frozen_names
+from train.recipe.models import frozen_names
 from train.recipe.optim import decay_groups
 from train.recipe.weights import fitted, read_weights, resolve
 from train.report.metrics import nvml
@@ -42,7 +42,6 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     task = build_task(cfg)
     # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
     task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
-    check_model_spec(cfg.model)
     check_weights(cfg, task)
     check_decay_groups(cfg, task)
     if cfg.data.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded

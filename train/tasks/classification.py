@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.base.errors import ConfigError
 from train.config.settings import Config, Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
                         class_names, eval_steps, prepare_inputs, preprocessing, source_of, train_size)
 from train.recipe.augment import BatchAugment
-from train.recipe.models import build_model, head_name
+from train.recipe.models import build_model, check_model_spec, head_name
 from train.recipe.weights import normalisation
 from train.tasks.task import Task
 
@@ -68,6 +69,10 @@ class Classification(Task):
             check_shards(root, data.label_key, run_dir)  # those in a folder that cannot be written are indexed)
         if data.dataset == "hf":  # the layout, the columns and every label (the label column alone is read)
             check_hf(root, data.image_column, data.label_column, data.train_split, data.val_split)
+        if data.dataset == "masks":
+            raise ConfigError("--dataset masks holds pixel masks, not class labels: pass --task segmentation, or a "
+                              "dataset of labelled images")
+        check_model_spec(self.cfg.model)
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:
         train_set, val_set, _ = build_datasets(self.cfg, train=train, run_dir=run_dir)
@@ -144,7 +149,7 @@ class Classification(Task):
 
     # ---------------------------------------------------------------- records
 
-    def report(self, record: dict, result: dict) -> tuple:
+    def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:
         """make evaluate's report: per-class accuracy, the most confused pairs and the confusion matrix into the record;
         the figure (train/report/figure.py: the labelled matrix, per-class accuracy worst first, the pairs); the lines
         of the summary."""

@@ -1,4 +1,4 @@
-"""The task a run names: --task classification (the default), or package.module:factory, a function of your own that
+"""The task a run names: --task classification (the default), segmentation, or package.module:factory, a function that
 takes the Config and returns a Task (docs/tasks.md). As with --model, a run folder is data, never code: a resume, make
 evaluate and make export import a factory only when the command names it again."""
 
@@ -9,9 +9,10 @@ import importlib
 from train.base.errors import ConfigError
 from train.config.settings import Config
 from train.tasks.classification import Classification
+from train.tasks.segmentation import Segmentation
 from train.tasks.task import Task
 
-BUILT_IN = {"classification": Classification}
+BUILT_IN = {"classification": Classification, "segmentation": Segmentation}
 
 
 def build_task(cfg: Config) -> Task:

@@ -121,7 +121,12 @@ class Task:
         loss, count = state.tolist()
         return {"loss": loss / count, "samples": int(count)}
 
-    def report(self, record: dict, result: dict) -> tuple:
+    def pictures(self, model: nn.Module, val_set, device: torch.device) -> list:
+        """What make evaluate's report shows of the data beside the figures (segmentation: a few images with their true
+        and predicted masks); rank 0 makes them. The default: none."""
+        return []
+
+    def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:
         """make evaluate's report of `result` (the scores with detail): what the record (eval-<checkpoint>.json) holds
         beyond the scores, added to `record`; a matplotlib figure (its PNG); the summary's lines, the first the
         figures. The default: the scores as a table."""
@@ -134,6 +139,10 @@ class Task:
         return figure, [self.summary(result)]
 
     # ---------------------------------------------------------------- records
+
+    def exportable(self, model: nn.Module) -> nn.Module:
+        """The module make export captures: the network itself (a network whose output is a dict wraps it)."""
+        return model
 
     def export_io(self) -> tuple:
         """make export's (an input of batch 2 on the CPU, {"input": name, "output": name}, what a caller must know of

@@ -1,0 +1,104 @@
+"""--task segmentation end to end on the built-in shapes masks: a run, its evaluation at another world size (each
+pixel scored once), make evaluate's report, and make export as a torch-only program and an ONNX model."""
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tests.e2e.test_export import ONNX_RUNTIME_ONLY, TORCH_ONLY
+from tests.helpers import PY, REPO, assert_bit_identical, make, metrics, python_cmd, run, status
+from tests.unit.test_masks import block_pair, save_pair
+from train.cli import parse_config
+from train.tasks.factory import build_task
+
+# 100 validation images: 3 workers share them unevenly (34, 33, 33).
+SEG = ["--task", "segmentation", "--preset", "debug", "--val-samples", 100, "--max-steps", 20, "--eval-every", 10]
+
+
+def _eager(run_dir, batch):
+    """The run's network (its task's) with model.pt's weights, on a batch as the evaluation feeds it."""
+    task = build_task(parse_config([*map(str, SEG)]))
+    task.describe({"classes": json.loads((run_dir / "classes.json").read_text())})
+    model = task.network(task.cfg.model)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    with torch.no_grad():
+        return model.eval()(batch)["out"]
+
+
+def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships(reference_run, tool_setup, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run(*SEG, workers=2), run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["task"]["name"] == "segmentation" and plan["task"]["metric"] == "miou" and plan["num_classes"] == 11
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"] == "lraspp_mobilenet_v3_large" and config["task"] == "segmentation"  # the task's default
+    evals = metrics(run_dir, "eval")
+    assert [e["samples"] for e in evals] == [100, 100]  # every validation image once, 2 workers
+    assert status(run_dir)["best"]["val_miou"] == max(e["miou"] for e in evals)
+    # The run's model scored again on 1 and on 3 workers: the same pixels counted once, the same confusion matrix.
+    scored = {}
+    for workers in (1, 3):
+        out = tmp_path / f"eval-{workers}.json"
+        proc = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", str(workers), "--out", str(out)])
+        scored[workers] = json.loads(out.read_text())
+        assert "mIoU" in proc.stdout and "lowest IoU:" in proc.stdout
+    one, three = scored[1], scored[3]
+    assert one["confusion"] == three["confusion"] and one["samples"] == three["samples"] == 100
+    assert (one["miou"], one["pixel_accuracy"], one["iou"]) == (three["miou"], three["pixel_accuracy"], three["iou"])
+    assert one["miou"] == evals[-1]["miou"]  # model.pt: the final evaluation's weights
+    assert abs(one["loss"] - three["loss"]) <= 1e-6 * one["loss"]  # float32 sums in another order
+    assert sum(map(sum, one["confusion"])) == 100 * 16 * 16 and len(one["iou"]) == 11  # every pixel labelled here
+    assert (tmp_path / "eval-1.png").stat().st_size > 10_000  # the report: IoU worst first, images and masks
+    # make export: a program that needs torch alone, and ONNX Runtime's model, equal to the eager network.
+    make("export", f"RUN={run_dir}")
+    described = json.loads((run_dir / "model.pt2.json").read_text())
+    assert described["task"] == "segmentation" and described["classes"] == one["classes"]
+    assert described["output"].startswith("N x C x H x W logits")
+    batch = torch.randn(9, 3, 16, 16)
+    torch.save(batch, tmp_path / "batch.pt")
+    run([sys.executable, "-I", "-c", TORCH_ONLY, str(run_dir / "model.pt2"), str(tmp_path / "batch.pt"),
+         str(tmp_path / "out.pt")])
+    program = torch.load(tmp_path / "out.pt")
+    expected = _eager(run_dir, batch)
+    torch.testing.assert_close(program[0], expected, rtol=1e-5, atol=1e-5)  # fp32 tolerance
+    torch.testing.assert_close(program[2], expected[:7], rtol=1e-5, atol=1e-5)  # the batch size is dynamic
+    tool_setup("onnx-setup")
+    make("export", f"RUN={run_dir}", "FORMAT=onnx")
+    np.save(tmp_path / "batch.npy", batch.numpy())
+    served = run([str(REPO / ".venv-onnx" / "bin" / "python"), "-I", "-c", ONNX_RUNTIME_ONLY,
+                  str(run_dir / "model.onnx"), str(tmp_path / "batch.npy"), str(tmp_path / "out.npz")])
+    assert json.loads(served.stdout) == {"input": ["images", ["batch", 3, 16, 16]],
+                                         "output": ["logits", ["batch", 11, 16, 16]]}
+    with np.load(tmp_path / "out.npz") as saved:
+        torch.testing.assert_close(torch.from_numpy(saved["arr_0"]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_stopped_and_resumed_segmentation_run_is_bit_identical(reference_run, tmp_path):
+    """Mid-run, stopped at a checkpoint and resumed on as many workers: the uninterrupted run's bits (CPU)."""
+    run_dir = tmp_path / "resumed"
+    run(python_cmd(*SEG, "--spawn", 2, "--stop-at", 13, "--run-dir", run_dir), expect=75)
+    run(python_cmd(*SEG, "--spawn", 2, "--run-dir", run_dir))
+    assert_bit_identical(run_dir, reference_run(*SEG, workers=2))
+    assert json.loads((run_dir / "plan.json").read_text())["task"]["bit_exact_resume"].startswith("on the CPU")
+
+
+def test_a_folder_of_images_and_masks_trains_and_a_defect_is_one_line_before_any_run_folder(tmp_path):
+    data = tmp_path / "data"
+    for split, count in (("train", 8), ("val", 3)):
+        for i in range(count):
+            save_pair(data, split, f"p{i}", *block_pair(20, 24, offset=i % 3))
+    (data / "classes.txt").write_text("".join(f"c{v}\n" for v in range(60)))
+    flags = ["--task", "segmentation", "--dataset", "masks", "--data-dir", data, "--image-size", 16, "--batch-size", 4,
+             "--max-steps", 4, "--eval-every", 2, "--num-workers", 0]
+    run(python_cmd(*flags, "--run-dir", tmp_path / "run"))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["source"]["kind"] == "masks" and plan["num_classes"] == 60 and plan["train_samples"] == 8
+    assert [e["samples"] for e in metrics(tmp_path / "run", "eval")] == [3, 3] and status(tmp_path / "run")["best"]
+    Image.new("L", (24, 21)).save(data / "val" / "masks" / "p1.png")  # a mask of another size than its image
+    refused = run(python_cmd(*flags, "--run-dir", tmp_path / "refused"), expect=2)
+    assert refused.stderr.count("\n") == 1 and "masks of another size than their image (1): val/masks/p1.png" in \
+        refused.stderr and not (tmp_path / "refused").exists()

@@ -1,0 +1,236 @@
+"""--task segmentation: every pixel gets a class. torchvision's segmentation models, its reference's loss and metric.
+
+  data      --dataset shapes: the built-in shapes with their pixel masks (background and the ten shapes, drawn by the
+            same generator from the seed, no download); --dataset masks: DATA_DIR/{train,val}/images/* with
+            DATA_DIR/{train,val}/masks/<stem>.png, a pixel's value its class, 255 ignored (the VOC/Cityscapes
+            convention; train/data/masks.py, its checks before any worker starts)
+  model     torchvision's segmentation models by name (--model lraspp_mobilenet_v3_large, the default;
+            deeplabv3_mobilenet_v3_large, fcn_resnet50, ...), built without a download (no backbone weights), with
+            their auxiliary head where they have one; the head: their classifier
+  loss      cross-entropy over the labelled pixels (ignore index 255), summed, plus 0.5 x the auxiliary head's, as
+            torchvision's references/segmentation trains; counted in labelled pixels, which vary from batch to batch:
+            the trainer divides by the labelled pixels of the whole step, on every rank
+  metric    mean IoU picks best.pt; the state: the loss sum, the labelled pixels, the images and the confusion matrix
+            of the labelled pixels (rows: the true class), from which the pixel accuracy, the per-class IoU and their
+            mean are computed as the reference's ConfusionMatrix does, but for one thing: a class absent from both the
+            truth and the predictions of the whole validation set has no IoU and stays out of the mean (the
+            reference's mean is then NaN)
+  CUDA      the models' upsampling and pooling have no deterministic CUDA backward (pytorch #149130): --deterministic
+            on a GPU is refused, and a resumed run on CUDA equals an uninterrupted one to rounding, not bit for bit;
+            on the CPU it is exact
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.base.errors import ConfigError
+from train.config.settings import Config, Model
+from train.data import prepare_inputs
+from train.data.masks import check_mask_folder, mask_datasets
+from train.data.shapes import ShapeMasks
+from train.recipe import vision
+from train.recipe.weights import normalisation
+from train.tasks.task import Task
+
+IGNORE = 255  # a pixel of this value counts for nothing: torchvision's references/segmentation
+DEFAULT_MODEL = "lraspp_mobilenet_v3_large"
+WITH_AUX = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50",
+            "fcn_resnet101")  # an auxiliary head, trained at 0.5 as the reference trains it
+STAND_IN_CLASSES = 21  # before the data is read (the checks on the meta device): VOC's count
+
+
+def models() -> list[str]:
+    """torchvision's segmentation models by name."""
+    return vision.models.list_models(module=vision.models.segmentation)
+
+
+class Segmentation(Task):
+    name = "segmentation"
+    metric = "miou"
+    higher_is_better = True
+    variable_count = True  # the labelled pixels of a batch
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.norm = normalisation(cfg)
+        self._norm_on: dict = {}
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes) or STAND_IN_CLASSES
+
+    # ---------------------------------------------------------------- data and model
+
+    def check(self, run_dir=None) -> None:
+        cfg = self.cfg
+        if cfg.data.dataset not in ("shapes", "masks"):
+            raise ConfigError(f"--dataset {cfg.data.dataset} holds no pixel masks: --task segmentation trains on "
+                              f"--dataset shapes (built in) or masks (DATA_DIR/train/images and DATA_DIR/train/masks, "
+                              f"and the same under val/)")
+        if cfg.model.model not in models():
+            raise ConfigError(f"--model {cfg.model.model} is not a segmentation model of torchvision: pass one of "
+                              f"{', '.join(models())} (default {DEFAULT_MODEL})")
+        if cfg.model.weights:
+            raise ConfigError(f"--weights {cfg.model.weights} with --task segmentation: starting weights are not yet "
+                              f"taken for segmentation models (their head is a convolution of the class count): drop "
+                              f"--weights")
+        if cfg.run.deterministic and cfg.launch.device != "cpu" and torch.cuda.is_available():
+            raise ConfigError("--deterministic with --task segmentation on a GPU: the models' upsampling and pooling "
+                              "have no deterministic CUDA backward (pytorch #149130): drop --deterministic (a resume "
+                              "on CUDA then equals an uninterrupted run to rounding), or train on --device cpu")
+        if cfg.data.dataset == "masks":
+            check_mask_folder(Path(cfg.data.data_dir))
+
+    def datasets(self, run_dir=None, train: bool = True) -> tuple:
+        cfg = self.cfg
+        if cfg.data.dataset == "shapes":
+            size, seed = cfg.data.image_size, cfg.run.seed
+            train_set = ShapeMasks(cfg.data.train_samples, size, seed * 2 + 1) if train else None
+            val_set = ShapeMasks(cfg.data.val_samples, size, seed * 2 + 2)
+        else:
+            train_set, val_set = mask_datasets(cfg, train)
+        self.description = {"classes": list((train_set if train_set is not None else val_set).classes)}
+        return train_set, val_set
+
+    def network(self, spec: Model) -> nn.Module:
+        aux = {"aux_loss": True} if spec.model in WITH_AUX else {}
+        return vision.models.get_model(spec.model, weights=None, weights_backbone=None, num_classes=self.num_classes,
+                                       **aux)
+
+    def head(self, model: nn.Module) -> str:
+        return "classifier"
+
+    # ---------------------------------------------------------------- a step
+
+    def normalisation_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._norm_on:
+            self._norm_on[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in self.norm)
+        return self._norm_on[device]
+
+    def inputs(self, batch, device: torch.device) -> tuple:
+        x, mask = batch
+        x = prepare_inputs(x, device, self.cfg.model.channels_last, *self.normalisation_on(device))
+        return x, mask.to(device, non_blocking=True).long()
+
+    def loss(self, output: dict, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = F.cross_entropy(output["out"], target, ignore_index=IGNORE, reduction="sum")
+        if "aux" in output:
+            total = total + 0.5 * F.cross_entropy(output["aux"], target, ignore_index=IGNORE, reduction="sum")
+        return total, self.count(target)
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != IGNORE).sum()
+
+    def example(self, batch_size: int, device: torch.device) -> tuple:
+        size = self.cfg.data.image_size
+        x = torch.zeros(batch_size, 3, size, size, device=device)
+        x = x.contiguous(memory_format=torch.channels_last) if self.cfg.model.channels_last else x
+        return x, torch.zeros(batch_size, size, size, dtype=torch.long, device=device)
+
+    # ---------------------------------------------------------------- evaluation
+
+    def metric_state(self, device: torch.device, detail: bool = False) -> torch.Tensor:
+        """The loss sum, the labelled pixels, the images, then the C x C confusion matrix (rows: the true class)."""
+        return torch.zeros(3 + self.num_classes ** 2, dtype=torch.float64, device=device)
+
+    def update(self, state: torch.Tensor, output: dict, target: torch.Tensor) -> None:
+        output = {k: v.float() for k, v in output.items()}
+        total, count = self.loss(output, target)
+        n = self.num_classes
+        labelled = (target >= 0) & (target < n)  # the reference's ConfusionMatrix: 255 and stray values left out
+        cells = n * target[labelled] + output["out"].argmax(1)[labelled]
+        state[0] += total
+        state[1] += count
+        state[2] += len(target)
+        state[3:] += torch.bincount(cells, minlength=n * n).to(state.dtype)
+
+    def scores(self, state: torch.Tensor, detail: bool = False) -> dict:
+        total, count, images = state[:3].tolist()
+        n = self.num_classes
+        h = state[3:].view(n, n)
+        diagonal = h.diag()
+        union = h.sum(1) + h.sum(0) - diagonal
+        iou = [(d / u) if u else math.nan for d, u in zip(diagonal.tolist(), union.tolist(), strict=True)]
+        seen = [v for v in iou if not math.isnan(v)]
+        scores = {"loss": total / count if count else math.nan, "miou": sum(seen) / len(seen) if seen else math.nan,
+                  "pixel_accuracy": (diagonal.sum() / h.sum()).item() if h.sum() else math.nan,
+                  "samples": int(images)}
+        if detail:
+            scores["iou"] = {name: (None if math.isnan(v) else v) for name, v in zip(self.classes, iou, strict=True)}
+            scores["confusion"] = h.long().cpu().tolist()
+        return scores
+
+    def summary(self, scores: dict) -> str:
+        return (f"loss {scores['loss']:.4f}, mIoU {100 * scores['miou']:.2f}%, pixel accuracy "
+                f"{100 * scores['pixel_accuracy']:.2f}%")
+
+    # ---------------------------------------------------------------- records
+
+    def plan(self) -> dict:
+        aux = " + 0.5 x the auxiliary head's" if self.cfg.model.model in WITH_AUX else ""
+        return {**super().plan(), "loss": f"CrossEntropyLoss(ignore_index={IGNORE}){aux}, summed over the labelled "
+                                          f"pixels, divided by those of the step",
+                "bit_exact_resume": "on the CPU; on CUDA to rounding only (upsampling and pooling have no "
+                                    "deterministic CUDA backward)"}
+
+    def source(self, train_set, val_set) -> dict:
+        if self.cfg.data.dataset == "shapes":
+            return {"kind": "shapes masks", "order": "made in memory from the seed", "classes_from": "the shapes"}
+        return {"kind": "masks", **{k: v for k, v in val_set.describe().items() if k != "kind"}}
+
+    def input_steps(self, train_set, val_set) -> dict:
+        mean, std = self.norm
+        def transform(dataset) -> str:
+            return repr(getattr(dataset, "transform", None) or "none: images and masks made in memory")
+        return {"normalize": {"mean": list(mean), "std": list(std)}, "train_size": self.cfg.data.image_size,
+                "train_transform": transform(train_set), "eval_transform": transform(val_set)}
+
+    def exportable(self, model: nn.Module) -> nn.Module:
+        return _Logits(model)
+
+    def export_io(self) -> tuple:
+        size = self.cfg.data.image_size
+        mean, std = self.norm
+        return torch.zeros(2, 3, size, size), {"input": "images", "output": "logits"}, {
+            "image_size": size, "output": "N x C x H x W logits: a pixel's class is the argmax over C",
+            "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
+            "layout": "N x 3 x H x W float32", "classes": self.classes, "ignore_index": IGNORE}
+
+    def pictures(self, model: nn.Module, val_set, device: torch.device, count: int = 4) -> list[tuple]:
+        """make evaluate's report: the first images of the validation set, with their true and predicted masks."""
+        shown = []
+        model.eval()
+        with torch.inference_mode():
+            for i in range(min(count, len(val_set))):
+                image, mask = val_set[i]
+                x, _ = self.inputs((image[None], mask[None]), device)
+                shown.append((image, mask, model(x)["out"].argmax(1)[0].cpu()))
+        return shown
+
+    def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:
+        """Per-class IoU, worst first, and the pictures: each image beside its true and its predicted mask."""
+        from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
+
+        record.update({"iou": result["iou"], "classes": self.classes, "confusion": result["confusion"]})
+        return figures.segmentation_figure(record, pictures or []), [
+            f"loss {result['loss']:.4f}, mIoU {100 * result['miou']:.2f}%, pixel accuracy "
+            f"{100 * result['pixel_accuracy']:.2f}%",
+            "lowest IoU: " + ", ".join(f"{k} {100 * v:.1f}%" for v, k in sorted(
+                (v, k) for k, v in result["iou"].items() if v is not None)[:5])]
+
+
+class _Logits(nn.Module):
+    """A segmentation model as make export ships it: images in, the main head's logits out (no dict, no aux)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["out"]
