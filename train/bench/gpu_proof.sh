@@ -11,8 +11,8 @@
 # then real JPEGs the bench makes, decoded by the loader workers and by --decode gpu, against that (target >= 0.90
 # for the better), and the per-step cost of --model-ema and Mixup/CutMix on the GPU; (3) an exact resume on the
 # one GPU at a 4-worker-equivalent global batch (--grad-accum 4, --deterministic): stopped and resumed, model.pt
-# bit-identical to the uninterrupted run. OUT/gpu_proof.json holds each step's result with the device, the date
-# and the commit; OUT/bench/bench.json and OUT/gpu-tests.xml the details.
+# bit-identical to the uninterrupted run; (4) a --task segmentation run on the GPU. OUT/gpu_proof.json holds each
+# step's result with the device, the date and the commit; OUT/bench/bench.json and OUT/gpu-tests.xml the details.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?give the output folder: bash train/bench/gpu_proof.sh OUT [--dry-run]}
@@ -79,4 +79,7 @@ else
   note exact-resume "$([ $? -eq 0 ] && echo ok || echo failed)" $((SECONDS - started)) \
     "$(tail -c 300 "$OUT/exact-resume.log" | tr '\n' ' ')"
 fi
+# --task segmentation on the GPU: torchvision's LRASPP in bf16 on the shapes' masks, evaluated at every 50 steps.
+step segmentation 90 "$PY" -m train --task segmentation --device cuda --max-steps 100 --eval-every 50 \
+  --run-dir "$OUT/segmentation"
 cat "$RESULT"
