@@ -64,20 +64,14 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") ->
     except (TypeError, ConfigError) as e:  # a key this version does not know
         raise ConfigError(f"{run_dir / 'config.json'} cannot be read as a trainbox config ({str(e)[:120]}): pass the "
                           f"folder a run trained in (runs/<name>)") from None
-    trained = cfg.model.model
-    if ":" in trained and model != trained:
-        given = f"--model {model} does not name it" if model else "its factory would be imported and run"
-        raise ConfigError(f"{run_dir} was trained with --model {trained}, code outside trainbox, and {given}: pass "
-                          f"--model {trained} (MODEL= with make) if you trust that module")
-    if model and model != trained:
-        raise ConfigError(f"--model {model}: {run_dir} was trained with --model {trained}: pass that, or no --model")
-    trained_task = cfg.run.task
-    if ":" in trained_task and task != trained_task:
-        given = f"--task {task} does not name it" if task else "its factory would be imported and run"
-        raise ConfigError(f"{run_dir} was trained with --task {trained_task}, code outside trainbox, and {given}: pass "
-                          f"--task {trained_task} (TASK= with make) if you trust that module")
-    if task and task != trained_task:
-        raise ConfigError(f"--task {task}: {run_dir} was trained with --task {trained_task}: pass that, or no --task")
+    for flag, trained, given in (("model", cfg.model.model, model), ("task", cfg.run.task, task)):
+        if ":" in trained and given != trained:
+            why = f"--{flag} {given} does not name it" if given else "its factory would be imported and run"
+            raise ConfigError(f"{run_dir} was trained with --{flag} {trained}, code outside trainbox, and {why}: pass "
+                              f"--{flag} {trained} ({flag.upper()}= with make) if you trust that module")
+        if given and given != trained:
+            raise ConfigError(f"--{flag} {given}: {run_dir} was trained with --{flag} {trained}: pass that, or no "
+                              f"--{flag}")
     path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
     if not path.is_file():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",

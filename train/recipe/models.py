@@ -52,19 +52,21 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
-def _user_factory(spec: str):
+def user_factory(spec: str, flag: str = "--model", takes: str = "num_classes and returns an nn.Module"):
+    """The function `package.module:factory` names (--model's, --task's), imported: a module that cannot be imported,
+    a name it lacks or something not callable is one line."""
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"--model {spec}: cannot import {module_name} ({e}): check the module path and "
+        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({e}): check the module path and "
                           f"that it is on PYTHONPATH") from None
     factory = getattr(module, attr, None)
     if factory is None:
-        raise ConfigError(f"--model {spec}: {module_name} has no attribute {attr!r}: name a function in it")
+        raise ConfigError(f"{flag} {spec}: {module_name} has no attribute {attr!r}: name a function in it")
     if not callable(factory):
-        raise ConfigError(f"--model {spec}: {attr} is a {type(factory).__name__}, not callable: "
-                          f"name a function that takes num_classes and returns an nn.Module")
+        raise ConfigError(f"{flag} {spec}: {attr} is a {type(factory).__name__}, not callable: "
+                          f"name a function that takes {takes}")
     return factory
 
 
@@ -73,7 +75,7 @@ def build_model(spec: Model, num_classes: int) -> nn.Module:
     if spec.model == "cnn":
         return SmallCNN(num_classes, spec.width)
     if ":" in spec.model:
-        model = _user_factory(spec.model)(num_classes=num_classes)
+        model = user_factory(spec.model)(num_classes=num_classes)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
                               f"factory return a torch.nn.Module")
@@ -138,7 +140,7 @@ def _stay_in_eval(module: nn.Module, _inputs) -> None:
 def check_model_spec(spec: Model) -> None:
     """Fail early (before workers start) on a --model that cannot be built."""
     if ":" in spec.model:
-        _user_factory(spec.model)
+        user_factory(spec.model)
     elif spec.model != "cnn":
         _torchvision_models(spec.model)
 

@@ -22,22 +22,17 @@ from torch import nn
 from train.base.errors import ConfigError
 from train.config.settings import Config, Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
-                        class_names, eval_steps, prepare_inputs, preprocessing, source_of, train_size)
+                        class_names, eval_steps, preprocessing, source_of, train_size)
 from train.recipe.augment import BatchAugment
 from train.recipe.models import build_model, check_model_spec, head_name
-from train.recipe.weights import normalisation
-from train.tasks.task import Task
-
-# Before the data is read (the checks that build the model on the meta device), a classifier of this many classes.
-STAND_IN_CLASSES = 1000
-
+from train.tasks.inputs import ImageTask
 
 def criterion_of(label_smoothing: float) -> str:
     """The loss a run trains with and its evaluations report (plan.json's "loss", the evaluation records' criterion)."""
     return f"CrossEntropyLoss(label_smoothing={label_smoothing})"
 
 
-class Classification(Task):
+class Classification(ImageTask):
     name = "classification"
     metric = "accuracy"
     higher_is_better = True
@@ -45,12 +40,6 @@ class Classification(Task):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.label_smoothing = cfg.regularisation.label_smoothing
-        self.norm = normalisation(cfg)
-        self._norm_on: dict = {}
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes) or STAND_IN_CLASSES
 
     # ---------------------------------------------------------------- data and model
 
@@ -87,16 +76,9 @@ class Classification(Task):
 
     # ---------------------------------------------------------------- a step
 
-    def normalisation_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input's mean and std as 1 x 3 x 1 x 1 tensors on the device (made once per device)."""
-        if device not in self._norm_on:
-            self._norm_on[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in self.norm)
-        return self._norm_on[device]
-
     def inputs(self, batch, device: torch.device) -> tuple:
         x, y = batch
-        x = prepare_inputs(x, device, self.cfg.model.channels_last, *self.normalisation_on(device))
-        return x, y.to(device, non_blocking=True)
+        return self.images(x, device), y.to(device, non_blocking=True)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
         total = F.cross_entropy(output, target, reduction="sum", label_smoothing=self.label_smoothing)

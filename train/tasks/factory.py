@@ -4,10 +4,9 @@ evaluate and make export import a factory only when the command names it again."
 
 from __future__ import annotations
 
-import importlib
-
 from train.base.errors import ConfigError
 from train.config.settings import Config
+from train.recipe.models import user_factory
 from train.tasks.classification import Classification
 from train.tasks.segmentation import Segmentation
 from train.tasks.task import Task
@@ -23,17 +22,7 @@ def build_task(cfg: Config) -> Task:
     if ":" not in name:
         raise ConfigError(f"--task {name!r} is not one of {', '.join(BUILT_IN)} nor package.module:factory: pass one "
                           f"of those")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"--task {name}: cannot import {module_name} ({e}): check the module path and that it is on "
-                          f"PYTHONPATH") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"--task {name}: {module_name} has no function {attr!r}: name a function that takes the "
-                          f"Config and returns a train.tasks.task.Task")
-    task = factory(cfg)
+    task = user_factory(name, "--task", "the Config and returns a train.tasks.task.Task")(cfg)
     if not isinstance(task, Task):
         raise ConfigError(f"--task {name} returned a {type(task).__name__}, not a train.tasks.task.Task: make the "
                           f"factory return one (a subclass of it)")

@@ -30,19 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.base.errors import ConfigError
-from train.config.settings import Config, Model
-from train.data import prepare_inputs
+from train.config.settings import Model
 from train.data.masks import check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
 from train.recipe import vision
-from train.recipe.weights import normalisation
-from train.tasks.task import Task
+from train.tasks.inputs import ImageTask
 
 IGNORE = 255  # a pixel of this value counts for nothing: torchvision's references/segmentation
 DEFAULT_MODEL = "lraspp_mobilenet_v3_large"
 WITH_AUX = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50",
             "fcn_resnet101")  # an auxiliary head, trained at 0.5 as the reference trains it
-STAND_IN_CLASSES = 21  # before the data is read (the checks on the meta device): VOC's count
 
 
 def models() -> list[str]:
@@ -50,20 +47,12 @@ def models() -> list[str]:
     return vision.models.list_models(module=vision.models.segmentation)
 
 
-class Segmentation(Task):
+class Segmentation(ImageTask):
     name = "segmentation"
     metric = "miou"
     higher_is_better = True
     variable_count = True  # the labelled pixels of a batch
-
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.norm = normalisation(cfg)
-        self._norm_on: dict = {}
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes) or STAND_IN_CLASSES
+    stand_in_classes = 21  # before the data is read: VOC's count
 
     # ---------------------------------------------------------------- data and model
 
@@ -108,15 +97,9 @@ class Segmentation(Task):
 
     # ---------------------------------------------------------------- a step
 
-    def normalisation_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._norm_on:
-            self._norm_on[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in self.norm)
-        return self._norm_on[device]
-
     def inputs(self, batch, device: torch.device) -> tuple:
         x, mask = batch
-        x = prepare_inputs(x, device, self.cfg.model.channels_last, *self.normalisation_on(device))
-        return x, mask.to(device, non_blocking=True).long()
+        return self.images(x, device), mask.to(device, non_blocking=True).long()
 
     def loss(self, output: dict, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = F.cross_entropy(output["out"], target, ignore_index=IGNORE, reduction="sum")
