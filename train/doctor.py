@@ -18,7 +18,6 @@ import sys
 import time
 from datetime import timedelta
 
-import pynvml
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,7 +27,7 @@ from train.cluster.cuda_driver import MIN_DRIVER, driver_problem
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
 from train.cluster.identity import usable_cores
-from train.report.metrics import nvml
+from train.report.metrics import nvml_read
 from train.run import checks
 
 
@@ -45,11 +44,7 @@ def report(status: str, check: str, detail: str) -> None:
 
 
 def driver_version() -> str | None:
-    lib = nvml()
-    try:
-        return lib.nvmlSystemGetDriverVersion() if lib else None
-    except pynvml.NVMLError:
-        return None
+    return nvml_read("nvmlSystemGetDriverVersion")
 
 
 def check_software() -> None:

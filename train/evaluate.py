@@ -101,6 +101,18 @@ def check_finite(state, path: Path, run_dir: Path) -> None:
                               f"again with a lower --lr")
 
 
+def network_of(task: Task, cfg: Config, state: dict, source: Path) -> torch.nn.Module:
+    """The run's network (its task's) with the weights `state` read from `source`: weights of another network are one
+    line."""
+    model = task.network(cfg.model)
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
+                          f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
+    return model
+
+
 @dataclass
 class Job:
     run_dir: Path
@@ -129,12 +141,7 @@ def evaluate_run(job: Job) -> int:
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set with the run's class folders")
         loader = build_val_loader(cfg, val_set, ident.global_rank, ident.world_size, device.type == "cuda", device)
-        model = task.network(cfg.model)
-        try:
-            model.load_state_dict(state)
-        except (RuntimeError, KeyError) as e:
-            raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
-                              f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
+        model = network_of(task, cfg, state, source)
         model.to(device)
         if cfg.model.channels_last:
             model.to(memory_format=torch.channels_last)

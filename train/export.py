@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError, end_process, fail
-from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, renamed
+from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, network_of, renamed
 from train.files.rundir import atomic_file, atomic_write, move_into_place, to_json
 from train.tasks.factory import build_task
 
@@ -51,13 +51,7 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec, task_spec)
     task = build_task(cfg)
     task.describe({"classes": classes})
-    model = task.network(cfg.model)
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
-                          f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
-    model.eval()
+    model = network_of(task, cfg, state, source).eval()
     example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:

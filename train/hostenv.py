@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from train.cluster.cuda_driver import driver_problem
+from train.cluster.jobs import split_run_dir
 
 GPU_COMPOSE = "docker-compose.yml:docker/compose.gpu.yml"
 CPU_COMPOSE = "docker-compose.yml"
@@ -163,13 +164,9 @@ def writable_by(path: Path, uid: int, gid: int) -> bool:
 
 
 def run_folder(runs_dir: Path, trainer_args: list[str]) -> Path | None:
-    """The host folder of the run that trainer_args name with --run-dir under the runs volume, if any."""
-    run_dir = None
-    for i, arg in enumerate(trainer_args):
-        if arg == "--run-dir" and i + 1 < len(trainer_args):
-            run_dir = trainer_args[i + 1]
-        elif arg.startswith("--run-dir="):
-            run_dir = arg.partition("=")[2]
+    """The host folder of the run that trainer_args name with --run-dir (or their --config file's run_dir) under the
+    runs volume, if any: the trainer's own reading of them (train/cluster/jobs.py)."""
+    run_dir = split_run_dir(trainer_args)[0]
     if not run_dir:
         return None
     for inside in ("runs/", "/opt/trainbox/runs/", "./runs/"):

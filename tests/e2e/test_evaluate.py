@@ -43,20 +43,31 @@ def test_make_evaluate_equals_the_final_evaluation_of_one_process(tmp_path):
 
 
 def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
-    """255 validation images on 2 workers (128 + 127, no padding): the 2-worker run's figures, from either
-    launcher; best.pt scored the same way."""
+    """253 validation images on 2 workers (127 + 126, no padding): the 2-worker run's figures, from either
+    launcher; best.pt scored the same way; on 3 workers (85 + 84 + 84) and on 1, the same counts."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--val-samples", 255, "--spawn", 2, "--run-dir", run_dir))
+    run(python_cmd(*DEBUG, "--val-samples", 253, "--spawn", 2, "--run-dir", run_dir))
     run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.evaluate",
          str(run_dir)])
     report = json.loads((run_dir / "eval-model.json").read_text())
-    assert report["samples"] == 255 and report["world_size"] == 2
+    assert report["samples"] == 253 and report["world_size"] == 2
     _equal_to_the_final_evaluation(run_dir, report)
     run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best", "--spawn", "2"])
     best = json.loads((run_dir / "eval-best.json").read_text())
     recorded = status(run_dir)["best"]
     assert (best["loss"], best["accuracy"], best["samples"]) == \
         (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"])
+    # 3 workers share the 253 images unevenly, 1 takes them all: the same images counted once, the same counts.
+    counted = {}
+    for workers in (1, 3):
+        out = tmp_path / f"eval-{workers}.json"
+        run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", str(workers), "--out", str(out)])
+        counted[workers] = json.loads(out.read_text())
+    one, three = counted[1], counted[3]
+    assert (one["accuracy"], one["top5"], one["samples"], one["confusion"]) == \
+        (three["accuracy"], three["top5"], three["samples"], three["confusion"]) == \
+        (report["accuracy"], report["top5"], 253, report["confusion"])
+    assert abs(one["loss"] - three["loss"]) <= 1e-6 * one["loss"]  # float32 sums in another order
 
 
 def test_make_evaluate_weights_best_scores_the_best_evaluation_not_the_last(reference_run, tmp_path):

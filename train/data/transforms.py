@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from train.config.settings import Augmentation, Config, recipe
+from train.config.settings import BUILT_IN, Augmentation, Config, recipe
 from train.recipe import vision
 from train.recipe.weights import MEAN, STD
 
@@ -88,7 +88,7 @@ def eval_steps(cfg: Config) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
     / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
     (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
-    files = cfg.data.dataset not in ("shapes", "synthetic")
+    files = cfg.data.dataset not in BUILT_IN
     if not files or recipe(cfg) != "imagenet":
         return cfg.data.image_size, cfg.data.image_size, "bilinear"
     crop = cfg.augmentation.val_crop_size or cfg.data.image_size

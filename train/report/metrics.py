@@ -72,6 +72,16 @@ def nvml():
     return pynvml
 
 
+def nvml_read(read: str, *args):
+    """pynvml's `read` (a function's name, nvmlDeviceGetCount say) of the driver, or None without one or where the
+    driver refuses."""
+    lib = nvml()
+    try:
+        return getattr(lib, read)(*args) if lib else None
+    except pynvml.NVMLError:
+        return None
+
+
 @dataclass(frozen=True)
 class NvmlDevice:
     """Where NVML finds one CUDA device: a whole GPU, or a MIG slice of one."""

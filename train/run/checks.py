@@ -11,14 +11,13 @@ import os
 import socket
 from pathlib import Path
 
-import pynvml
 import torch
 
 from train.base.errors import ConfigError
 from train.cluster.identity import Identity, alone_fix, launch_variables, resolve_identity
 from train.cluster.jobs import port_problem
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
-from train.config.settings import Config
+from train.config.settings import BUILT_IN, Config
 from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
@@ -26,7 +25,7 @@ from train.files.rundir import read_config, read_json, run_dir_problem
 from train.recipe.models import frozen_names
 from train.recipe.optim import decay_groups
 from train.recipe.weights import fitted, read_weights, resolve
-from train.report.metrics import nvml
+from train.report.metrics import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.tasks.factory import build_task
 from train.tasks.task import Task
@@ -44,7 +43,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
     check_weights(cfg, task)
     check_decay_groups(cfg, task)
-    if cfg.data.dataset in ("shapes", "synthetic"):  # file datasets are counted by the workers, once loaded
+    if cfg.data.dataset in BUILT_IN and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
         check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
     port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \
@@ -221,11 +220,7 @@ def check_run_dir(cfg: Config, run_dir: Path, world: int = 1) -> None:
 
 def host_gpu_count() -> int | None:
     """GPUs the driver has, whatever CUDA_VISIBLE_DEVICES says (NVML); None without an NVIDIA driver."""
-    lib = nvml()
-    try:
-        return lib.nvmlDeviceGetCount() if lib else None
-    except pynvml.NVMLError:
-        return None
+    return nvml_read("nvmlDeviceGetCount")
 
 
 def visible_devices_problem(value: str | None, host_gpus: int | None) -> str | None:

@@ -83,6 +83,16 @@ class DivergenceGuard:
         return f"the run diverged: by step {step} its weights (or their running statistics) were no longer finite"
 
 
+def diverged_line(why: str, grad_clip: float, precision: str, kept: str | None) -> str:
+    """The one line of a diverged run: `why`, what to try (a lower rate, clipping, a wider precision) and where to start
+    again (kept: the run's newest checkpoint, which a save made only once every rank knew its weights finite)."""
+    clip = "--grad-clip 1.0" if not grad_clip else f"a --grad-clip below {grad_clip:g}"
+    other = {"fp16": ", --precision bf16 or fp32", "bf16": ", --precision fp32"}.get(precision, "")
+    start = (f"--weights {kept} starts it from this run's newest checkpoint, which is finite" if kept else
+             "this run saved no checkpoint")
+    return f"{why}; a restart cannot mend that: try a lower --lr, {clip}{other}, in a new --run-dir ({start})"
+
+
 def diverged_evaluation(step: int, losses: dict[str, float]) -> str | None:
     """Why an evaluation at `step` shows a diverged model (losses: each evaluated model's validation loss, by its name
     in the log, "" or "EMA "), or None. Every rank holds the same all-reduced figures: all decide alike, with no

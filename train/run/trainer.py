@@ -32,7 +32,7 @@ from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
 from train.recipe.augment import batch_seed
 from train.run.checkpointer import capture_rng, restore_rng
-from train.run.health import Diverged, diverged_evaluation
+from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast
 from train.run.validate import evaluate
 
@@ -84,7 +84,7 @@ class Trainer:
         try:
             if self.eval_owed:  # stopped at an evaluation step before evaluating
                 self.evaluate()
-            if cfg.run.stop_at and self.resumed_from is not None and cfg.run.stop_at <= self.step < max_steps:
+            if self.resumed_from is not None and self.stop_reached(self.step) and self.step < max_steps:
                 return self.stop_here(f"--stop-at {cfg.run.stop_at}: already at step {self.step}", save=False)
             parts.model.train()
             self.settle_s = self.settle_buckets()
@@ -93,17 +93,15 @@ class Trainer:
                 lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step trains at
                 sums, counts = self.train_step(self.micro_batches(batches))
                 self.update_ema()
-                epoch_ended = self.advance()
-                if epoch_ended or cfg.schedule.schedule_unit == "step":
-                    parts.scheduler.step()
+                self.step_schedule(epoch_ended=self.advance())
                 parts.guard.observe(self.step, sums, lr)
                 self.after_step(sums, counts)
-                if self.stop.agreed() or self.step == cfg.run.stop_at:
-                    return self.stop_here("--stop-at" if self.step == cfg.run.stop_at else
+                if self.stop.agreed() or self.stop_reached(self.step):
+                    return self.stop_here("--stop-at" if self.stop_reached(self.step) else
                                           self.stop.received or "a stop signal on another rank")
                 if self.is_eval_step(self.step):
                     self.evaluate()
-                if self.step % cfg.checkpoints.save_every == 0 and self.step < max_steps:
+                if self.is_save_step(self.step):
                     self.save(f"every {cfg.checkpoints.save_every} steps")
             return self.finish()
         finally:
@@ -268,13 +266,7 @@ class Trainer:
         """Raise the one line of a diverged run (every rank at once): `why`, what to try, where to start again."""
         newest = ckpt.list_checkpoints(self.run_dir)[-1:] if is_main() else []
         kept = broadcast_from_main(str(newest[0]) if newest else None)
-        opt, precision = self.cfg.optimisation, self.plan.precision
-        clip = "--grad-clip 1.0" if not opt.grad_clip else f"a --grad-clip below {opt.grad_clip:g}"
-        other = {"fp16": ", --precision bf16 or fp32", "bf16": ", --precision fp32"}.get(precision, "")
-        start = (f"--weights {kept} starts it from this run's newest checkpoint, which is finite" if kept else
-                 "this run saved no checkpoint")
-        raise Diverged(f"{why}; a restart cannot mend that: try a lower --lr, {clip}{other}, in a new --run-dir "
-                       f"({start})")
+        raise Diverged(diverged_line(why, self.cfg.optimisation.grad_clip, self.plan.precision, kept))
 
     def weights(self) -> tuple[torch.nn.Module, ...]:
         """The weights a save writes: the model's, and the EMA's with --model-ema."""
@@ -283,6 +275,19 @@ class Trainer:
     def is_eval_step(self, step: int) -> bool:
         every = self.cfg.checkpoints.eval_every
         return bool(every) and step % every == 0 and step < self.plan.max_steps
+
+    def is_save_step(self, step: int) -> bool:
+        """A checkpoint every --save-every steps; the last step's is the end of the run's (finish)."""
+        return step % self.cfg.checkpoints.save_every == 0 and step < self.plan.max_steps
+
+    def stop_reached(self, step: int) -> bool:
+        """--stop-at: the run stops after this step (or, resumed past it, at once)."""
+        return bool(self.cfg.run.stop_at) and step >= self.cfg.run.stop_at
+
+    def step_schedule(self, epoch_ended: bool) -> None:
+        """The learning rate's schedule moves every optimizer step, or with --schedule-unit epoch at an epoch's end."""
+        if epoch_ended or self.cfg.schedule.schedule_unit == "step":
+            self.parts.scheduler.step()
 
     def evaluate(self) -> dict:
         """The model (and its EMA) on the validation set; the best so far kept as best.pt (best_ema.pt). A diverged
