@@ -198,3 +198,9 @@ def small_cnn_in_double(num_classes: int) -> nn.Module:
 
 def tiny_groupnorm_cnn_in_double(num_classes: int) -> nn.Module:
     return _InDouble(tiny_groupnorm_cnn(num_classes))
+
+
+def tiny_segmenter_in_double(num_classes: int) -> nn.Module:
+    """A segmentation network without batch statistics, in float64: each pixel's logits (N x C x H x W)."""
+    return _InDouble(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+                                   nn.Conv2d(8, num_classes, 1)))

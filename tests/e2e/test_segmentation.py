@@ -86,19 +86,52 @@ def test_a_stopped_and_resumed_segmentation_run_is_bit_identical(reference_run, 
     assert json.loads((run_dir / "plan.json").read_text())["task"]["bit_exact_resume"].startswith("on the CPU")
 
 
-def test_a_folder_of_images_and_masks_trains_and_a_defect_is_one_line_before_any_run_folder(tmp_path):
-    data = tmp_path / "data"
-    for split, count in (("train", 8), ("val", 3)):
+def _mask_folder(data, train: int, val: int) -> None:
+    for split, count in (("train", train), ("val", val)):
         for i in range(count):
             save_pair(data, split, f"p{i}", *block_pair(20, 24, offset=i % 3))
     (data / "classes.txt").write_text("".join(f"c{v}\n" for v in range(60)))
+
+
+def test_a_folder_of_images_and_masks_trains_from_a_runs_weights_and_a_defect_is_one_line_before_any_run_folder(
+        reference_run, tmp_path):
+    """A folder of 60 classes starts from the shapes run's model.pt (11 classes), its backbone frozen: the heads'
+    convolutions to the classes start anew, every backbone tensor (BatchNorm statistics included) stays the weights'."""
+    data = tmp_path / "data"
+    _mask_folder(data, 8, 3)
     flags = ["--task", "segmentation", "--dataset", "masks", "--data-dir", data, "--image-size", 16, "--batch-size", 4,
              "--max-steps", 4, "--eval-every", 2, "--num-workers", 0]
-    run(python_cmd(*flags, "--run-dir", tmp_path / "run"))
+    source = reference_run(*SEG, workers=2) / "model.pt"
+    proc = run(python_cmd(*flags, "--weights", source, "--freeze", "backbone", "--run-dir", tmp_path / "run"))
+    assert "head classifier.low_classifier, classifier.high_classifier: 11 -> 60 classes, initialised anew" in \
+        proc.stderr
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["source"]["kind"] == "masks" and plan["num_classes"] == 60 and plan["train_samples"] == 8
     assert [e["samples"] for e in metrics(tmp_path / "run", "eval")] == [3, 3] and status(tmp_path / "run")["best"]
+    weights, trained = (torch.load(p, weights_only=True) for p in (source, tmp_path / "run" / "model.pt"))
+    assert trained["classifier.high_classifier.weight"].shape[0] == 60
+    assert all(torch.equal(trained[k], weights[k]) for k in trained if k.startswith("backbone."))
+    assert not torch.equal(trained["classifier.cbr.0.weight"], weights["classifier.cbr.0.weight"])  # it trained
     Image.new("L", (24, 21)).save(data / "val" / "masks" / "p1.png")  # a mask of another size than its image
     refused = run(python_cmd(*flags, "--run-dir", tmp_path / "refused"), expect=2)
     assert refused.stderr.count("\n") == 1 and "masks of another size than their image (1): val/masks/p1.png" in \
         refused.stderr and not (tmp_path / "refused").exists()
+
+
+def test_accumulation_trains_on_the_large_batchs_mean_of_labelled_pixels(tmp_path):
+    """--grad-accum 4 at batch 8 equals batch 32 on a folder of masks whose random resize pads each crop with 255
+    (ignored) by its own amount, so that every image counts another number of pixels: the trainer divides by the
+    labelled pixels of the whole step. A network without batch statistics in float64 (tests.models): to rounding
+    (1e-9), where a mean per micro-batch is off by far more."""
+    data = tmp_path / "data"
+    _mask_folder(data, 64, 4)
+    flags = ["--task", "segmentation", "--dataset", "masks", "--data-dir", data, "--image-size", 16, "--num-workers", 0,
+             "--model", "tests.models:tiny_segmenter_in_double", "--max-steps", 4, "--eval-every", 4, "--log-every", 1,
+             "--lr", 0.05]
+    run(python_cmd(*flags, "--batch-size", 8, "--grad-accum", 4, "--run-dir", tmp_path / "accumulated"))
+    run(python_cmd(*flags, "--batch-size", 32, "--run-dir", tmp_path / "large"))
+    a, b = (metrics(tmp_path / d, "train") for d in ("accumulated", "large"))
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+    assert all(abs(x["loss"] - y["loss"]) < 1e-9 for x, y in zip(a, b, strict=True)), (a, b)
+    weights, reference = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("accumulated", "large"))
+    assert all((weights[k] - reference[k]).abs().max() < 1e-9 for k in weights)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.tasks.factory import build_task
 
@@ -81,8 +82,7 @@ def test_segmentation_takes_its_own_default_model_and_refuses_what_it_cannot_use
     assert parse_config(["--task", "segmentation"]).model.model == "lraspp_mobilenet_v3_large"
     assert parse_config(["--task", "segmentation", "--model", "fcn_resnet50"]).model.model == "fcn_resnet50"
     for flags, line in ((["--dataset", "csv"], "--dataset csv holds no pixel masks"),
-                        (["--model", "resnet50"], "--model resnet50 is not a segmentation model of torchvision"),
-                        (["--weights", "w.pt"], "--weights w.pt with --task segmentation: starting weights are not")):
+                        (["--model", "resnet50"], "--model resnet50 is not a segmentation model of torchvision")):
         with pytest.raises(ConfigError, match=line):
             build_task(parse_config(["--task", "segmentation", *flags])).check()
     with pytest.raises(ConfigError, match="--mixup-alpha 0.2 has no effect with --task segmentation"):
@@ -107,3 +107,85 @@ def test_the_models_are_torchvisions_built_without_a_download_with_their_aux_hea
         model = task.network(task.cfg.model)
     assert model.aux_classifier is not None and model.classifier[-1].out_channels == 5
     assert task.head(model) == "classifier" and "0.5 x the auxiliary head's" in task.plan()["loss"]
+
+
+def _segmenter(name: str, classes: int, *flags):
+    task = build_task(parse_config(["--task", "segmentation", "--model", name, *flags]))
+    task.describe({"classes": [f"c{i}" for i in range(classes)]})
+    return task, task.network(task.cfg.model)
+
+
+@pytest.mark.parametrize("name", ["lraspp_mobilenet_v3_large", "fcn_resnet50"])
+def test_a_classifiers_weights_start_the_backbone_as_torchvisions_weights_backbone_does(name, tmp_path, monkeypatch):
+    """--weights MobileNet_V3_Large_Weights.IMAGENET1K_V1 (ResNet50_Weights for fcn_resnet50): the backbone's tensors
+    are the ones torchvision's own builder takes from that file with weights_backbone=, the heads start anew. The file
+    is a classifier of that architecture with random weights, placed where torch.hub keeps the named file."""
+    from torchvision import models
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    entry = models.get_model_weights(name.split("_", 1)[1]).IMAGENET1K_V1
+    torch.manual_seed(3)
+    classifier = models.get_model(name.split("_", 1)[1], weights=None)
+    path = tmp_path / "hub" / "checkpoints" / entry.url.rsplit("/", 1)[1]
+    path.parent.mkdir(parents=True)
+    torch.save(classifier.state_dict(), path)
+    reference = models.get_model(name, weights=None, weights_backbone=entry, num_classes=5).state_dict()
+    task, model = _segmenter(name, 5, "--weights", f"{type(entry).__name__}.IMAGENET1K_V1")
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(task.start_from(torch.load(path, weights_only=True), model))
+    ours = model.state_dict()
+    backbone = [k for k in ours if k.startswith("backbone.")]
+    assert len(backbone) > 100 and all(torch.equal(ours[k], reference[k]) for k in backbone)
+    assert all(torch.equal(ours[k], fresh[k]) for k in ours if not k.startswith("backbone."))  # the heads: anew
+    with pytest.raises(ConfigError, match=r"--weights .* do not fit --model .*: backbone\..* is missing in the weights"):
+        task.start_from({k.replace("features.", "stem."): v for k, v in classifier.state_dict().items()
+                         if not k.startswith("layer1.")}, model)  # another architecture's
+
+
+def test_a_segmentation_models_weights_start_every_tensor_but_the_convolutions_to_another_class_count(caplog):
+    """A segmentation run's model.pt (11 classes) starts a 5-class run: the heads' convolutions to the classes start
+    anew, every other tensor (BatchNorm statistics included) is the weights'; the same class count takes them all."""
+    torch.manual_seed(0)
+    _, source = _segmenter("deeplabv3_mobilenet_v3_large", 11)
+    weights = source.state_dict()
+    task, model = _segmenter("deeplabv3_mobilenet_v3_large", 5, "--weights", "w.pt")
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level("INFO", logger="train"):
+        model.load_state_dict(task.start_from(weights, model))
+    heads = {"classifier.4.weight", "classifier.4.bias", "aux_classifier.4.weight", "aux_classifier.4.bias"}
+    assert "head classifier.4, aux_classifier.4: 11 -> 5 classes, initialised anew" in caplog.text
+    ours = model.state_dict()
+    assert all(torch.equal(ours[k], fresh[k] if k in heads else weights[k]) for k in ours)
+    same, model = _segmenter("deeplabv3_mobilenet_v3_large", 11, "--weights", "w.pt")
+    model.load_state_dict(same.start_from(weights, model))
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_segmentation_weights_name_the_model_or_its_backbone():
+    from train.recipe.vision import named_weights
+    from train.run.plan import dry_run
+
+    for weights, part in (("MobileNet_V3_Large_Weights.IMAGENET1K_V1", {"for": "the backbone"}),
+                          ("LRASPP_MobileNet_V3_Large_Weights.DEFAULT", {})):
+        planned = dry_run(parse_config(["--task", "segmentation", "--weights", weights]), 1).to_dict()["weights"]
+        assert planned["torchvision"] == str(named_weights("lraspp_mobilenet_v3_large", weights))
+        assert {k: v for k, v in planned.items() if k == "for"} == part
+
+    assert str(named_weights("lraspp_mobilenet_v3_large", "DEFAULT")) == \
+        "LRASPP_MobileNet_V3_Large_Weights.COCO_WITH_VOC_LABELS_V1"
+    assert str(named_weights("fcn_resnet50", "ResNet50_Weights.IMAGENET1K_V2")) == "ResNet50_Weights.IMAGENET1K_V2"
+    with pytest.raises(ConfigError, match="--weights ResNet50_Weights.DEFAULT are weights of another architecture than "
+                                          "--model lraspp_mobilenet_v3_large: LRASPP_MobileNet_V3_Large_Weights.DEFAULT "
+                                          r"or MobileNet_V3_Large_Weights.DEFAULT \(its backbone\) fit it"):
+        named_weights("lraspp_mobilenet_v3_large", "ResNet50_Weights.DEFAULT")
+
+
+def test_a_segmentation_network_of_your_own_returns_the_logits_alone():
+    task, model = _segmenter("tests.models:tiny_segmenter_in_double", 4)
+    _, target = _batch(1, classes=4)
+    logits = model(torch.randn(3, 3, 9, 9))
+    assert logits.shape == (3, 4, 9, 9) and logits.dtype == torch.float64
+    total, count = task.loss(logits, target)
+    assert total.item() == pytest.approx(F.cross_entropy(logits, target, ignore_index=255, reduction="sum").item())
+    with pytest.raises(ConfigError, match="names no head of its model"):
+        task.head(model)

@@ -56,10 +56,23 @@ def named_weights(model: str, weights: str):
         raise ConfigError(f"--weights {weights} is neither a file nor torchvision weights"
                           f"{' (close: ' + ', '.join(close) + ')' if close else ''}: give a file or a name such as "
                           f"{(close or every)[0]}") from None
-    if own is None or type(entry) is not own:
+    backbone = backbone_weights(model)
+    if own is None or type(entry) not in (own, backbone):
+        fits = " or ".join(f"{enum.__name__}.DEFAULT" for enum in (own, backbone) if enum)
         raise ConfigError(f"--weights {weights} are weights of another architecture than --model {model}"
-                          f"{': ' + own.__name__ + '.DEFAULT fits it' if own else ''}")
+                          f"{': ' + fits + (' (its backbone)' if backbone else '') + (' fit' if backbone else ' fits') + ' it' if own else ''}")
     return entry
+
+
+def backbone_weights(model: str):
+    """The weights enum of the classifier a torchvision segmentation model is built on (lraspp_mobilenet_v3_large:
+    MobileNet_V3_Large_Weights, fcn_resnet50: ResNet50_Weights), taken for its backbone as weights_backbone takes
+    them; None for any other model."""
+    models = importlib.import_module("torchvision.models")
+    if model not in models.list_models(module=models.segmentation):
+        return None
+    classifier = model.split("_", 1)[1]  # lraspp_mobilenet_v3_large: mobilenet_v3_large
+    return models.get_model_weights(classifier) if classifier in models.list_models() else None
 
 
 def evaluation_transforms(model: str, weights: str) -> tuple[int, int, str] | None:

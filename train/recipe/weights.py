@@ -5,8 +5,9 @@
                                              the SHA-256 prefix in the file's name
   --weights runs/a/model.pt                  a trainbox model.pt, best.pt or checkpoint, or a plain state_dict
 
-The classifier head (the last linear layer with as many outputs as classes, models.head_name) is replaced when the
-weights have another class count; every other tensor must fit exactly.
+The head (the task says which tensors: a classifier's last linear layer with as many outputs as classes, a segmentation
+model's convolutions to its classes) is initialised anew when the weights have another class count; every other tensor
+must fit exactly (fitted; the task's start_from).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from train.cluster.identity import identity
 from train.config.settings import Config, Model
 from train.files.downloads import private_name, publish
 from train.files.rundir import file_digest
-from train.recipe.models import head_name
 from train.recipe.vision import named_weights
 
 log = logging.getLogger("train")
@@ -156,16 +156,18 @@ def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
                    else None}
 
 
-def fitted(spec: Model, state: dict, model: nn.Module, num_classes: int | None) -> dict:
-    """state, fitted to model: the head left to the model (initialised anew) where the class count differs
-    (num_classes None: the head is not compared); any other difference is one line naming the first key."""
+def fitted(spec: Model, state: dict, model: nn.Module, head: list[str], sized: bool = True) -> dict:
+    """state, fitted to model: the head's tensors (`head`: keys of the model's state_dict, those whose size is the
+    data's class count) left to the model, initialised anew, where their shapes differ, or always when the data is not
+    read yet (sized False: the checks before any worker, on a head of a stand-in size); any other difference is one
+    line naming the first key."""
     own = model.state_dict()
-    head = head_name(model, num_classes or next(m.out_features for m in reversed(list(model.modules()))
-                                                if isinstance(m, nn.Linear)))
-    keys = [k for k in (f"{head}.weight", f"{head}.bias") if k in own]
-    if keys and keys[0] in state and (num_classes is None or state[keys[0]].shape != own[keys[0]].shape):
-        if num_classes is not None:
-            log.info("head %s: %d -> %d classes, initialised anew", head, state[keys[0]].shape[0], num_classes)
+    keys = [k for k in head if k in own]
+    if keys and keys[0] in state and (not sized or any(state[k].shape != own[k].shape for k in keys if k in state)):
+        if sized:
+            log.info("head %s: %d -> %d classes, initialised anew", ", ".join(dict.fromkeys(k.rsplit(".", 1)[0]
+                                                                                            for k in keys)),
+                     state[keys[0]].shape[0], own[keys[0]].shape[0])
         state = {**{k: v for k, v in state.items() if k not in keys}, **{k: own[k] for k in keys}}
     mismatch = next((k for k in own if k not in state or state[k].shape != own[k].shape), None) or \
         next((k for k in state if k not in own), None)

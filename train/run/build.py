@@ -32,7 +32,7 @@ from train.files import checkpoint_io as ckpt
 from train.files import rundir
 from train.recipe.ema import ModelEma
 from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
-from train.recipe.weights import fitted, read_weights
+from train.recipe.weights import read_weights
 from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
 from train.run.checkpointer import Checkpointer, newest_checkpoint
@@ -114,7 +114,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
     if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
         initial_state, weights = initial
-        raw_model.load_state_dict(fitted(cfg.model, initial_state, raw_model, len(names) or None))
+        raw_model.load_state_dict(task.start_from(initial_state, raw_model))
     resumed = checkpointer.restore(state, source)
     if relaid:
         log.info("%s", relaid)

@@ -24,7 +24,7 @@ from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
 from train.recipe.models import frozen_names
 from train.recipe.optim import decay_groups
-from train.recipe.weights import fitted, read_weights, resolve
+from train.recipe.weights import read_weights, resolve
 from train.report.metrics import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.tasks.factory import build_task
@@ -71,7 +71,7 @@ def check_weights(cfg: Config, task: Task) -> None:
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
     resuming = run_dir is not None and run_dir.is_dir() and bool(checkpoint_io.list_checkpoints(run_dir))
     if cfg.model.weights and resolve(cfg.model) is None and not resuming:  # a file (named weights: the workers fetch)
-        fitted(cfg.model, read_weights(cfg.model, fetched=False)[0], model, None)
+        task.start_from(read_weights(cfg.model, fetched=False)[0], model, sized=False)
     frozen_names(cfg.model, model, lambda: task.head(model))
 
 

@@ -25,6 +25,7 @@ from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
 from train.recipe.ema import adjusted_decay
 from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
+from train.recipe.vision import backbone_weights
 from train.recipe.weights import cached_file, resolve
 from train.run.checks import check_steps
 from train.run.runtime import precision_of
@@ -145,7 +146,8 @@ def _weights(cfg: Config) -> dict | None:
     entry = resolve(cfg.model)
     if entry is None:
         return {"weights": cfg.model.weights, "file": str(Path(cfg.model.weights))}
-    return {"weights": cfg.model.weights, "torchvision": f"{type(entry).__name__}.{entry.name}",
+    backbone = {"for": "the backbone"} if type(entry) is backbone_weights(cfg.model.model) else {}
+    return {"weights": cfg.model.weights, "torchvision": f"{type(entry).__name__}.{entry.name}", **backbone,
             "file": str(cached_file(entry)), "transforms": repr(entry.transforms())}
 
 

@@ -25,6 +25,7 @@ from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder
                         class_names, eval_steps, preprocessing, source_of, train_size)
 from train.recipe.augment import BatchAugment
 from train.recipe.models import build_model, check_model_spec, head_name
+from train.recipe.weights import fitted
 from train.tasks.inputs import ImageTask
 
 def criterion_of(label_smoothing: float) -> str:
@@ -73,6 +74,10 @@ class Classification(ImageTask):
 
     def head(self, model: nn.Module) -> str:
         return head_name(model, self.num_classes)
+
+    def start_from(self, state: dict, model: nn.Module, sized: bool = True) -> dict:
+        head = self.head(model)
+        return fitted(self.cfg.model, state, model, [f"{head}.weight", f"{head}.bias"], sized)
 
     # ---------------------------------------------------------------- a step
 

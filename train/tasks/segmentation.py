@@ -6,7 +6,12 @@
             convention; train/data/masks.py, its checks before any worker starts)
   model     torchvision's segmentation models by name (--model lraspp_mobilenet_v3_large, the default;
             deeplabv3_mobilenet_v3_large, fcn_resnet50, ...), built without a download (no backbone weights), with
-            their auxiliary head where they have one; the head: their classifier
+            their auxiliary head where they have one; the head: their classifier. Or a network of your own, --model
+            package.module:factory (num_classes in; images in, N x C x H x W logits or {"out": ...} out)
+  weights   --weights of the whole model (a segmentation run's model.pt, LRASPP_MobileNet_V3_Large_Weights.DEFAULT):
+            the convolutions to the classes start anew where the class count differs; or a classifier's (its
+            backbone's architecture: MobileNet_V3_Large_Weights.IMAGENET1K_V1, a classification run's model.pt) for
+            the backbone alone, as torchvision's weights_backbone takes them (start_from)
   loss      cross-entropy over the labelled pixels (ignore index 255), summed, plus 0.5 x the auxiliary head's, as
             torchvision's references/segmentation trains; counted in labelled pixels, which vary from batch to batch:
             the trainer divides by the labelled pixels of the whole step, on every rank
@@ -22,6 +27,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -34,8 +40,11 @@ from train.config.settings import Model
 from train.data.masks import check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
 from train.recipe import vision
+from train.recipe.models import user_factory
+from train.recipe.weights import fitted
 from train.tasks.inputs import ImageTask
 
+log = logging.getLogger("train")
 IGNORE = 255  # a pixel of this value counts for nothing: torchvision's references/segmentation
 DEFAULT_MODEL = "lraspp_mobilenet_v3_large"
 WITH_AUX = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50",
@@ -62,13 +71,9 @@ class Segmentation(ImageTask):
             raise ConfigError(f"--dataset {cfg.data.dataset} holds no pixel masks: --task segmentation trains on "
                               f"--dataset shapes (built in) or masks (DATA_DIR/train/images and DATA_DIR/train/masks, "
                               f"and the same under val/)")
-        if cfg.model.model not in models():
+        if cfg.model.model not in models() and ":" not in cfg.model.model:
             raise ConfigError(f"--model {cfg.model.model} is not a segmentation model of torchvision: pass one of "
-                              f"{', '.join(models())} (default {DEFAULT_MODEL})")
-        if cfg.model.weights:
-            raise ConfigError(f"--weights {cfg.model.weights} with --task segmentation: starting weights are not yet "
-                              f"taken for segmentation models (their head is a convolution of the class count): drop "
-                              f"--weights")
+                              f"{', '.join(models())} (default {DEFAULT_MODEL}), or package.module:factory")
         if cfg.run.deterministic and cfg.launch.device != "cpu" and torch.cuda.is_available():
             raise ConfigError("--deterministic with --task segmentation on a GPU: the models' upsampling and pooling "
                               "have no deterministic CUDA backward (pytorch #149130): drop --deterministic (a resume "
@@ -88,12 +93,33 @@ class Segmentation(ImageTask):
         return train_set, val_set
 
     def network(self, spec: Model) -> nn.Module:
+        if ":" in spec.model:  # a network of the user's: images in, N x C x H x W logits out (or {"out": ...})
+            model = user_factory(spec.model, takes="num_classes and returns a segmentation nn.Module")(
+                num_classes=self.num_classes)
+            if not isinstance(model, nn.Module):
+                raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
+                                  f"factory return a torch.nn.Module")
+            return model
         aux = {"aux_loss": True} if spec.model in WITH_AUX else {}
         return vision.models.get_model(spec.model, weights=None, weights_backbone=None, num_classes=self.num_classes,
                                        **aux)
 
     def head(self, model: nn.Module) -> str:
-        return "classifier"
+        return "classifier" if isinstance(getattr(model, "classifier", None), nn.Module) else super().head(model)
+
+    def start_from(self, state: dict, model: nn.Module, sized: bool = True) -> dict:
+        """Weights of the whole model (a segmentation run's model.pt, torchvision's COCO_WITH_VOC_LABELS_V1), their
+        heads' convolutions to the classes started anew where the class count differs; or a classifier's weights
+        (ImageNet's MobileNet_V3_Large_Weights, a classification run of the backbone's architecture) for the
+        backbone alone, as torchvision's weights_backbone takes them, every head started anew."""
+        own = model.state_dict()
+        if any(k.startswith("backbone.") for k in own) and not any(k.startswith("backbone.") for k in state):
+            state = {**{k: v for k, v in own.items() if not k.startswith("backbone.")}, **backbone_of(state, own)}
+            log.info("--weights %s: the backbone's; the heads initialised anew", self.cfg.model.weights)
+        heads = [f"{name}.{kind}" for name, m in model.named_modules() if isinstance(m, nn.Conv2d)
+                 and m.out_channels == self.num_classes and not name.startswith("backbone.")
+                 for kind in ("weight", "bias")]
+        return fitted(self.cfg.model, state, model, heads, sized)
 
     # ---------------------------------------------------------------- a step
 
@@ -101,7 +127,8 @@ class Segmentation(ImageTask):
         x, mask = batch
         return self.images(x, device), mask.to(device, non_blocking=True).long()
 
-    def loss(self, output: dict, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, output: dict | torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        output = heads(output)
         total = F.cross_entropy(output["out"], target, ignore_index=IGNORE, reduction="sum")
         if "aux" in output:
             total = total + 0.5 * F.cross_entropy(output["aux"], target, ignore_index=IGNORE, reduction="sum")
@@ -123,7 +150,7 @@ class Segmentation(ImageTask):
         return torch.zeros(3 + self.num_classes ** 2, dtype=torch.float64, device=device)
 
     def update(self, state: torch.Tensor, output: dict, target: torch.Tensor) -> None:
-        output = {k: v.float() for k, v in output.items()}
+        output = {k: v.float() for k, v in heads(output).items()}
         total, count = self.loss(output, target)
         n = self.num_classes
         labelled = (target >= 0) & (target < n)  # the reference's ConfusionMatrix: 255 and stray values left out
@@ -193,7 +220,7 @@ class Segmentation(ImageTask):
             for i in range(min(count, len(val_set))):
                 image, mask = val_set[i]
                 x, _ = self.inputs((image[None], mask[None]), device)
-                shown.append((image, mask, model(x)["out"].argmax(1)[0].cpu()))
+                shown.append((image, mask, heads(model(x))["out"].argmax(1)[0].cpu()))
         return shown
 
     def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:
@@ -216,4 +243,22 @@ class _Logits(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)["out"]
+        return heads(self.model(x))["out"]
+
+
+def heads(output: dict | torch.Tensor) -> dict:
+    """A model's output as torchvision's segmentation models give it: {"out": logits, "aux": logits} (a network of
+    the user's may return the logits alone)."""
+    return output if isinstance(output, dict) else {"out": output}
+
+
+def backbone_of(state: dict, own: dict) -> dict:
+    """A classifier's state_dict as the backbone of a segmentation model (own: its state_dict): torchvision builds
+    that backbone from the classifier (a MobileNet's `features`, a ResNet but its pooling and fc), so `features.N.*`
+    becomes `backbone.N.*` and `layer1.*` `backbone.layer1.*`; the classifier's head has no place and is left out."""
+    mapped = {}
+    for key, value in state.items():
+        name = next((n for n in (f"backbone.{key}", f"backbone.{key.removeprefix('features.')}") if n in own), None)
+        if name is not None:
+            mapped[name] = value
+    return mapped

@@ -7,6 +7,7 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   description / describe(d)    what the data is (its classes, say): classes.json, the plan, make evaluate and export
   network(spec) / model(spec)  the network, adapted to the data; as a run trains it, frozen where --freeze says
   head(model)                  which of its modules is the head (--freeze backbone trains it alone)
+  start_from(state, model)     --weights fitted to the model (a head of another class count starts anew)
   inputs(batch, device)        a loader's batch on the device, ready for the model: (input, target)
   loss(output, target)         (sum, count) over the batch's items, never a mean: the trainer divides by the count
                                summed over the micro-batches of a step and over the ranks, so accumulation and any
@@ -32,6 +33,7 @@ from torch import nn
 from train.base.errors import ConfigError
 from train.config.settings import Config, Model
 from train.recipe.models import freeze, frozen_names
+from train.recipe.weights import fitted
 
 class Task:
     """The base of every task: the defaults below hold for most; a task overrides what it owns."""
@@ -74,6 +76,12 @@ class Task:
         model = self.network(spec)
         freeze(model, frozen_names(spec, model, lambda: self.head(model)))
         return model
+
+    def start_from(self, state: dict, model: nn.Module, sized: bool = True) -> dict:
+        """--weights' state_dict, fitted to the model: what its load_state_dict takes (sized False: the checks before
+        the data is read, on a model with a head of a stand-in size). Here every tensor must fit; a task whose head
+        has the data's size names its tensors to fitted(), which starts them anew where the class count differs."""
+        return fitted(self.cfg.model, state, model, [], sized)
 
     def head(self, model: nn.Module) -> str:
         """The name of the model's head module (--freeze backbone trains it alone)."""
