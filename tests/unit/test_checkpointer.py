@@ -12,7 +12,7 @@ from train.files import rundir
 from train.recipe.ema import ModelEma
 from train.recipe.models import build_model
 from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
-from train.run.checkpointer import Checkpointer, capture_rng, newest_checkpoint, restore_rng
+from train.run.checkpointer import Checkpointer, Keeping, capture_rng, newest_checkpoint, restore_rng
 from train.run.plan import dry_run
 from train.tasks.factory import build_task
 
@@ -34,8 +34,9 @@ def _checkpointer(tmp_path, seed: int, *flags: str) -> Checkpointer:
     torch.manual_seed(seed)
     model = build_model(cfg.model, plan.num_classes)
     optimizer = build_optimizer(cfg.optimisation, model, plan.param_groups)
-    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
-    return Checkpointer(tmp_path, CPU, cfg, plan, Layout(1, cfg.optimisation.batch_size, 1), model=model,
+    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg.schedule, cfg.run.epochs, plan.max_steps,
+                                                                         plan.warmup_steps))
+    return Checkpointer(tmp_path, CPU, Keeping.of(cfg), plan, Layout(1, cfg.optimisation.batch_size, 1), model=model,
                         optimizer=optimizer, scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
                         ema=ModelEma(model, plan.ema["decay"], CPU), task=build_task(cfg))
 

@@ -18,7 +18,7 @@ from train.recipe.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler,
 
 def scheduler_of(cfg, optimizer):
     """The trainer's scheduler of cfg over the optimizer, for a run of --max-steps and --warmup-steps."""
-    lengths = schedule_lengths(cfg, cfg.run.max_steps, cfg.schedule.warmup_steps)
+    lengths = schedule_lengths(cfg.schedule, cfg.run.epochs, cfg.run.max_steps, cfg.schedule.warmup_steps)
     return build_scheduler(cfg.schedule, optimizer, *lengths)
 
 

@@ -70,13 +70,13 @@ def test_a_checkpoint_keeps_the_tasks_state_and_refuses_another_task(tmp_path):
             self.seen = state["seen"]
 
     saving = _checkpointer(tmp_path, 0)
-    saving.task = Counting(saving.cfg)
+    saving.task = Counting(saving.task.cfg)
     saving.task.seen = 41
     saving.save(_position(3), "a test")
     state = torch.load(tmp_path / "checkpoints" / "step_00000003.pt", weights_only=False)
     assert state["task"] == {"name": "classification", "state": {"seen": 41}}
     restoring = _checkpointer(tmp_path, 0)
-    restoring.task = Counting(restoring.cfg)
+    restoring.task = Counting(restoring.task.cfg)
     restoring.load_state_dict(state, tmp_path / "checkpoints" / "step_00000003.pt")
     assert restoring.task.seen == 41
     other = _checkpointer(tmp_path, 0)

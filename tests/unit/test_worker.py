@@ -67,8 +67,8 @@ def test_what_a_restart_cannot_mend():
                              cpu, cfg, "fp32", None)) == "why"
     watchdog.enter("training", 60)
     try:
-        oom = unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), SimpleNamespace(step=4, cfg=cfg), cpu,
-                            cfg, "fp32", None)
+        trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=cfg))
+        oom = unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, cpu, cfg, "fp32", None)
     finally:
         watchdog.pause()
     assert isinstance(oom, OutOfMemory) and "training step 5" in str(oom)
@@ -82,7 +82,8 @@ def test_out_of_memory_in_a_run_with_a_checkpoint_advises_what_its_next_start_ta
     given = parse_config(["--preset", "debug", "--run-dir", str(tmp_path)])
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"")
-    trainer = SimpleNamespace(step=4, cfg=given.replace(grad_accum=2))  # as train/config/resume.py continued it
+    # the Trainer's parts hold the config as train/config/resume.py continued it
+    trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=given.replace(grad_accum=2)))
     watchdog.enter("training", 60)
     try:
         oom = str(unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, torch.device("cpu"),

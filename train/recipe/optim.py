@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from train.base.errors import ConfigError
-from train.config.settings import Config, Optimisation, Schedule
+from train.config.settings import Optimisation, Schedule
 from train.recipe.models import BATCH_NORMS, INSTANCE_NORMS
 
 
@@ -81,11 +81,11 @@ def build_optimizer(opt: Optimisation, model: torch.nn.Module, groups: list[dict
     return optimizer
 
 
-def schedule_lengths(cfg: Config, max_steps: int, warmup_steps: int) -> tuple[int, int]:
+def schedule_lengths(schedule: Schedule, epochs: int, max_steps: int, warmup_steps: int) -> tuple[int, int]:
     """(the schedule's length, its warm-up) in its unit: the run's optimizer steps (max_steps, warmup_steps: the
-    plan's), or epochs (--schedule-unit epoch)."""
-    if cfg.schedule.schedule_unit == "epoch":
-        return cfg.run.epochs, int(cfg.schedule.warmup_epochs)
+    plan's), or epochs (--schedule-unit epoch: --epochs)."""
+    if schedule.schedule_unit == "epoch":
+        return epochs, int(schedule.warmup_epochs)
     return max_steps, warmup_steps
 
 

@@ -58,9 +58,10 @@ def named_weights(model: str, weights: str):
                           f"{(close or every)[0]}") from None
     backbone = backbone_weights(model)
     if own is None or type(entry) not in (own, backbone):
-        fits = " or ".join(f"{enum.__name__}.DEFAULT" for enum in (own, backbone) if enum)
+        fits = (f"{own.__name__}.DEFAULT or {backbone.__name__}.DEFAULT (its backbone) fit it" if backbone else
+                f"{own.__name__}.DEFAULT fits it" if own else "")
         raise ConfigError(f"--weights {weights} are weights of another architecture than --model {model}"
-                          f"{': ' + fits + (' (its backbone)' if backbone else '') + (' fit' if backbone else ' fits') + ' it' if own else ''}")
+                          f"{': ' + fits if fits else ''}")
     return entry
 
 

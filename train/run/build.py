@@ -35,7 +35,7 @@ from train.recipe.optim import build_optimizer, build_scheduler, schedule_length
 from train.recipe.weights import read_weights
 from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
-from train.run.checkpointer import Checkpointer, newest_checkpoint
+from train.run.checkpointer import Checkpointer, Keeping, newest_checkpoint
 from train.run.health import DivergenceGuard
 from train.run.plan import Plan, make_plan
 from train.run.runtime import DTYPES
@@ -45,11 +45,40 @@ from train.tasks.task import Task
 log = logging.getLogger("train")
 
 
+@dataclass(frozen=True)
+class Loop:
+    """What the Trainer reads of the run's settings, and nothing else (Loop.of): its step's shape, its cadences, its
+    stop."""
+
+    seed: int  # the batch augmentation's draws: seeded by their position in the run
+    batch_size: int  # per rank and micro-batch
+    grad_accum: int  # micro-batches per step
+    grad_clip: float  # --grad-clip (0: none)
+    channels_last: bool  # the augmented batch back in the model's memory format
+    static_graph: bool  # DDP's static_graph: its buckets settle a pass later
+    ema_every: int  # --model-ema-steps: the EMA's update every that many steps of an epoch
+    per_step: bool  # --schedule-unit step (else epoch)
+    warmup_epochs: float  # the EMA waits for the warm-up (--schedule-unit epoch)
+    log_every: int
+    eval_every: int  # 0: at the end only
+    save_every: int
+    stop_at: int  # --stop-at (0: none)
+
+    @classmethod
+    def of(cls, cfg: Config) -> Loop:
+        opt = cfg.optimisation
+        return cls(cfg.run.seed, opt.batch_size, opt.grad_accum, opt.grad_clip, cfg.model.channels_last,
+                   cfg.model.static_graph, cfg.regularisation.model_ema_steps, cfg.schedule.schedule_unit == "step",
+                   cfg.schedule.warmup_epochs, cfg.checkpoints.log_every, cfg.checkpoints.eval_every,
+                   cfg.checkpoints.save_every, cfg.run.stop_at)
+
+
 @dataclass(eq=False)
 class Parts:
     """What a run trains with, each part made once."""
 
     cfg: Config  # as given, or as it continues its checkpoint (--grad-accum may follow the workers)
+    loop: Loop  # what the Trainer reads of it
     run_dir: Path
     device: torch.device
     plan: Plan  # what the run derives from its config (train/run/plan.py)
@@ -107,9 +136,10 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
-    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps))
+    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg.schedule, cfg.run.epochs, plan.max_steps,
+                                                                         plan.warmup_steps))
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
-    checkpointer = Checkpointer(run_dir, device, cfg, plan, layout, model=raw_model, optimizer=optimizer,
+    checkpointer = Checkpointer(run_dir, device, Keeping.of(cfg), plan, layout, model=raw_model, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, ema=ema, task=task)
     weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
     if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
@@ -128,9 +158,9 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     # and ends it, FAILED too; a failure before leaves none RUNNING.
     tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
     checkpointer.tracker = metrics.tracker = tracker
-    return Parts(cfg=cfg, run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision], task=task,
-                 train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model, model=model,
-                 augment=task.augment(), optimizer=optimizer, scheduler=checkpointer.scheduler,
+    return Parts(cfg=cfg, loop=Loop.of(cfg), run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision],
+                 task=task, train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model,
+                 model=model, augment=task.augment(), optimizer=optimizer, scheduler=checkpointer.scheduler,
                  scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
                  telemetry=telemetry, window=window, resumed=resumed)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from train.base.watchdog import watchdog
 from train.cluster.distributed import broadcast_from_main, gather, on_main
 from train.cluster.identity import identity, is_main
 from train.config.resume import Layout, Resumed
-from train.config.settings import Config
+from train.config.settings import Config, Schedule
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
 from train.recipe.optim import schedule_at, schedule_lengths
@@ -77,13 +78,32 @@ def saved_length(state: dict, steps_per_epoch: int) -> int:
     return config["epochs"] * steps_per_epoch if config.get("epochs") else config["max_steps"]
 
 
+@dataclass(frozen=True)
+class Keeping:
+    """What the Checkpointer reads of the run's settings, and nothing else (Keeping.of)."""
+
+    keep: int  # --keep-checkpoints: the newest K step_N.pt
+    upload: bool  # --mlflow-checkpoints: every checkpoint to MLflow too
+    seed: int  # a fresh start's per-rank random streams, and a resume's on another world size
+    epochs: int  # --epochs (0: the run is --max-steps long), as status.json and a refusal name the length
+    batch_size: int  # per rank, and
+    grad_accum: int  # the micro-batches of a step, as a checkpoint records them (its layout: Layout)
+    schedule: Schedule  # the learning-rate schedule, rebuilt for a run made longer or shorter
+    settings: dict  # the config, as every checkpoint and best.pt hold it
+
+    @classmethod
+    def of(cls, cfg: Config) -> Keeping:
+        return cls(cfg.checkpoints.keep_checkpoints, cfg.tracking.mlflow_checkpoints, cfg.run.seed, cfg.run.epochs,
+                   cfg.optimisation.batch_size, cfg.optimisation.grad_accum, cfg.schedule, cfg.to_dict())
+
+
 class Checkpointer:
     """The run's weights files and its checkpoints' contents, over the parts a checkpoint holds."""
 
-    def __init__(self, run_dir: Path, device: torch.device, cfg: Config, plan, layout: Layout, *,
+    def __init__(self, run_dir: Path, device: torch.device, keeping: Keeping, plan, layout: Layout, *,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
                  ema: torch.nn.Module | None, task: Task):
-        self.run_dir, self.device, self.cfg, self.plan, self.layout = run_dir, device, cfg, plan, layout
+        self.run_dir, self.device, self.keeping, self.plan, self.layout = run_dir, device, keeping, plan, layout
         self.task = task  # its metric picks best.pt; its state goes into every checkpoint
         self.model, self.optimizer, self.scheduler, self.scaler, self.ema = model, optimizer, scheduler, scaler, ema
         self.rank, self.world = identity().global_rank, identity().world_size
@@ -102,10 +122,9 @@ class Checkpointer:
             rng = gather(capture_rng(self.device))
 
             def write() -> None:
-                path = ckpt.save_checkpoint(self.run_dir, step, self.state_dict(position, rng),
-                                            self.cfg.checkpoints.keep_checkpoints)
+                path = ckpt.save_checkpoint(self.run_dir, step, self.state_dict(position, rng), self.keeping.keep)
                 log.info("saved %s (%s)", path, reason)
-                if self.tracker and self.cfg.tracking.mlflow_checkpoints:
+                if self.tracker and self.keeping.upload:
                     for file in (path, ckpt.sidecar_of(path)):
                         self.tracker.upload(file, "checkpoints")
 
@@ -136,7 +155,7 @@ class Checkpointer:
             self.best, model, path = best, self.model, self.run_dir / "best.pt"
 
         def write() -> None:
-            state = {"model": model.state_dict(), **best, "config": self.cfg.to_dict()}
+            state = {"model": model.state_dict(), **best, "config": self.keeping.settings}
             rundir.atomic_write(path, ckpt.serialise(state))
             if self.tracker:
                 self.tracker.upload(path)
@@ -159,10 +178,10 @@ class Checkpointer:
         has."""
         if not is_main():
             return
-        cfg, best = self.cfg, {"best": {"path": "best.pt", **self.best}} if self.best else {}
+        epochs, best = self.keeping.epochs, {"best": {"path": "best.pt", **self.best}} if self.best else {}
         if self.best_ema:
             best["best_ema"] = {"path": "best_ema.pt", **self.best_ema}
-        length = {"max_steps": self.plan.max_steps, **({"epochs": cfg.run.epochs} if cfg.run.epochs else {})}
+        length = {"max_steps": self.plan.max_steps, **({"epochs": epochs} if epochs else {})}
         rundir.write_status(self.run_dir, state, step, **length, **best, **extra)
 
     # ------------------------------------------------------------ what a checkpoint holds
@@ -170,14 +189,14 @@ class Checkpointer:
     def state_dict(self, position: dict, rng: list[dict]) -> dict:
         """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position (the Trainer's), every
         rank's RNG state (`rng`, gathered), the layout the position counts in, and the config."""
-        cfg = self.cfg
+        keeping = self.keeping
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": position["step"], "epoch": position["epoch"], "step_in_epoch": position["step_in_epoch"],
-                "world_size": self.world, "batch_size": cfg.optimisation.batch_size,
-                "grad_accum": cfg.optimisation.grad_accum, "layout": self.layout.to_dict(),
+                "world_size": self.world, "batch_size": keeping.batch_size,
+                "grad_accum": keeping.grad_accum, "layout": self.layout.to_dict(),
                 "max_steps": self.plan.max_steps, "rng": rng,
-                "config": cfg.to_dict(), "eval_owed": position["eval_owed"],
+                "config": keeping.settings, "eval_owed": position["eval_owed"],
                 "best": self.best, "ema": self.ema.state_dict() if self.ema is not None else None,
                 "best_ema": self.best_ema, "task": {"name": self.task.name, "state": self.task.state_dict()}}
 
@@ -185,7 +204,7 @@ class Checkpointer:
         """Back to the checkpoint `state` (the newest that verifies, `source`): what it resumed, the Trainer's position
         among it. Without one, a fresh per-rank random stream (dropout and the like), and None."""
         if state is None:
-            torch.manual_seed(self.cfg.run.seed * 7919 + self.rank)
+            torch.manual_seed(self.keeping.seed * 7919 + self.rank)
             return None
         resumed = self.load_state_dict(state, source)
         self.saved_step = resumed.step
@@ -196,7 +215,7 @@ class Checkpointer:
         """Back to where `state` (from the checkpoint `source`) left off, this rank's RNG included. A run made longer
         or shorter (another --max-steps or --epochs) continues on the schedule of its new length, as plan.json shows
         it: the schedule is that of the new length, stepped to this step."""
-        cfg, plan = self.cfg, self.plan
+        keeping, plan = self.keeping, self.plan
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -205,16 +224,17 @@ class Checkpointer:
                               f"use a new --run-dir, or the code that made the checkpoint") from None
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         if step > plan.max_steps:
-            longer = f"--epochs above {cfg.run.epochs}" if cfg.run.epochs else f"--max-steps of {step} or more"
+            longer = f"--epochs above {keeping.epochs}" if keeping.epochs else f"--max-steps of {step} or more"
             raise ConfigError(f"{source} is at step {step}, past this run's {plan.max_steps} steps: give "
                               f"{longer}, or start a new --run-dir")
         saved_max_steps = saved_length(state, plan.steps_per_epoch)
         if saved_max_steps == plan.max_steps:
             self.scheduler.load_state_dict(state["scheduler"])
         else:
-            self.scheduler = schedule_at(cfg.schedule, self.optimizer,
-                                         *schedule_lengths(cfg, plan.max_steps, plan.warmup_steps),
-                                         step if cfg.schedule.schedule_unit == "step" else epoch)
+            self.scheduler = schedule_at(keeping.schedule, self.optimizer,
+                                         *schedule_lengths(keeping.schedule, keeping.epochs, plan.max_steps,
+                                                           plan.warmup_steps),
+                                         step if keeping.schedule.schedule_unit == "step" else epoch)
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         if state["scaler"] and self.scaler.is_enabled():  # empty unless the checkpoint was made with fp16
@@ -230,7 +250,7 @@ class Checkpointer:
             epoch, step_in_epoch = epoch + 1, 0
         position = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "eval_owed": eval_owed}
         if state["world_size"] != self.world:  # per-rank RNG streams cannot carry over
-            torch.manual_seed(cfg.run.seed * 7919 + self.rank + step)
+            torch.manual_seed(keeping.seed * 7919 + self.rank + step)
         else:
             restore_rng(state["rng"][self.rank], self.device)
         return Resumed(source, position, state["config"], state["world_size"], saved_max_steps)

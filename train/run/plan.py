@@ -113,7 +113,8 @@ def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epo
     """The learning rate of each epoch's optimizer steps, or of each step for runs of up to LR_EVERY_STEP steps
     that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it."""
     optimizer = _probe_optimizer(cfg)
-    scheduler = build_scheduler(cfg.schedule, optimizer, *schedule_lengths(cfg, max_steps, warmup_steps))
+    lengths = schedule_lengths(cfg.schedule, cfg.run.epochs, max_steps, warmup_steps)
+    scheduler = build_scheduler(cfg.schedule, optimizer, *lengths)
     every_step = cfg.schedule.schedule_unit == "step"
     per_step = every_step and max_steps <= LR_EVERY_STEP
     values = []

@@ -48,7 +48,7 @@ class Trainer:
 
     def __init__(self, parts: Parts, stop: StopSignal):
         self.parts, self.stop, self.checkpointer = parts, stop, parts.checkpointer
-        self.cfg, self.plan, self.run_dir, self.device = parts.cfg, parts.plan, parts.run_dir, parts.device
+        self.loop, self.plan, self.run_dir, self.device = parts.loop, parts.plan, parts.run_dir, parts.device
         self.rank, self.world = identity().global_rank, identity().world_size
         self.step = self.epoch = self.step_in_epoch = 0  # the position
         self.eval_owed, self.last_eval, self.first_step_logged, self.settle_s = False, -1, False, 0.0
@@ -79,13 +79,13 @@ class Trainer:
 
     def train(self) -> int:
         """The run from where it stands to max_steps. Returns the exit code (0 done, 75 stopped)."""
-        cfg, parts, max_steps = self.cfg, self.parts, self.plan.max_steps
+        loop, parts, max_steps = self.loop, self.parts, self.plan.max_steps
         watchdog.enter("training")
         try:
             if self.eval_owed:  # stopped at an evaluation step before evaluating
                 self.evaluate()
             if self.resumed_from is not None and self.stop_reached(self.step) and self.step < max_steps:
-                return self.stop_here(f"--stop-at {cfg.run.stop_at}: already at step {self.step}", save=False)
+                return self.stop_here(f"--stop-at {loop.stop_at}: already at step {self.step}", save=False)
             parts.model.train()
             self.settle_s = self.settle_buckets()
             batches = self.batches()
@@ -102,7 +102,7 @@ class Trainer:
                 if self.is_eval_step(self.step):
                     self.evaluate()
                 if self.is_save_step(self.step):
-                    self.save(f"every {cfg.checkpoints.save_every} steps")
+                    self.save(f"every {loop.save_every} steps")
             return self.finish()
         finally:
             parts.metrics.close()
@@ -113,24 +113,24 @@ class Trainer:
         each sum is divided by the count of the whole step, every micro-batch on every rank (DDP then averages over
         the ranks, hence the world size above it): the gradient of the step's mean, as one large batch gives it,
         whatever the accumulation and the workers. Returns the micro-batches' loss sums and counts."""
-        parts, task, opt = self.parts, self.parts.task, self.cfg.optimisation
+        parts, task, loop = self.parts, self.parts.task, self.loop
         model, scaler = parts.model, parts.scaler
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
         scale = self.world / self.step_count(steps) if task.variable_count else None
         sums, counts = [], []
         for micro, (x, target) in enumerate(steps):
             if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
-                scale = 1 / (opt.grad_accum * task.count(target))
-            last = micro == opt.grad_accum - 1
+                scale = 1 / (loop.grad_accum * task.count(target))
+            last = micro == loop.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with autocast(self.device, parts.precision):
                     total, count = task.loss(model(x), target)
                 scaler.scale(total * scale).backward()
             sums.append(total.detach())
             counts.append(count)
-        if opt.grad_clip > 0:
+        if loop.grad_clip > 0:
             scaler.unscale_(parts.optimizer)
-            torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), opt.grad_clip)
+            torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), loop.grad_clip)
         scaler.step(parts.optimizer)
         scaler.update()
         parts.optimizer.zero_grad(set_to_none=True)
@@ -148,20 +148,20 @@ class Trainer:
     def micro_batches(self, batches: Iterator) -> Iterator[tuple]:
         """This step's --grad-accum micro-batches, each augmented as the recipe asks (random erasing, Mixup/CutMix),
         seeded by its position in the run (the laid-out run's rank and micro-batch), not by a random stream."""
-        cfg, augment = self.cfg, self.parts.augment
-        for micro in range(cfg.optimisation.grad_accum):
+        loop, augment = self.loop, self.parts.augment
+        for micro in range(loop.grad_accum):
             x, y = next(batches)
             if augment is not None:
                 rank0, micro0 = origin(self.rank, micro, self.world, self.parts.sampler.layout)
-                x, y = augment(x, y, batch_seed(cfg.run.seed, self.step, micro0, rank0))
-                x = x.contiguous(memory_format=torch.channels_last) if cfg.model.channels_last else x
+                x, y = augment(x, y, batch_seed(loop.seed, self.step, micro0, rank0))
+                x = x.contiguous(memory_format=torch.channels_last) if loop.channels_last else x
             yield x, y
 
     def update_ema(self) -> None:
         """The reference's EMA rule: every --model-ema-steps optimizer steps of an epoch (counted from its
         first), restarted from the weights while the warm-up lasts."""
         ema = self.parts.ema
-        if ema is None or self.step_in_epoch % self.cfg.regularisation.model_ema_steps:
+        if ema is None or self.step_in_epoch % self.loop.ema_every:
             return
         ema.update_parameters(self.parts.raw_model)
         if self.in_warmup():
@@ -169,8 +169,8 @@ class Trainer:
 
     def in_warmup(self) -> bool:
         """Whether the optimizer step just taken was in the warm-up (an epoch of it, with --schedule-unit epoch)."""
-        if self.cfg.schedule.schedule_unit == "epoch":
-            return self.epoch < self.cfg.schedule.warmup_epochs
+        if not self.loop.per_step:
+            return self.epoch < self.loop.warmup_epochs
         return self.step < self.plan.warmup_steps
 
     def advance(self) -> bool:
@@ -191,15 +191,15 @@ class Trainer:
         untouched (no optimizer step), the buffers (BatchNorm statistics) and every RNG stream restored. Its
         first real step then runs with the rebuilt layout, as an uninterrupted run's every step does. Returns
         the seconds it took (make bench reports them against a step)."""
-        parts, cfg = self.parts, self.cfg
+        parts, loop = self.parts, self.loop
         if not isinstance(parts.model, DDP):
             return 0.0
         started = time.perf_counter()
         buffers = [b.detach().clone() for b in parts.raw_model.buffers()]
         rng = capture_rng(self.device)
         # the task's batch of a training step's shape: no more memory than one, no compile for another
-        x, target = parts.task.example(cfg.optimisation.batch_size, self.device)
-        for _ in range(2 if cfg.model.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
+        x, target = parts.task.example(loop.batch_size, self.device)
+        for _ in range(2 if loop.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
             with autocast(self.device, parts.precision):
                 total, count = parts.task.loss(parts.model(x), target)
             (total / count).backward()
@@ -215,10 +215,10 @@ class Trainer:
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
         spent waiting for each goes into the logging window."""
-        parts, opt = self.parts, self.cfg.optimisation
+        parts, loop = self.parts, self.loop
         while True:
             epoch = self.epoch
-            parts.sampler.set_epoch(epoch, start=self.step_in_epoch * opt.grad_accum * opt.batch_size)
+            parts.sampler.set_epoch(epoch, start=self.step_in_epoch * loop.grad_accum * loop.batch_size)
             loader = iter(parts.train_loader)
             while self.epoch == epoch:  # until advance() has moved into the next epoch
                 waiting = time.perf_counter()
@@ -236,7 +236,7 @@ class Trainer:
             self.first_step_logged = True
             self.parts.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
                                                                "settle_s": self.settle_s})
-        if self.step % self.cfg.checkpoints.log_every == 0 or self.step == self.plan.max_steps:
+        if self.step % self.loop.log_every == 0 or self.step == self.plan.max_steps:
             self.log_window()
             self.check_health()
 
@@ -266,27 +266,27 @@ class Trainer:
         """Raise the one line of a diverged run (every rank at once): `why`, what to try, where to start again."""
         newest = ckpt.list_checkpoints(self.run_dir)[-1:] if is_main() else []
         kept = broadcast_from_main(str(newest[0]) if newest else None)
-        raise Diverged(diverged_line(why, self.cfg.optimisation.grad_clip, self.plan.precision, kept))
+        raise Diverged(diverged_line(why, self.loop.grad_clip, self.plan.precision, kept))
 
     def weights(self) -> tuple[torch.nn.Module, ...]:
         """The weights a save writes: the model's, and the EMA's with --model-ema."""
         return (self.parts.raw_model, *([self.parts.ema.module] if self.parts.ema is not None else []))
 
     def is_eval_step(self, step: int) -> bool:
-        every = self.cfg.checkpoints.eval_every
+        every = self.loop.eval_every
         return bool(every) and step % every == 0 and step < self.plan.max_steps
 
     def is_save_step(self, step: int) -> bool:
         """A checkpoint every --save-every steps; the last step's is the end of the run's (finish)."""
-        return step % self.cfg.checkpoints.save_every == 0 and step < self.plan.max_steps
+        return step % self.loop.save_every == 0 and step < self.plan.max_steps
 
     def stop_reached(self, step: int) -> bool:
         """--stop-at: the run stops after this step (or, resumed past it, at once)."""
-        return bool(self.cfg.run.stop_at) and step >= self.cfg.run.stop_at
+        return bool(self.loop.stop_at) and step >= self.loop.stop_at
 
     def step_schedule(self, epoch_ended: bool) -> None:
         """The learning rate's schedule moves every optimizer step, or with --schedule-unit epoch at an epoch's end."""
-        if epoch_ended or self.cfg.schedule.schedule_unit == "step":
+        if epoch_ended or self.loop.per_step:
             self.parts.scheduler.step()
 
     def evaluate(self) -> dict:

@@ -193,7 +193,7 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         else:
             where = watchdog.phase if watchdog.phase != "start-up" else "start-up (the data and the model)"
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
-        return out_of_memory(error, where, device, trainer.cfg if trainer else cfg, precision,
+        return out_of_memory(error, where, device, trainer.parts.cfg if trainer else cfg, precision,
                              newest[0] if newest else None)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
