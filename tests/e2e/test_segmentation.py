@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from tests.e2e.test_export import ONNX_RUNTIME_ONLY, TORCH_ONLY
-from tests.helpers import PY, REPO, assert_bit_identical, make, metrics, python_cmd, run, status
+from tests.helpers import PY, REPO, make, metrics, python_cmd, run, status
 from tests.unit.test_masks import block_pair, save_pair
 from train.cli import parse_config
 from train.tasks.factory import build_task
@@ -34,6 +34,9 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
     shutil.copytree(reference_run(*SEG, workers=2), run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["task"]["name"] == "segmentation" and plan["task"]["metric"] == "miou" and plan["num_classes"] == 11
+    # Bit for bit after a kill or a stop on the CPU, under torchrun and sbatch at 2 and 4 workers: CI's make chaos
+    # --task segmentation (.ci/run); on CUDA to rounding only, as the plan says.
+    assert plan["task"]["bit_exact_resume"].startswith("on the CPU; on CUDA to rounding only")
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"] == "lraspp_mobilenet_v3_large" and config["task"] == "segmentation"  # the task's default
     evals = metrics(run_dir, "eval")
@@ -75,15 +78,6 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
                                          "output": ["logits", ["batch", 11, 16, 16]]}
     with np.load(tmp_path / "out.npz") as saved:
         torch.testing.assert_close(torch.from_numpy(saved["arr_0"]), expected, rtol=1e-4, atol=1e-4)
-
-
-def test_a_stopped_and_resumed_segmentation_run_is_bit_identical(reference_run, tmp_path):
-    """Mid-run, stopped at a checkpoint and resumed on as many workers: the uninterrupted run's bits (CPU)."""
-    run_dir = tmp_path / "resumed"
-    run(python_cmd(*SEG, "--spawn", 2, "--stop-at", 13, "--run-dir", run_dir), expect=75)
-    run(python_cmd(*SEG, "--spawn", 2, "--run-dir", run_dir))
-    assert_bit_identical(run_dir, reference_run(*SEG, workers=2))
-    assert json.loads((run_dir / "plan.json").read_text())["task"]["bit_exact_resume"].startswith("on the CPU")
 
 
 def _mask_folder(data, train: int, val: int) -> None:
