@@ -2,7 +2,7 @@
 
   python -m train.bench                       every CPU row (and the GPU rows where CUDA is visible)
   python -m train.bench --out runs/bench-x    where bench.json, bench.txt and scaling.png go
-  python -m train.bench --quick               tiny sizes, for the test suite (numbers mean little)
+  python -m train.bench --quick --rounds 1    tiny sizes, every row once: that each runs (numbers mean little)
 
 Every figure is a ratio of two arms measured in this one run: the arms alternate (A B A B ...), the
 first windows of each run are dropped as warm-up, and each row reports the median ratio and its spread

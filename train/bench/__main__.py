@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=time.strftime("runs/bench-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds per comparison")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every row runs")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every row runs (--rounds 1 "
+                                                             "allowed)")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU rows (needs CUDA)")
     parser.add_argument("--gpu-knobs", default=",".join(GPU_KNOBS),
                         help=f"GPU knobs to measure, comma-separated from {','.join(GPU_KNOBS)} (default: all)")
@@ -80,8 +81,9 @@ def main(argv: list[str]) -> int:
     if ns.bare:
         bare_main(ns.bare)
         return 0
-    if ns.rounds < 2:
-        print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more", file=sys.stderr)
+    if ns.rounds < (1 if ns.quick else 2):  # --quick checks that every row runs: once is enough for that
+        print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more (--quick alone takes "
+              "--rounds 1: every row once)", file=sys.stderr)
         return 2
     if ns.gpu_only and not torch.cuda.is_available():
         print("error: --gpu-only needs a CUDA GPU and none is visible: drop --gpu-only or check nvidia-smi",
