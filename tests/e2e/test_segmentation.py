@@ -34,8 +34,8 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
     shutil.copytree(reference_run(*SEG, workers=2), run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["task"]["name"] == "segmentation" and plan["task"]["metric"] == "miou" and plan["num_classes"] == 11
-    # Bit for bit after a kill or a stop on the CPU, under torchrun and sbatch at 2 and 4 workers: CI's make chaos
-    # --task segmentation (.ci/run); on CUDA to rounding only, as the plan says.
+    # Bit for bit after a kill on the CPU, under torchrun and sbatch at 2 and 4 workers: CI's make chaos --task
+    # segmentation (.ci/run); on CUDA to rounding only, as the plan says.
     assert plan["task"]["bit_exact_resume"].startswith("on the CPU; on CUDA to rounding only")
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model"] == "lraspp_mobilenet_v3_large" and config["task"] == "segmentation"  # the task's default
