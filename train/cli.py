@@ -60,12 +60,22 @@ SEGMENTATION_SKIPS = ("augment", "train_crop_size", "val_resize_size", "val_crop
 
 def inert(cfg: Config) -> dict[str, str]:
     """The settings this config never reads, each with why and the fix: given by a user, they are refused
-    (parse_config), never ignored."""
+    (parse_config), never ignored. The first rule that names a setting gives its reason."""
+    found: dict[str, str] = {}
+    for names, applies, why in (*_data_rules(cfg), *_training_rules(cfg)):
+        for name in names if applies else ():
+            found.setdefault(name, why)
+    return found
+
+
+def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
+    """(settings, whether this config leaves them unread, why and the fix) for the task, the data and its
+    transforms."""
     small = ("--augment cifar" if cfg.augmentation.augment == "cifar"
              else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
     own = ":" in cfg.run.task  # a task of the user's: its own data and model, none of the image pipeline's
     masks = cfg.run.task == "segmentation"
-    rules: list[tuple[tuple[str, ...], bool, str]] = [
+    return [
         (SEGMENTATION_SKIPS, masks, "with --task segmentation (its images and masks take the segmentation reference's "
                                     "joint transforms, its loss no label smoothing, its batches no mixing): drop it"),
         (IMAGE_PIPELINE, own, f"with --task {cfg.run.task} (a task of your own reads its own data: the built-in "
@@ -103,6 +113,12 @@ def inert(cfg: Config) -> dict[str, str]:
         (("label_key",), cfg.data.dataset != "shards",
          f"with --dataset {cfg.data.dataset} (it names the label of WebDataset tars): drop it, or pass --dataset "
          f"shards"),
+    ]
+
+
+def _training_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
+    """The same for the model, the optimiser, the schedule and the EMA."""
+    return [
         (("width",), cfg.model.model != "cnn", f"with --model {cfg.model.model} (it sizes the built-in cnn): drop it"),
         (("momentum", "nesterov"), cfg.optimisation.optimizer != "sgd",
          f"with --optimizer {cfg.optimisation.optimizer}: drop it, or pass --optimizer sgd"),
@@ -119,11 +135,6 @@ def inert(cfg: Config) -> dict[str, str]:
         (("model_ema_steps", "model_ema_decay"), not cfg.regularisation.model_ema,
          "without --model-ema: drop it, or pass --model-ema"),
     ]
-    found: dict[str, str] = {}
-    for names, applies, why in rules:
-        for name in names if applies else ():
-            found.setdefault(name, why)
-    return found
 
 
 def check_no_effect(cfg: Config, given: dict[str, str]) -> None:

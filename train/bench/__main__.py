@@ -67,7 +67,8 @@ SIZES = {
 }
 
 
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace | int:
+    """The command line, or the exit code of a refusal (one line on stderr)."""
     parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=time.strftime("runs/bench-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds per comparison")
@@ -78,9 +79,9 @@ def main(argv: list[str]) -> int:
                         help=f"GPU knobs to measure, comma-separated from {','.join(GPU_KNOBS)} (default: all)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
+    ns.knobs = [k for k in ns.gpu_knobs.split(",") if k]
     if ns.bare:
-        bare_main(ns.bare)
-        return 0
+        return ns
     if ns.rounds < (1 if ns.quick else 2):  # --quick checks that every row runs: once is enough for that
         print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more (--quick alone takes "
               "--rounds 1: every row once)", file=sys.stderr)
@@ -89,10 +90,42 @@ def main(argv: list[str]) -> int:
         print("error: --gpu-only needs a CUDA GPU and none is visible: drop --gpu-only or check nvidia-smi",
               file=sys.stderr)
         return 2
-    knobs = [k for k in ns.gpu_knobs.split(",") if k]
-    if unknown := sorted(set(knobs) - set(GPU_KNOBS)):
+    if unknown := sorted(set(ns.knobs) - set(GPU_KNOBS)):
         print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
         return 2
+    return ns
+
+
+def row_groups(ns: argparse.Namespace, out: Path, size: dict, bars: dict) -> list:
+    """The groups of rows to measure, in order: each a function that returns its rows (the trainer's group also
+    fills `bars`, the scaling chart's)."""
+    groups = []
+    if not ns.gpu_only:
+        def trainer_group():
+            loop, exactness, recipe, measured = trainer_rows(out, size, ns.rounds)
+            bars.update(measured)
+            return [*loop, *comm_rows(out, size), *exactness, *recipe]
+
+        groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
+                   lambda: pipeline_rows(out, size, ns.rounds),
+                   lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
+                   lambda: shard_rows(out, size, ns.rounds),
+                   lambda: source_rows(out, size, ns.rounds),  # after shard_rows: the same folder
+                   lambda: checkpoint_rows(out, size, ns.rounds)]
+    if torch.cuda.is_available():
+        groups.append(lambda: gpu_rows(out, size, ns.rounds, ns.knobs))
+        if "jpeg" in ns.knobs:
+            groups.append(lambda: jpeg_rows(out, size, ns.rounds))
+    return groups
+
+
+def main(argv: list[str]) -> int:
+    ns = parse(argv)
+    if isinstance(ns, int):
+        return ns
+    if ns.bare:
+        bare_main(ns.bare)
+        return 0
     if not ns.gpu_only:
         try:
             sample_photos()
@@ -121,24 +154,7 @@ def main(argv: list[str]) -> int:
                                                     **({"stopped": failure} if failure else {})}, indent=2) + "\n")
         return text
 
-    groups = []
-    if not ns.gpu_only:
-        def trainer_group():
-            loop, exactness, recipe, measured = trainer_rows(out, size, ns.rounds)
-            bars.update(measured)
-            return [*loop, *comm_rows(out, size), *exactness, *recipe]
-
-        groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
-                   lambda: pipeline_rows(out, size, ns.rounds),
-                   lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
-                   lambda: shard_rows(out, size, ns.rounds),
-                   lambda: source_rows(out, size, ns.rounds),  # after shard_rows: the same folder
-                   lambda: checkpoint_rows(out, size, ns.rounds)]
-    if torch.cuda.is_available():
-        groups.append(lambda: gpu_rows(out, size, ns.rounds, knobs))
-        if "jpeg" in knobs:
-            groups.append(lambda: jpeg_rows(out, size, ns.rounds))
-    for group in groups:
+    for group in row_groups(ns, out, size, bars):
         try:
             rows += group()
         except SystemExit as e:  # an arm that failed (arms.run): the rows so far stay, with the reason
@@ -150,6 +166,7 @@ def main(argv: list[str]) -> int:
         chart(out / "scaling.png", bars)
     print(written())
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
