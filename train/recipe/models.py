@@ -70,16 +70,21 @@ def user_factory(spec: str, flag: str = "--model", takes: str = "num_classes and
     return factory
 
 
+def user_model(spec: Model, num_classes: int, takes: str = "num_classes and returns an nn.Module") -> nn.Module:
+    """The network --model package.module:factory makes for num_classes; anything but an nn.Module is one line."""
+    model = user_factory(spec.model, takes=takes)(num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
+                          f"factory return a torch.nn.Module")
+    return model
+
+
 def build_model(spec: Model, num_classes: int) -> nn.Module:
     """The network the config's model section names (--model, --width), with a head of num_classes, untrained."""
     if spec.model == "cnn":
         return SmallCNN(num_classes, spec.width)
     if ":" in spec.model:
-        model = user_factory(spec.model)(num_classes=num_classes)
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
-                              f"factory return a torch.nn.Module")
-        return model
+        return user_model(spec, num_classes)
     return _torchvision_models(spec.model).get_model(spec.model, weights=None, num_classes=num_classes)
 
 

@@ -40,7 +40,7 @@ from train.config.settings import Model
 from train.data.masks import check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
 from train.recipe import vision
-from train.recipe.models import user_factory
+from train.recipe.models import user_model
 from train.recipe.weights import fitted
 from train.tasks.inputs import ImageTask
 
@@ -94,12 +94,7 @@ class Segmentation(ImageTask):
 
     def network(self, spec: Model) -> nn.Module:
         if ":" in spec.model:  # a network of the user's: images in, N x C x H x W logits out (or {"out": ...})
-            model = user_factory(spec.model, takes="num_classes and returns a segmentation nn.Module")(
-                num_classes=self.num_classes)
-            if not isinstance(model, nn.Module):
-                raise ConfigError(f"--model {spec.model} returned a {type(model).__name__}, not an nn.Module: make the "
-                                  f"factory return a torch.nn.Module")
-            return model
+            return user_model(spec, self.num_classes, takes="num_classes and returns a segmentation nn.Module")
         aux = {"aux_loss": True} if spec.model in WITH_AUX else {}
         return vision.models.get_model(spec.model, weights=None, weights_backbone=None, num_classes=self.num_classes,
                                        **aux)
