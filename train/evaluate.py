@@ -40,7 +40,7 @@ from train.config.settings import Config
 from train.data import build_val_loader
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.run.checks import check_launch
-from train.run.runtime import DTYPES, configure_runtime, pick_device, resolve_precision
+from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
 from train.run.validate import evaluate
 from train.tasks.factory import build_task
 from train.tasks.task import Task
@@ -130,7 +130,7 @@ def evaluate_run(job: Job) -> int:
     cfg = cfg.replace(**{name: value for name, value in (("data_dir", job.data_dir), ("device", job.device)) if value})
     configure_runtime(cfg)
     ident = identity()
-    device = pick_device(cfg.launch.device, ident)
+    device = torch.device(device_name(cfg.launch.device, ident))
     init(device, cfg.launch.timeout_s)
     clean = False
     try:
@@ -140,7 +140,7 @@ def evaluate_run(job: Job) -> int:
             raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(task.classes[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set with the run's class folders")
-        loader = build_val_loader(cfg, val_set, ident.global_rank, ident.world_size, device.type == "cuda", device)
+        loader = build_val_loader(val_set, cfg.data, 2 * cfg.optimisation.batch_size, ident.global_rank, ident.world_size, device.type == "cuda", device)
         model = network_of(task, cfg, state, source)
         model.to(device)
         if cfg.model.channels_last:

@@ -15,11 +15,12 @@ from train.run.checks import check_precision
 log = logging.getLogger("train")
 
 
-def pick_device(requested: str, ident: Identity) -> torch.device:
-    """A GPU per local rank where CUDA is asked for or there (checks.check_devices made sure it is)."""
+def device_name(requested: str, ident: Identity) -> str:
+    """torch.device's name of this process's device: a GPU per local rank where CUDA is asked for or there
+    (checks.check_devices made sure it is), else the CPU."""
     if requested == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", ident.local_rank)
+        return "cpu"
+    return f"cuda:{ident.local_rank}"
 
 
 def configure_runtime(cfg: Config) -> None:

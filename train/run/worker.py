@@ -34,7 +34,7 @@ from train.files.rundir import launch_run_dir, process_start_time
 from train.report.tracker import catch_up_tracking
 from train.run.build import build
 from train.run.memory import is_out_of_memory, out_of_memory
-from train.run.runtime import configure_runtime, pick_device, resolve_precision
+from train.run.runtime import configure_runtime, device_name, resolve_precision
 from train.run.trainer import Trainer
 
 
@@ -114,13 +114,13 @@ def run(cfg: Config) -> int:
     ident = identity()
     watchdog.begin(f"rank {ident.global_rank}", limit_s=watch_limit(cfg.launch.timeout_s))
     configure_runtime(cfg)
-    device = pick_device(cfg.launch.device, ident)
+    device = torch.device(device_name(cfg.launch.device, ident))
     precision = resolve_precision(cfg, device)  # a mistake (fp16 on a CPU) is refused before the group starts
     init(device, cfg.launch.timeout_s)
     stop = StopSignal()
     clean, code, tracker, trainer, run_dir = False, None, None, None, None
     try:
-        run_dir = resolve_run_dir(cfg)
+        run_dir = Path(broadcast_from_main(launch_run_dir(cfg) if is_main() else None))  # rank 0's: nodes start apart
         if already_finished(run_dir, cfg):
             tracker = catch_up_tracking(cfg, run_dir)
             code = EXIT_DONE
@@ -155,11 +155,6 @@ def run(cfg: Config) -> int:
                 watchdog.enter("the end of the run (freeing the trainer)",
                                cause="freeing the trainer's objects (its loaders' workers, what the process group "
                                      "left) did not end")
-
-
-def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory (config.launch_run_dir), rank 0's on every rank: nodes' torchruns start apart."""
-    return Path(broadcast_from_main(launch_run_dir(cfg) if is_main() else None))
 
 
 def already_finished(run_dir: Path, cfg: Config) -> bool:
