@@ -218,12 +218,12 @@ def write_hf_sources(folder: Path, disk: Path, parquet: Path) -> tuple[Path, Pat
 def batches(cfg, start: int = 0, val: bool = False) -> list:
     """The batches one rank of one worker reads from cfg's data: the validation loader's, or the training loader's
     of epoch 1 from sample `start` on."""
-    from train.data import build_datasets, build_train_loader, build_val_loader
+    from train.data import build_datasets, build_train_loader, build_val_loader, sampling
 
     train_set, val_set, _ = build_datasets(cfg)
     if val:
-        return list(build_val_loader(cfg, val_set, 0, 1, pin_memory=False))
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False)
+        return list(build_val_loader(val_set, cfg.data, 2 * cfg.optimisation.batch_size, 0, 1, pin_memory=False))
+    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False)
     sampler.set_epoch(1, start=start)
     return list(loader)
 

@@ -104,13 +104,13 @@ def first_batches(common: list[str]) -> tuple[dict, object, object]:
     """The first training batch of epoch 0 on the CPU path and on --decode gpu, on the GPU; and the GPU
     path's loader and sampler, for a control draw."""
     from train.cli import parse_config
-    from train.data import build_datasets, build_train_loader
+    from train.data import build_datasets, build_train_loader, sampling
 
     loaded = {}
     for decode in ("cpu", "gpu"):
         cfg = parse_config([*common, "--decode", decode])
         train_set, _, _ = build_datasets(cfg)
-        loader, sampler = build_train_loader(cfg, train_set, 0, 1, False, torch.device("cuda"))
+        loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, False, torch.device("cuda"))
         sampler.set_epoch(0)
         loaded[decode] = next(iter(loader))[0].to("cuda")
     return loaded, loader, sampler

@@ -11,7 +11,7 @@ from PIL import Image
 from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.data import (SHAPE_CLASSES, SeededSample, ShapeMasks, build_train_loader, check_mask_folder,
-                        make_shape_masks, make_shapes, mask_datasets, mask_transforms)
+                        make_shape_masks, make_shapes, mask_datasets, mask_transforms, sampling)
 from train.data.loaders import in_memory
 from train.data.masks import DEFECTS, MaskSplit, read_mask
 from train.recipe import vision
@@ -230,7 +230,7 @@ def test_the_transforms_are_the_per_sample_seeds_and_a_resume_sees_the_same_batc
     assert [str(t) for t in mask_transforms(cfg, True).transforms] == [
         "RandomResize(min_size=16, max_size=65, interpolation=bilinear, antialias=True)",
         "RandomHorizontalFlip(p=0.5)", "RandomCrop(size=(32, 32), pad_if_needed=True, padding_mode=constant)"]
-    loader, sampler = build_train_loader(cfg.replace(batch_size=2), train, rank=0, world_size=1, pin_memory=False)
+    loader, sampler = build_train_loader(train, sampling(cfg.replace(batch_size=2)), cfg.data, rank=0, world_size=1, pin_memory=False)
     sampler.set_epoch(1)
     whole = list(loader)
     sampler.set_epoch(1, start=2)  # resumed after its first batch of 2

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.bench.arms import _init, bare_arm, drain, free_port, median, row, trainer_arm
 from train.cli import parse_config
 from train.cluster.distributed import destroy_and_leave_together
-from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes
+from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes, sampling
 from train.files import checkpoint_io as ckpt
 from train.pack.command import pack
 from train.recipe.models import SmallCNN
@@ -232,7 +232,7 @@ def loader_alone(cfg_args: list, batches: int) -> float:
 
     cfg = parse_config(list(map(str, cfg_args)))
     train_set, _, _ = build_datasets(cfg)
-    count, seconds = drain(*build_train_loader(cfg, train_set, 0, 1, pin_memory=False), batches)
+    count, seconds = drain(*build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False), batches)
     return count / seconds
 
 
@@ -242,7 +242,7 @@ def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
 
     cfg = parse_config(list(map(str, cfg_args)))
     train_set, _, _ = build_datasets(cfg)
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False, persistent=persistent)
+    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False, persistent=persistent)
     waits = []
     for epoch in range(epochs + 1):
         sampler.set_epoch(epoch)
@@ -280,7 +280,7 @@ def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             if name == "imagefolder":
                 waits.append(median(trained["data_wait"]))
 
-    workers = default_num_workers(parse_config(list(map(str, folder))))
+    workers = default_num_workers(parse_config(list(map(str, folder))).data)
     return [
         row("input headroom, built-in: loader alone / model consumption (samples/s)", headroom["shapes"],
             "in-memory batches cut on the training device"),
@@ -299,7 +299,7 @@ def first_batch_and_epoch(cfg_args: list) -> tuple[float, float]:
     cfg = parse_config(list(map(str, cfg_args)))
     start = time.perf_counter()
     train_set, _, _ = build_datasets(cfg)
-    loader, sampler = build_train_loader(cfg, train_set, 0, 1, pin_memory=False, persistent=False)
+    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False, persistent=False)
     sampler.set_epoch(0)
     it = iter(loader)
     next(it)
@@ -326,7 +326,7 @@ def shard_rows(out: Path, size: dict, rounds: int) -> list[dict]:
         firsts.append(f_first / s_first)
         speeds.append(s_speed / f_speed)
         seen = {"files": (f_first, f_speed), "shards": (s_first, s_speed)}
-    workers = default_num_workers(parse_config(list(map(str, folder))))
+    workers = default_num_workers(parse_config(list(map(str, folder))).data)
     detail = (f"{size['many_files']:,} PNGs of 32 px, {workers} loader worker(s), page cache warm (a NAS adds a "
               f"round trip per file): files {seen['files'][0]:.1f} s, shards {seen['shards'][0]:.1f} s")
     return [

@@ -10,7 +10,7 @@ import torch
 from train.bench.arms import bare_arm, drain, median, row, trainer_arm
 from train.bench.photos import make_photos
 from train.cli import parse_config
-from train.data import build_train_loader, default_num_workers
+from train.data import build_train_loader, default_num_workers, sampling
 
 
 # ---------------------------------------------------------------- GPU rows
@@ -48,8 +48,8 @@ def host_to_device(pin: bool, batch: int, batches: int, size: int, device: torch
     Returns (images, seconds); the first batch (worker start) is not counted."""
 
     cfg = parse_config(["--dataset", "imagefolder", "--batch-size", str(batch)])
-    return drain(*build_train_loader(cfg, _HostImages(batch, batches + 1, size), 0, 1, pin_memory=pin), batches,
-                 device)
+    loader = build_train_loader(_HostImages(batch, batches + 1, size), sampling(cfg), cfg.data, 0, 1, pin_memory=pin)
+    return drain(*loader, batches, device)
 
 
 def on_files(base: list, data: Path) -> list:
@@ -135,7 +135,7 @@ def jpeg_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             ratios[decode].append(median(synthetic["step_times"]) / median(arm["step_times"]))
             waits[decode].append(median(arm["data_wait"]))
             util[decode] += arm["gpu_util"]
-    workers = default_num_workers(parse_config(["--dataset", "imagefolder"]))
+    workers = default_num_workers(parse_config(["--dataset", "imagefolder"]).data)
     best = max(median(ratios["cpu"]), median(ratios["gpu"]))
     return [row(f"GPU images/s on JPEG files, --decode {decode} ({workers} loader workers) / synthetic on the device",
                 ratios[decode], f"{size['gpu_photos']} photos of 500 x 375; data wait {median(waits[decode]):.2f} of "

@@ -26,16 +26,16 @@ from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packe
 from train.data.hfrows import check_hf
 from train.data.labelfiles import check_labelfiles
 from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names, default_num_workers,
-                                source_of)
+                                sampling, source_of)
 from train.data.masks import check_mask_folder, mask_datasets, mask_transforms
-from train.data.samplers import SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
+from train.data.samplers import Sampling, SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapeMasks, ShapesDataset, make_shape_masks, make_shapes
 from train.data.tars import check_shards
 from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs, train_size
 
-__all__ = ["SHAPE_CLASSES", "DeviceDecoder", "SeededSample", "ShapeMasks", "ShapesDataset", "ShardSampler",
+__all__ = ["SHAPE_CLASSES", "DeviceDecoder", "Sampling", "SeededSample", "ShapeMasks", "ShapesDataset", "ShardSampler",
            "ShardSplit", "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_hf",
            "check_imagefolder", "check_labelfiles", "check_mask_folder", "check_shards", "class_names",
            "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms", "load_image",
            "make_shape_masks", "make_shapes", "mask_datasets", "mask_transforms", "packed_with", "prepare_inputs",
-           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "source_of", "train_size"]
+           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "sampling", "source_of", "train_size"]

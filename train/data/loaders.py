@@ -13,13 +13,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from train.cluster.identity import identity, usable_cores
-from train.config.settings import BUILT_IN, Config
+from train.config.settings import BUILT_IN, Config, Data
 from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, load_image, read_bytes
 from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
                                 is_pack, path_of)
 from train.data.hfrows import hf_splits
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
-from train.data.samplers import SeededSample, ShardSampler
+from train.data.samplers import Sampling, SeededSample, ShardSampler
 from train.data.shapes import ShapesDataset, SyntheticDataset
 from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
@@ -150,10 +150,11 @@ def source_of(cfg: Config, train_set, val_set) -> dict:
             "order": val["order"], "classes_from": (train or val)["classes_from"]}
 
 
-def default_num_workers(cfg: Config) -> int:
-    if cfg.data.num_workers >= 0:
-        return cfg.data.num_workers
-    if cfg.data.dataset in BUILT_IN:
+def default_num_workers(data: Data) -> int:
+    """--num-workers, or where it is -1 the DataLoader workers per process that the data wants."""
+    if data.num_workers >= 0:
+        return data.num_workers
+    if data.dataset in BUILT_IN:
         return 0
     # Every core of this process's share but one (the one that runs the training loop itself), no cap:
     # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).
@@ -167,40 +168,45 @@ def ignore_stop_signals(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def build_train_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+def sampling(cfg: Config) -> Sampling:
+    """The run's sampler spec: what of its config the training sampler reads."""
+    return Sampling(cfg.run.seed, cfg.augmentation.ra_reps, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
+
+
+def build_train_loader(dataset, spec: Sampling, data: Data, rank: int, world_size: int, pin_memory: bool,
                        device: torch.device | None = None, persistent: bool = True,
                        layout: tuple[int, int] | None = None):
-    """layout: the (workers, --grad-accum) the run's sample order is laid out for (a resume on other workers keeps
+    """The training loader of this rank and its sampler, as `spec` deals the samples and `data` (--num-workers) loads
+    them. layout: the (workers, --grad-accum) the run's sample order is laid out for (a resume on other workers keeps
     it); default: this one."""
-    opt = cfg.optimisation
     held = in_memory(dataset) is not None
-    sampler = ShardSampler(len(dataset), rank, world_size, cfg.run.seed, with_seeds=not held,
-                           reps=cfg.augmentation.ra_reps, batch_size=opt.batch_size, grad_accum=opt.grad_accum,
-                           layout=layout)
+    sampler = ShardSampler(len(dataset), rank, world_size, spec.seed, with_seeds=not held, reps=spec.reps,
+                           batch_size=spec.batch_size, grad_accum=spec.grad_accum, layout=layout)
     if held:  # in memory: batches are cut on the training device itself
-        return TensorLoader(to_device(dataset, device or torch.device("cpu")), sampler, opt.batch_size), sampler
-    workers = default_num_workers(cfg)
+        return TensorLoader(to_device(dataset, device or torch.device("cpu")), sampler, spec.batch_size), sampler
+    workers = default_num_workers(data)
     files = isinstance(dataset, FileBytes)
-    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=cfg.optimisation.batch_size,
+    loader = DataLoader(dataset if files else SeededSample(dataset), batch_size=spec.batch_size,
                         sampler=sampler, drop_last=True, num_workers=workers, pin_memory=pin_memory and not files,
                         persistent_workers=persistent and workers > 0,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
                         prefetch_factor=4 if workers > 0 else None, collate_fn=collate_files if files else None,
-                        generator=torch.Generator().manual_seed(cfg.run.seed))  # iter() must not draw global RNG
+                        generator=torch.Generator().manual_seed(spec.seed))  # iter() must not draw global RNG
     return (DeviceDecoder(loader, dataset, device or torch.device("cpu")) if files else loader), sampler
 
 
-def build_val_loader(cfg: Config, dataset, rank: int, world_size: int, pin_memory: bool,
+def build_val_loader(dataset, data: Data, batch_size: int, rank: int, world_size: int, pin_memory: bool,
                      device: torch.device | None = None):
-    """Each rank takes indices rank, rank+W, ... with no padding: every sample counted exactly once."""
+    """This rank's validation loader, in batches of `batch_size`: each rank takes indices rank, rank+W, ... with no
+    padding, every sample counted exactly once."""
     indices = list(range(rank, len(dataset), world_size))
     if in_memory(dataset) is not None:
         tensors = to_device(dataset, device or torch.device("cpu"))
         idx = torch.tensor(indices, dtype=torch.long, device=tensors[0].device)
         return [tuple(t[idx[i:i + 256]] for t in tensors) for i in range(0, len(idx), 256)]
-    workers = default_num_workers(cfg)
+    workers = default_num_workers(data)
     files = isinstance(dataset, FileBytes)
-    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=cfg.optimisation.batch_size * 2,
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size,
                         num_workers=workers, pin_memory=pin_memory and not files,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
                         collate_fn=collate_files if files else None)

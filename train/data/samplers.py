@@ -8,6 +8,8 @@ resumed mid-epoch, or with another number of loader workers, sees the same image
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -39,6 +41,17 @@ def samples_per_rank(length: int, world: int, reps: int = 0) -> int:
     size, or with --ra-reps on more than one worker the repeated-augmentation sampler's (torchvision's
     reference: the set cut to a multiple of 256, then shared by the ranks)."""
     return length // 256 * 256 // world if reps and world > 1 else length // world
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a training sampler is made of, beside its rank and dataset (the run's sampler spec): the seed of its order
+    and augmentation, --ra-reps, and the step's shape its epoch is cut to."""
+
+    seed: int
+    reps: int  # --ra-reps (0: none)
+    batch_size: int  # per rank and micro-batch
+    grad_accum: int  # micro-batches per optimizer step
 
 
 def describe_sampler(reps: int, world: int) -> str:
