@@ -362,15 +362,6 @@ def recipe(cfg: Config) -> str:
     return "imagenet" if cfg.data.image_size >= IMAGENET_FROM else "cifar"
 
 
-def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
-    """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
-    if not cfg.run.epochs:
-        return cfg.run.max_steps, cfg.schedule.warmup_steps
-    schedule = cfg.schedule
-    warmup = round(schedule.warmup_epochs * steps_per_epoch) if schedule.warmup_epochs else schedule.warmup_steps
-    return cfg.run.epochs * steps_per_epoch, warmup
-
-
 def flag(name: str) -> str:
     return name.replace("_", "-")
 

@@ -20,7 +20,7 @@ import torch
 
 from train.base.errors import ConfigError
 from train.config.resume import Layout
-from train.config.settings import Config, steps_for_epochs
+from train.config.settings import Config
 from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
 from train.recipe.ema import adjusted_decay
@@ -96,6 +96,15 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
+
+
+def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
+    """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
+    if not cfg.run.epochs:
+        return cfg.run.max_steps, cfg.schedule.warmup_steps
+    schedule = cfg.schedule
+    warmup = round(schedule.warmup_epochs * steps_per_epoch) if schedule.warmup_epochs else schedule.warmup_steps
+    return cfg.run.epochs * steps_per_epoch, warmup
 
 
 def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:
