@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from train.cluster.identity import identity, is_main
+from train.config.settings import Run
 from train.files.rundir import FULL_ERRNOS, MetricsFile
 
 log = logging.getLogger("train")
@@ -260,7 +261,8 @@ def gpu_facts() -> dict:
         return {"driver": None, "gpus": []}
 
 
-def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resumed_from: int | None) -> dict:
+def build_manifest(run: Run, ident, device: torch.device, hostnames: list[str], resumed_from: int | None) -> dict:
+    """manifest.json: where and with what the run trains (its --seed and --deterministic from the Run section)."""
     commit = os.environ.get("TRAINBOX_GIT_COMMIT") or _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     nccl = None
@@ -286,8 +288,8 @@ def build_manifest(cfg, ident, device: torch.device, hostnames: list[str], resum
         "world_size": ident.world_size,
         "local_world_size": ident.local_world_size,
         "hostnames": hostnames,
-        "seed": cfg.run.seed,
-        "deterministic": cfg.run.deterministic,
+        "seed": run.seed,
+        "deterministic": run.deterministic,
         "threads": torch.get_num_threads(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "image": os.environ.get("TRAINBOX_IMAGE"),

@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from train.cluster.identity import is_main
-from train.config.settings import Config, Tracking
+from train.config.settings import Tracking
 from train.files.checkpoint_io import list_checkpoints, sidecar_of
 from train.files.rundir import atomic_write, file_digest, read_config, read_json, read_metrics, read_status, to_json
 from train.report.metrics import setup_logging
@@ -297,13 +297,13 @@ def start_tracking(tracking: Tracking, run_dir: Path, resume_step: int) -> Track
     return tracker
 
 
-def catch_up_tracking(cfg: Config, run_dir: Path) -> Tracker | None:
+def catch_up_tracking(tracking: Tracking, run_dir: Path, max_steps: int) -> Tracker | None:
     """A finished run started again: rank 0 sends what its tracking may still lack (metrics an attempt
     could not send, model.pt, manifest.json) and marks the MLflow run finished."""
-    if not is_main() or not tracking_uri(cfg.tracking):
+    if not is_main() or not tracking_uri(tracking):
         return None
     setup_logging(run_dir)
-    tracker = start_tracking(cfg.tracking, run_dir, read_status(run_dir).get("step", cfg.run.max_steps))
+    tracker = start_tracking(tracking, run_dir, read_status(run_dir).get("step", max_steps))
     for name in ("model.pt", "manifest.json"):
         tracker.upload(run_dir / name)
     return tracker

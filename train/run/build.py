@@ -246,7 +246,7 @@ def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan
         trained = plan_as_trained(plan.to_dict(), saved_plan, resumed, cfg.to_dict(), ident.world_size,
                                   plan.steps_per_epoch)
         rundir.write_run_files(run_dir, cfg.to_dict(), names, trained)
-        manifest = build_manifest(cfg, ident, device, hostnames, resumed.step if resumed else None)
+        manifest = build_manifest(cfg.run, ident, device, hostnames, resumed.step if resumed else None)
         rundir.write_manifest(run_dir, {**manifest, **weights})
         checkpointer.record("running", resumed.step if resumed else 0)
 

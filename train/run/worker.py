@@ -122,7 +122,7 @@ def run(cfg: Config) -> int:
     try:
         run_dir = Path(broadcast_from_main(launch_run_dir(cfg) if is_main() else None))  # rank 0's: nodes start apart
         if already_finished(run_dir, cfg):
-            tracker = catch_up_tracking(cfg, run_dir)
+            tracker = catch_up_tracking(cfg.tracking, run_dir, cfg.run.max_steps)
             code = EXIT_DONE
         else:
             parts = build(cfg, run_dir, device, precision)
