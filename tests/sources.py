@@ -222,7 +222,7 @@ def batches(cfg, start: int = 0, val: bool = False) -> list:
 
     train_set, val_set, _ = build_datasets(cfg)
     if val:
-        return list(build_val_loader(val_set, cfg.data, 2 * cfg.optimisation.batch_size, 0, 1, pin_memory=False))
+        return list(build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, 0, 1, pin_memory=False))
     loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False)
     sampler.set_epoch(1, start=start)
     return list(loader)

@@ -140,7 +140,8 @@ def evaluate_run(job: Job) -> int:
             raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(task.classes[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set with the run's class folders")
-        loader = build_val_loader(val_set, cfg.data, 2 * cfg.optimisation.batch_size, ident.global_rank, ident.world_size, device.type == "cuda", device)
+        loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, ident.global_rank, ident.world_size,
+                                  device.type == "cuda", device)
         model = network_of(task, cfg, state, source)
         model.to(device)
         if cfg.model.channels_last:

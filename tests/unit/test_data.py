@@ -73,7 +73,7 @@ def test_validation_counts_every_sample_once_across_ranks():
     val = ShapesDataset(101, 16, seed=0)
     seen = []
     for rank in range(4):
-        for x, _ in build_val_loader(val, cfg.data, 2 * cfg.optimisation.batch_size, rank, 4, pin_memory=False):
+        for x, _ in build_val_loader(val, cfg.data, cfg.optimisation.batch_size, rank, 4, pin_memory=False):
             seen += x.flatten(1).sum(1).tolist()
     every = [val[i][0].flatten().sum().item() for i in range(101)]
     assert len(set(every)) == 101  # each sample has its own sum, so the sums identify the samples

@@ -35,8 +35,10 @@ def config(folder, decode, workers=0, size=64):
 def batches(cfg, start=0, epoch=0, val=False):
     train_set, val_set, _ = build_datasets(cfg)
     if val:
-        return list(build_val_loader(val_set, cfg.data, 2 * cfg.optimisation.batch_size, 0, 1, pin_memory=False, device=torch.device("cpu")))
-    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False, device=torch.device("cpu"))
+        return list(build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, 0, 1, pin_memory=False,
+                                     device=torch.device("cpu")))
+    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False,
+                                         device=torch.device("cpu"))
     sampler.set_epoch(epoch, start=start)
     return list(loader)
 
@@ -62,8 +64,9 @@ def test_the_result_depends_on_neither_the_worker_count_nor_the_resume_point(fol
 
 
 def test_the_loader_yields_images_decoded_and_labels(folder):
-    train_set, _, classes = build_datasets(config(folder, "gpu"))
-    loader, _ = build_train_loader(train_set, sampling(config(folder, "gpu")), config(folder, "gpu").data, 0, 1, False, torch.device("cpu"))
+    cfg = config(folder, "gpu")
+    train_set, _, classes = build_datasets(cfg)
+    loader, _ = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, False, torch.device("cpu"))
     assert isinstance(loader, DeviceDecoder) and classes == 2
     x, y = next(iter(loader))
     assert x.shape == (4, 3, 64, 64) and y.shape == (4,)

@@ -230,7 +230,8 @@ def test_the_transforms_are_the_per_sample_seeds_and_a_resume_sees_the_same_batc
     assert [str(t) for t in mask_transforms(cfg, True).transforms] == [
         "RandomResize(min_size=16, max_size=65, interpolation=bilinear, antialias=True)",
         "RandomHorizontalFlip(p=0.5)", "RandomCrop(size=(32, 32), pad_if_needed=True, padding_mode=constant)"]
-    loader, sampler = build_train_loader(train, sampling(cfg.replace(batch_size=2)), cfg.data, rank=0, world_size=1, pin_memory=False)
+    loader, sampler = build_train_loader(train, sampling(cfg.replace(batch_size=2)), cfg.data, rank=0, world_size=1,
+                                         pin_memory=False)
     sampler.set_epoch(1)
     whole = list(loader)
     sampler.set_epoch(1, start=2)  # resumed after its first batch of 2

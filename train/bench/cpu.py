@@ -242,7 +242,7 @@ def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
 
     cfg = parse_config(list(map(str, cfg_args)))
     train_set, _, _ = build_datasets(cfg)
-    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, pin_memory=False, persistent=persistent)
+    loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, 0, 1, False, persistent=persistent)
     waits = []
     for epoch in range(epochs + 1):
         sampler.set_epoch(epoch)

@@ -38,4 +38,5 @@ __all__ = ["SHAPE_CLASSES", "DeviceDecoder", "Sampling", "SeededSample", "ShapeM
            "check_imagefolder", "check_labelfiles", "check_mask_folder", "check_shards", "class_names",
            "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms", "load_image",
            "make_shape_masks", "make_shapes", "mask_datasets", "mask_transforms", "packed_with", "prepare_inputs",
-           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "sampling", "source_of", "train_size"]
+           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "sampling", "source_of",
+           "train_size"]

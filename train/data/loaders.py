@@ -197,8 +197,8 @@ def build_train_loader(dataset, spec: Sampling, data: Data, rank: int, world_siz
 
 def build_val_loader(dataset, data: Data, batch_size: int, rank: int, world_size: int, pin_memory: bool,
                      device: torch.device | None = None):
-    """This rank's validation loader, in batches of `batch_size`: each rank takes indices rank, rank+W, ... with no
-    padding, every sample counted exactly once."""
+    """This rank's validation loader: each rank takes indices rank, rank+W, ... with no padding, every sample counted
+    exactly once; files in batches of twice the run's `batch_size` (no gradients to hold), in-memory sets of 256."""
     indices = list(range(rank, len(dataset), world_size))
     if in_memory(dataset) is not None:
         tensors = to_device(dataset, device or torch.device("cpu"))
@@ -206,7 +206,7 @@ def build_val_loader(dataset, data: Data, batch_size: int, rank: int, world_size
         return [tuple(t[idx[i:i + 256]] for t in tensors) for i in range(0, len(idx), 256)]
     workers = default_num_workers(data)
     files = isinstance(dataset, FileBytes)
-    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size,
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=2 * batch_size,
                         num_workers=workers, pin_memory=pin_memory and not files,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
                         collate_fn=collate_files if files else None)

@@ -27,7 +27,7 @@ from train.cluster.distributed import broadcast_from_main, gather, on_main, orde
 from train.cluster.identity import identity, is_main
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
 from train.config.settings import BUILT_IN, Config
-from train.data import Sampling, build_train_loader, build_val_loader, packed_with
+from train.data import build_train_loader, build_val_loader, packed_with, sampling
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
 from train.recipe.ema import ModelEma
@@ -207,11 +207,9 @@ def loaders(cfg: Config, plan: Plan, layout: Layout, train_set, val_set, device:
     """(train loader, its sampler, validation loader) of this rank."""
     ident, pin = identity(), device.type == "cuda"
     rank, world = ident.global_rank, ident.world_size
-    opt = cfg.optimisation
-    spec = Sampling(cfg.run.seed, cfg.augmentation.ra_reps, opt.batch_size, opt.grad_accum)  # the sampler's
-    train_loader, sampler = build_train_loader(train_set, spec, cfg.data, rank, world, pin, device,
+    train_loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, rank, world, pin, device,
                                                layout=(layout.world_size, layout.grad_accum))
-    val_loader = build_val_loader(val_set, cfg.data, 2 * opt.batch_size, rank, world, pin, device)
+    val_loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, rank, world, pin, device)
     if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
         log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
                  "warm-up %d steps", cfg.run.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
