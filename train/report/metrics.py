@@ -291,6 +291,7 @@ def build_manifest(run: Run, ident, device: torch.device, hostnames: list[str], 
         "seed": run.seed,
         "deterministic": run.deterministic,
         "threads": torch.get_num_threads(),
+        "onednn_deterministic": torch.backends.mkldnn.deterministic,  # the CPU's kernels sum in a fixed order
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "image": os.environ.get("TRAINBOX_IMAGE"),
         "image_digest": os.environ.get("TRAINBOX_IMAGE_DIGEST"),

@@ -29,6 +29,10 @@ def configure_runtime(cfg: Config) -> None:
     if threads == 0:
         threads = 1 if cfg.run.deterministic else max(1, usable_cores() // identity().local_world_size)
     torch.set_num_threads(threads)
+    # oneDNN (the CPU's convolutions and matmuls) may otherwise pick kernels that reduce with atomics: on some CPUs
+    # a backward at a per-worker batch of 1 then sums in an order that depends on thread timing, and two identical
+    # runs differ. Its deterministic attribute keeps the kernels that sum in a fixed order for a given thread count.
+    torch.backends.mkldnn.deterministic = True
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
