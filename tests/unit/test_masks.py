@@ -255,7 +255,7 @@ def _break_split(root: Path) -> str:
 
 def _break_stem(root: Path) -> str:
     (root / "train" / "images" / "b0.jpg").write_bytes((root / "train" / "images" / "b0.png").read_bytes())
-    return "images sharing a stem (a mask names one image) (1): train/images/b0.png and b0.jpg"
+    return "images sharing a path but for their suffix (a mask names one image) (1): train/images/b0.png and b0.jpg"
 
 
 def _break_missing(root: Path) -> str:
@@ -319,7 +319,7 @@ def test_each_defect_of_a_mask_folder_is_named_in_one_line(tmp_path, breaks):
     assert named in line
     assert [kind for kind in DEFECTS.values() if kind.split(" {")[0] in line] == \
         [next(kind for kind in DEFECTS.values() if named.startswith(kind.split(" {")[0]))]  # that kind alone
-    assert line.endswith(": give each image of DATA_DIR/<split>/images a mask of its stem and size in "
+    assert line.endswith(": give each image of DATA_DIR/<split>/images a mask of its path and size in "
                          "DATA_DIR/<split>/masks, a single-channel PNG whose pixels are class indices "
                          "(DATA_DIR/classes.txt's lines) or 255 (ignored)")
     assert line.count(" (1): ") == 1  # that defect alone
@@ -354,8 +354,76 @@ def test_a_folder_without_its_splits_is_named(tmp_path):
     (tmp_path / "val" / "images").mkdir(parents=True)
     (tmp_path / "val" / "masks").mkdir()
     with pytest.raises(ConfigError, match=r"split folders missing or without images \(1\): val/images \(no "
-                                          r"\.jpg/\.jpeg/\.png/\.webp/\.bmp files\)"):
+                                          r"\.jpg/\.jpeg/\.png/\.ppm/\.bmp/\.pgm/\.tif/\.tiff/\.webp files\)"):
         check_mask_folder(tmp_path, ("val",))
+
+
+# ---------------------------------------------------------------- folders as teams hold them
+
+
+def test_subfolders_are_read_by_the_same_path_and_by_cityscapes_names(tmp_path):
+    """images/<city>/<base>_leftImg8bit.png with masks/<city>/<base>_gtFine_labelTrainIds.png (else _labelIds), the
+    other annotation files of Cityscapes beside them (no orphans), and a plain same-path rule in subfolders: every
+    sample read, in ImageFolder's order."""
+    image, mask = block_pair(40, 48)
+    for split, city in (("train", "aachen"), ("train", "bremen"), ("val", "lindau")):
+        for i in range(2):
+            base = f"{city}_{i:06d}_000019"
+            (tmp_path / split / "images" / city).mkdir(parents=True, exist_ok=True)
+            (tmp_path / split / "masks" / city).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / split / "images" / city /
+                                                               f"{base}_leftImg8bit.png")
+            Image.fromarray(mask.numpy()).save(tmp_path / split / "masks" / city / f"{base}_gtFine_labelIds.png")
+            if i == 0:  # the training ids, taken before the label ids
+                Image.fromarray((mask + 1).numpy()).save(tmp_path / split / "masks" / city /
+                                                       f"{base}_gtFine_labelTrainIds.png")
+            Image.new("RGB", (48, 40)).save(tmp_path / split / "masks" / city / f"{base}_gtFine_color.png")
+            (tmp_path / split / "masks" / city / f"{base}_gtFine_polygons.json").write_text("{}")
+    save_pair(tmp_path, "train", "plain", image, mask)
+    (tmp_path / "train" / "images" / "more").mkdir()
+    (tmp_path / "train" / "masks" / "more").mkdir()
+    save_pair(tmp_path, "train", "more/deep", image, mask)
+    check_mask_folder(tmp_path)
+    train, val = mask_datasets(masks_config(tmp_path))
+    listed = [str(p.relative_to(tmp_path / "train" / "images")) for p, _ in train.samples]
+    assert listed == ["plain.png", "aachen/aachen_000000_000019_leftImg8bit.png",
+                      "aachen/aachen_000001_000019_leftImg8bit.png", "bremen/bremen_000000_000019_leftImg8bit.png",
+                      "bremen/bremen_000001_000019_leftImg8bit.png", "more/deep.png"]
+    assert [m.name for _, m in train.samples][1:3] == ["aachen_000000_000019_gtFine_labelTrainIds.png",
+                                                       "aachen_000001_000019_gtFine_labelIds.png"]
+    assert len(train) == 6 and len(val) == 2  # 8 of 8: nothing skipped
+    (tmp_path / "train" / "images" / "bremen" / "lost_leftImg8bit.png").write_bytes(
+        (tmp_path / "train" / "images" / "plain.png").read_bytes())
+    with pytest.raises(ConfigError, match=r"images without a mask \(1\): train/images/bremen/lost_leftImg8bit.png"):
+        check_mask_folder(tmp_path)
+
+
+@pytest.mark.parametrize("link, line", [
+    ("broken", r"train/images/b1.png is a broken link \(it names .*nowhere.png, which does not exist\): remove it"),
+    ("loop", r"train/images/b1.png is a link cycle \(links that lead to each other, never to a file\): remove the "
+             r"link"),
+    ("leak", r"1 image is in both train/images and val/images, reached through links \(.*val/images/b1.png.* the model "
+             r"would be scored on images it trained on"),
+    ("mask", r"train/masks/b1.png is a broken link"),
+])
+def test_a_link_that_breaks_loops_or_leaks_is_one_line_as_imagefolder_refuses_it(tmp_path, link, line):
+    root = block_folder(tmp_path)
+    image = root / "train" / "images" / "b1.png"
+    if link == "broken":
+        image.unlink()
+        image.symlink_to(root / "nowhere.png")
+    if link == "loop":
+        image.unlink()
+        image.symlink_to(image)
+    if link == "leak":
+        (root / "val" / "images" / "b1.png").unlink()
+        (root / "val" / "images" / "b1.png").symlink_to(image)
+    if link == "mask":
+        (root / "train" / "masks" / "b1.png").unlink()
+        (root / "train" / "masks" / "b1.png").symlink_to(root / "gone.png")
+    with pytest.raises(ConfigError, match=line) as refused:
+        check_mask_folder(root)
+    assert "\n" not in str(refused.value)
 
 
 # ---------------------------------------------------------------- its flags

@@ -1,10 +1,15 @@
-"""--dataset masks: images and their segmentation masks on disk, the VOC and Cityscapes convention.
+"""--dataset masks: images and their segmentation masks on disk, the VOC and Cityscapes conventions.
 
-  DATA_DIR/train/images/<stem>.jpg (.jpeg, .png, .webp, .bmp)   DATA_DIR/train/masks/<stem>.png
-  DATA_DIR/val/images/...                                        DATA_DIR/val/masks/...
-  DATA_DIR/classes.txt (optional)                                one class name per line: line i names the value i
-                                                                 (or classes.json, a list of names, as label files)
+  DATA_DIR/train/images/<path>.jpg (.png, ...)          DATA_DIR/train/masks/<path>.png
+  DATA_DIR/train/images/<city>/<base>_leftImg8bit.png   DATA_DIR/train/masks/<city>/<base>_gtFine_labelTrainIds.png
+                                                        (else <base>_gtFine_labelIds.png: Cityscapes' names)
+  DATA_DIR/val/images/...                               DATA_DIR/val/masks/...
+  DATA_DIR/classes.txt (optional)                       one class name per line: line i names the value i
+                                                        (or classes.json, a list of names, as label files)
 
+<path> is the image's path under images/, subfolders and all, without its suffix (maskpairs.py). Both folders are read
+as ImageFolder reads a class folder (scan.FolderScan: subfolders in order, links followed wherever they lead; a broken
+link, a link cycle, a file reached twice, or an image of both splits through links, refused in one line).
 A mask is a single-channel PNG of its image's size (mode L, or P as VOC ships it: its palette indices are the values),
 each pixel a class index or 255, ignored by the loss and the metric (torchvision's references/segmentation). Without
 classes.txt the classes are the values 0 .. the largest in the training masks, named by their number.
@@ -29,10 +34,11 @@ from train.base.errors import ConfigError, DataError, first_few
 from train.config.settings import Config
 from train.data.decode import load_image
 from train.data.labelfiles import class_list
+from train.data.maskpairs import pair_up, scan_folder, split_pairs
+from train.data.scan import IMAGE_EXTENSIONS, FolderScan, how_many, images_in_both
 from train.recipe import vision
 
 SPLITS = ("train", "val")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 IGNORE = 255  # a mask's value that the loss and the metric skip (and the crop's padding)
 MASK_MODES = ("L", "P")
 THREADS = 16  # a NAS answers one file at a time per request: this many ask at once
@@ -40,7 +46,7 @@ THREADS = 16  # a NAS answers one file at a time per request: this many ask at o
 # Each kind of defect check_mask_folder names: what it is, in order of the line.
 DEFECTS = {
     "split": "split folders missing or without images",
-    "stem": "images sharing a stem (a mask names one image)",
+    "stem": "images sharing a path but for their suffix (a mask names one image)",
     "missing": "images without a mask",
     "orphan": "masks without an image",
     "unreadable": "images or masks that cannot be read",
@@ -48,26 +54,6 @@ DEFECTS = {
     "size": "masks of another size than their image",
     "value": "masks with values that are neither 255 nor {classes}",
 }
-
-
-def split_listing(root: Path, split: str) -> tuple[list[Path], list[Path]]:
-    """(the images of the split, sorted by name; every other file of its masks folder, sorted): files alone, no
-    hidden ones; a folder that is missing lists nothing."""
-    def files(folder: Path) -> list[Path]:
-        try:
-            with os.scandir(folder) as entries:
-                names = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_file())
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return [folder / name for name in names]
-
-    images = [p for p in files(root / split / "images") if p.suffix.lower() in IMAGE_SUFFIXES]
-    return images, files(root / split / "masks")
-
-
-def mask_path(image: Path) -> Path:
-    """Where an image's mask is: DATA_DIR/<split>/masks/<its stem>.png."""
-    return image.parent.parent / "masks" / f"{image.stem}.png"
 
 
 def read_mask(path: Path) -> torch.Tensor:
@@ -139,8 +125,8 @@ def mask_classes(root: Path, values: list[list[int]] | None = None) -> tuple[lis
                               f"give at most 255 classes")
         return names, f"{path.name}, in its order"
     if values is None:
-        images = next((images for split in SPLITS if (images := split_listing(root, split)[0])), [])
-        values = _values_of([mask_path(image) for image in images])
+        pairs = next((pairs for split in SPLITS if (pairs := split_pairs(root, split))), [])
+        values = _values_of([mask for _, mask in pairs])
     largest = max((v for vs in values for v in vs if v != IGNORE), default=-1)
     return [str(v) for v in range(largest + 1)], "the values 0 .. the largest in the training masks, by number"
 
@@ -151,25 +137,31 @@ def check_mask_folder(root: Path, splits: tuple[str, ...] = SPLITS) -> None:
     first few files (named from DATA_DIR) and its count."""
     found: dict[str, list[str]] = {kind: [] for kind in DEFECTS}
     pairs: dict[str, list[tuple[Path, Path]]] = {}
+    scans: dict[str, FolderScan] = {}
     for split in splits:
-        images, masks = split_listing(root, split)
+        scan, images = scan_folder(root / split / "images")
+        masks = scan_folder(root / split / "masks")[1]
+        if scan is not None:
+            scans[split] = scan
         for part in ("images", "masks"):
             if not (root / split / part).is_dir():
                 found["split"].append(f"{root / split / part} (missing)")
         if (root / split / "images").is_dir() and not images:
-            found["split"].append(f"{root / split / 'images'} (no {'/'.join(IMAGE_SUFFIXES)} files)")
-        by_stem: dict[str, Path] = {}
-        for image in images:
-            if image.stem in by_stem:
-                found["stem"].append(f"{image} and {by_stem[image.stem].name}")
-            by_stem.setdefault(image.stem, image)
-        pngs = {mask.stem for mask in masks if mask.suffix == ".png"}
+            found["split"].append(f"{root / split / 'images'} (no {'/'.join(IMAGE_EXTENSIONS)} files)")
+        pairs[split], missing, orphans, twice = pair_up(root, split, images, masks)
+        found["stem"] += twice
         found["format"] += [f"{mask} (not .png)" for mask in masks if mask.suffix != ".png"]
         if (root / split / "images").is_dir():  # else named once, as a split folder missing
-            found["orphan"] += [str(mask) for mask in masks if mask.suffix == ".png" and mask.stem not in by_stem]
+            found["orphan"] += map(str, orphans)
         if (root / split / "masks").is_dir():
-            found["missing"] += [str(image) for image in by_stem.values() if image.stem not in pngs]
-        pairs[split] = [(image, mask_path(image)) for image in by_stem.values() if image.stem in pngs]
+            found["missing"] += map(str, missing)
+        pairs[split] = pairs[split] if (root / split / "masks").is_dir() else []
+    if "train" in scans and "val" in scans:  # an image of both splits, through links: scored on what it trained on
+        total, shown = images_in_both(scans["train"], scans["val"])
+        if total:
+            raise ConfigError(f"{root}: {how_many(total, 'image is', 'images are')} in both train/images and "
+                              f"val/images, reached through links ({'; '.join(shown)}): the model would be scored on "
+                              f"images it trained on: remove those links from one of the splits")
     with ThreadPoolExecutor(THREADS) as pool:
         facts = {split: list(pool.map(_inspect, listed, chunksize=64)) for split, listed in pairs.items()}
     for kind, what, _ in (fact for split_facts in facts.values() for fact in split_facts):
@@ -188,7 +180,7 @@ def check_mask_folder(root: Path, splits: tuple[str, ...] = SPLITS) -> None:
              for kind, names in found.items() if names]
     if kinds:
         raise ConfigError(f"{root} is not a folder of images and masks as --dataset masks reads it: "
-                          f"{'; '.join(kinds)}: give each image of DATA_DIR/<split>/images a mask of its stem and "
+                          f"{'; '.join(kinds)}: give each image of DATA_DIR/<split>/images a mask of its path and "
                           f"size in DATA_DIR/<split>/masks, a single-channel PNG whose pixels are class indices "
                           f"(DATA_DIR/classes.txt's lines) or 255 (ignored)")
 
@@ -207,11 +199,10 @@ class MaskSplit(Dataset):
     def __init__(self, root: Path, split: str, classes: list[str], classes_from: str, transform=None):
         self.root, self.split, self.transform = root, split, transform
         self.classes, self.classes_from = classes, classes_from
-        images, _ = split_listing(root, split)
-        if not images:
-            raise ConfigError(f"{root / split / 'images'} holds no images ({'/'.join(IMAGE_SUFFIXES)}): --dataset "
-                              f"masks needs DATA_DIR/train/images, DATA_DIR/val/images and their masks/")
-        self.samples = [(image, mask_path(image)) for image in images]
+        self.samples = split_pairs(root, split)
+        if not self.samples:
+            raise ConfigError(f"{root / split / 'images'} holds no images with masks ({'/'.join(IMAGE_EXTENSIONS)}): "
+                              f"--dataset masks needs DATA_DIR/train/images, DATA_DIR/val/images and their masks/")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -230,8 +221,9 @@ class MaskSplit(Dataset):
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
 
     def describe(self) -> dict:
-        return {"kind": "masks", "from": f"{self.root / self.split}/images, masks/<stem>.png",
-                "order": "the images sorted by file name", "classes_from": self.classes_from}
+        return {"kind": "masks", "from": f"{self.root / self.split}/images, masks/<path>.png (or Cityscapes' names)",
+                "order": "the images in ImageFolder's order (folders by path, files by name)",
+                "classes_from": self.classes_from}
 
 
 def mask_transforms(cfg: Config, train: bool):
