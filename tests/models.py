@@ -204,3 +204,9 @@ def tiny_segmenter_in_double(num_classes: int) -> nn.Module:
     """A segmentation network without batch statistics, in float64: each pixel's logits (N x C x H x W)."""
     return _InDouble(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
                                    nn.Conv2d(8, num_classes, 1)))
+
+
+def tiny_segmenter_with_batchnorm_in_double(num_classes: int) -> nn.Module:
+    """A segmentation network with BatchNorm's running statistics, in float64."""
+    return _InDouble(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                   nn.Conv2d(8, num_classes, 1)))

@@ -64,3 +64,106 @@ def masked(cfg):
 def not_a_task(cfg):
     """A factory that returns something else than a Task."""
     return nn.Linear(1, 1)
+
+
+class _Regression(_MaskedRegression):
+    """tests.tasks:masked with every number counted: a count from the target's shape, as most tasks have."""
+
+    variable_count = False
+
+    def datasets(self, run_dir=None, train=True):
+        return tuple(None if d is None else TensorDataset(d.tensors[0], d.tensors[1].nan_to_num())
+                     for d in super().datasets(run_dir, train))
+
+    def count(self, target):
+        return target.numel()
+
+
+class Broken(_Regression):
+    """A task that breaks one clause of docs/tasks.md's table, named by `breaks` (tests/unit/test_contract.py)."""
+
+    breaks = ""
+
+    def datasets(self, run_dir=None, train=True):
+        train_set, val_set = super().datasets(run_dir, train)
+        if self.breaks == "empty validation":
+            val_set = TensorDataset(val_set.tensors[0][:0], val_set.tensors[1][:0])
+        if self.breaks == "items of one part":
+            train_set = TensorDataset(train_set.tensors[0])
+        if self.breaks == "dict items":
+            train_set = [{"x": x, "y": y} for x, y in train_set]
+        if self.breaks == "iterable":
+            train_set = _Stream(train_set)
+        return train_set, val_set
+
+    def network(self, spec):
+        return "a network" if self.breaks == "network" else super().network(spec)
+
+    def head(self, model):
+        return "nothing" if self.breaks == "head" else super().head(model)
+
+    def loss(self, output, target):
+        total, count = super().loss(output, target)
+        if self.breaks == "raises":
+            _raises()
+        if self.breaks == "mean":
+            return total / count
+        return (float(total.detach()), count) if self.breaks == "float" else (total, count)
+
+    def count(self, target):
+        return 0 if self.breaks == "count 0" else super().count(target)
+
+    def example(self, batch_size, device):
+        x, target = super().example(batch_size, device)
+        return (x[:, :15], target) if self.breaks == "example" else (x, target)
+
+    def metric_state(self, device, detail=False):
+        return [0.0, 0.0, 0.0] if self.breaks == "state" else super().metric_state(device, detail)
+
+    def scores(self, state, detail=False):
+        scores = super().scores(state, detail)
+        if self.breaks == "metric missing":
+            scores.pop("mse")
+        if self.breaks == "no loss":
+            scores.pop("loss")
+        if self.breaks == "metric string":
+            scores["mse"] = f"{scores['mse']:.3f}"
+        if self.breaks == "metric nan":
+            scores["mse"] = float("nan")
+        return scores
+
+    def state_dict(self):
+        return {"draw": lambda: 0} if self.breaks == "state unsaved" else {}
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def _raises():
+    raise ValueError("a mistake in the task's own loss")
+
+
+def raises_at_step(cfg):
+    """A task whose loss raises in the user's own code (a ValueError of theirs)."""
+    task = Broken(cfg)
+    task.breaks = "raises"
+    return task
+
+
+def wrong_example(cfg):
+    task = Broken(cfg)
+    task.breaks = "example"
+    return task
+
+
+def raising_factory(cfg):
+    raise RuntimeError("the factory's own mistake")
+
+
+def takes_nothing():
+    return Broken(None)

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_config(argv)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
         return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
     if cfg.launch.spawn > 0 and not cfg.run.dry_run:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail
+from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail, users_code
 from train.base.progress import Progress
 from train.cluster.distributed import init, teardown
 from train.cluster.identity import PeersNeverCame, identity, is_main
@@ -42,6 +42,7 @@ from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.run.checks import check_launch
 from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
 from train.run.validate import evaluate
+from train.tasks.contract import checked_scores
 from train.tasks.factory import build_task
 from train.tasks.task import Task
 
@@ -139,7 +140,7 @@ def evaluate_run(job: Job) -> int:
         if task.classes != classes:
             raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(task.classes[:5])}, ...) are not "
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
-                              f"validation set with the run's class folders")
+                              f"validation set of the run's classes ({task.classes_from})")
         loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, ident.global_rank, ident.world_size,
                                   device.type == "cuda", device)
         model = network_of(task, cfg, state, source)
@@ -150,8 +151,8 @@ def evaluate_run(job: Job) -> int:
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = evaluate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)], progress.update,
-                              detail=True)
+            result = checked_scores(task, evaluate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)],
+                                                   progress.update, detail=True))
         finally:
             progress.close()
         if is_main():
@@ -208,12 +209,14 @@ def main(argv: list[str]) -> int:
         job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
                   ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model, ns.task,
                   "cpu" if on_cpu else "")
-        load_run(job.run_dir, job.checkpoint, job.model, job.task)  # a bad run folder, checkpoint or model: one line
+        cfg = load_run(job.run_dir, job.checkpoint, job.model, job.task)[0]  # a bad run folder, checkpoint, model
+        with users_code((cfg.run.task, cfg.model.model)):  # the data's checks, as training runs them: one line each
+            build_task(cfg.replace(data_dir=job.data_dir) if job.data_dir else cfg).check(train=False)
         if spawn:
             return spawn_workers(spawn, partial(worker, job))
         return worker(job)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
 
 
 def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:

@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"{out.parent} does not exist: create it or pass another --out")
         written = export(ns.run_dir, ns.checkpoint, out, ns.model, ns.format, ns.task)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     print(f"exported {written} (+ {written.name}.json: its input and output, and what a caller does before it)")
     return 0
 

@@ -40,7 +40,7 @@ def start(cfg: Config) -> int:
         if cfg.run.dry_run:
             return print_plan(cfg, cfg.launch.spawn or identity().world_size)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     return run_worker(cfg)
 
 
@@ -49,7 +49,7 @@ def check(cfg: Config) -> int:
     try:
         preflight(cfg)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     return 0
 
 
@@ -88,7 +88,7 @@ def launch_main(argv: list[str]) -> int:
         if cfg.run.dry_run:
             return print_plan(cfg, nprocs)
     except (ConfigError, PlanError) as e:
-        return fail(str(e))
+        return fail(e)
     if not cfg.run.run_dir:
         cfg = cfg.replace(run_dir=default_run_dir())
         args += ["--run-dir", cfg.run.run_dir]

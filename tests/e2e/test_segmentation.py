@@ -129,3 +129,51 @@ def test_accumulation_trains_on_the_large_batchs_mean_of_labelled_pixels(tmp_pat
     assert all(abs(x["loss"] - y["loss"]) < 1e-9 for x, y in zip(a, b, strict=True)), (a, b)
     weights, reference = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("accumulated", "large"))
     assert all((weights[k] - reference[k]).abs().max() < 1e-9 for k in weights)
+
+
+def test_a_cityscapes_folder_at_a_batch_of_one_trains_every_image_bit_identically_and_its_checks_hold_for_evaluate(
+        tmp_path):
+    """Cityscapes' layout (images/<city>/<base>_leftImg8bit.png, masks/<city>/<base>_gtFine_labelTrainIds.png, its
+    colour masks beside them) at --batch-size 1, one training mask all 255 (ignored): every image trains (the plan
+    counts 8 of 8; the steps of the ignored one count nothing, said in the metrics, never a division by zero), and two
+    identical runs on 2 threads give the same weights bit for bit. make evaluate on another folder runs training's
+    mask checks: a value outside the run's classes is one line, and other classes name classes.txt."""
+    data = tmp_path / "data"
+    for split, count in (("train", 8), ("val", 2)):
+        for i in range(count):
+            city = ("aachen", "bremen")[i % 2]
+            for part in ("images", "masks"):
+                (data / split / part / city).mkdir(parents=True, exist_ok=True)
+            image, mask = block_pair(20, 24, offset=i % 3)
+            if split == "train" and i == 5:
+                mask[:] = 255
+            base = data / split / "{}" / city / f"{city}_{i:06d}_000019"
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(f"{base}_leftImg8bit.png".format("images"))
+            Image.fromarray(mask.numpy()).save(f"{base}_gtFine_labelTrainIds.png".format("masks"))
+            Image.new("RGB", (24, 20)).save(f"{base}_gtFine_color.png".format("masks"))
+    (data / "classes.txt").write_text("".join(f"c{v}\n" for v in range(30)))
+    flags = ["--task", "segmentation", "--dataset", "masks", "--data-dir", data, "--image-size", 32, "--batch-size", 1,
+             "--max-steps", 8, "--eval-every", 8, "--log-every", 1, "--num-workers", 0, "--threads", 2, "--seed", 5]
+    for name in ("a", "b"):
+        run(python_cmd(*flags, "--run-dir", tmp_path / name))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["train_samples"] == 8 and plan["val_samples"] == 2
+    assert plan["source"]["train"].endswith("train/images, masks/<path>.png (or Cityscapes' names)")
+    assert plan["source"]["val"].endswith("val/images, masks/<path>.png (or Cityscapes' names)")
+    empty = [m for m in metrics(tmp_path / "a", "train") if m.get("empty_batches")]
+    assert [(m["loss"], m["empty_batches"]) for m in empty] == [(None, 1)]  # the ignored image's step, once
+    weights, again = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("a", "b"))
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    other = tmp_path / "other"
+    shutil.copytree(data / "val", other / "val")
+    (other / "classes.txt").write_text("".join(f"c{v}\n" for v in range(30)))
+    image, mask = block_pair(20, 24)
+    mask[0, 0] = 40
+    Image.fromarray(mask.numpy()).save(other / "val" / "masks" / "aachen" /
+                                       "aachen_000000_000019_gtFine_labelTrainIds.png")
+    refused = run([PY, "-m", "train.evaluate", str(tmp_path / "a"), "--data-dir", str(other)], expect=2)
+    assert refused.stderr.count("\n") == 1 and "masks with values that are neither 255 nor a class of 0 .. 29 (1): " \
+        "val/masks/aachen/aachen_000000_000019_gtFine_labelTrainIds.png (40)" in refused.stderr
+    (other / "classes.txt").write_text("".join(f"k{v}\n" for v in range(41)))
+    refused = run([PY, "-m", "train.evaluate", str(tmp_path / "a"), "--data-dir", str(other)], expect=2)
+    assert "give a validation set of the run's classes (DATA_DIR/classes.txt, one name per line" in refused.stderr

@@ -75,3 +75,23 @@ def test_accumulation_and_workers_train_on_the_mean_of_a_step_whose_count_varies
     weights, reference = load_model(split), load_model(one)
     assert all((weights[k] - reference[k]).abs().max() < 1e-9 for k in weights)
     assert metrics(split, "eval")[-1]["samples"] == metrics(one, "eval")[-1]["samples"] == 128  # each counted once
+
+
+def test_a_tasks_mistake_at_two_workers_is_said_once_and_recorded_as_failed(tmp_path):
+    """Under --spawn 2: an exception raised in the task's own loss at the first step is its traceback, once, then one
+    line naming where in the user's code, exit code 2, status.json "failed" with that line; an example() of another
+    shape than the data's batches is one line before the run folder (every rank meets it; one says it)."""
+    raised = run(python_cmd("--task", "tests.tasks:raises_at_step", "--spawn", 2, "--max-steps", 4,
+                            "--run-dir", tmp_path / "raises"), expect=2)
+    assert raised.stderr.count("Traceback (most recent call last):") == 1, raised.stderr
+    errors = [line for line in raised.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "ValueError: a mistake in the task's own loss (raised in your code, " in errors[0]
+    assert "tests/tasks.py:" in errors[0] and raised.stderr.index("Traceback") < raised.stderr.index("error:")
+    recorded = status(tmp_path / "raises")
+    assert recorded["state"] == "failed" and recorded["exit_code"] == 2
+    assert recorded["error"].startswith("ValueError: a mistake in the task's own loss")
+    example = run(python_cmd("--task", "tests.tasks:wrong_example", "--spawn", 2, "--run-dir", tmp_path / "example"),
+                  expect=2)
+    assert example.stderr.count("\n") == 1 and "Traceback" not in example.stderr
+    assert "example(64, device) gives an input that is a float64 tensor of shape [64, 15]" in example.stderr
+    assert not (tmp_path / "example").exists()

@@ -32,11 +32,21 @@ def test_the_logging_window_averages_over_its_steps_and_starts_anew(monkeypatch)
     assert values["step_time_s"] == pytest.approx(0.25)  # 0.5 s over 2 steps
     assert values["samples_per_s"] == pytest.approx(128)  # 2 steps x 32 samples in 0.5 s
     assert values["data_wait_frac"] == pytest.approx(0.2)  # 0.1 s of the 0.5 s
-    assert (window.steps, window.wait, window.loss.tolist()) == (0, 0.0, [0.0, 0.0])
+    assert (window.steps, window.wait, window.loss.tolist()) == (0, 0.0, [0.0, 0.0, 0.0])
+    assert values["empty_batches"] == 0
     window.add([torch.tensor(64.0)], [32])
     now[0] = 101.25
     again = window.report(world=1)  # a new window, opened at the report: 0.75 s for its one step
     assert (again["loss"], again["step_time_s"], again["samples_per_s"]) == pytest.approx((2.0, 0.75, 32 / 0.75))
+    # Micro-batches that counted nothing (a crop of ignored pixels alone) add nothing, and are counted; a window of
+    # nothing but them has no loss, never a division by zero.
+    window.add([torch.tensor(0.0), torch.tensor(6.0)], [torch.tensor(0), torch.tensor(3)])
+    now[0] = 102.0
+    assert window.report(world=1)["loss"] == 2.0 and window.loss.tolist() == [0.0, 0.0, 0.0]
+    window.add([torch.tensor(0.0)], [torch.tensor(0)])
+    now[0] = 103.0
+    empty = window.report(world=1)
+    assert empty["loss"] is None and empty["empty_batches"] == 1
 
 
 def test_a_status_record_says_which_attempt_of_a_slurm_job_wrote_it():

@@ -1,12 +1,14 @@
 """How a run can end: the exit codes, and the errors that carry one line (the cause and the fix)."""
 
 import atexit
+import contextlib
 import gc
 import hashlib
 import os
 import sys
 import tempfile
 import threading
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,6 +33,58 @@ class OutOfMemory(ConfigError):
     has and the flags that lower what a step needs (train/run/memory.py)."""
 
 
+class UserCodeError(DataError):
+    """An exception raised inside a user's own code (the package of a --task or --model package.module:factory): its
+    traceback is theirs to read, said once, from the rank that met it first; the run ends with exit code 2, as a
+    restart would meet it again. str() is the one line (status.json's); `trace` the traceback."""
+
+    def __init__(self, line: str, trace: str):
+        super().__init__(line)
+        self.trace = trace
+
+
+def user_code_error(error: BaseException, specs) -> UserCodeError | None:
+    """`error` as a UserCodeError where its traceback (or a DataLoader worker's, carried in its message) passes through
+    the package of one of `specs` (package.module:factory; other specs are ignored), else None."""
+    places = [place for spec in specs if ":" in spec for place in _package_places(spec.split(":")[0].split(".")[0])]
+    if not places or isinstance(error, ConfigError):
+        return None
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.realpath(f.filename).startswith(tuple(places))]
+    if not frames and not any(place in str(error) for place in places):
+        return None
+    where = f"{frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name}" if frames else "a DataLoader worker"
+    message = next((line for line in str(error).splitlines()[::-1] if line.strip()), "") \
+        if "Original Traceback" in str(error) else next(iter(str(error).splitlines()), "")
+    line = (f"{type(error).__name__}{': ' + message.strip() if message.strip() else ''} (raised in your code, {where}: "
+            f"its traceback above): fix it there, then run the same command")
+    return UserCodeError(line, "".join(traceback.format_exception(error)))
+
+
+@contextlib.contextmanager
+def users_code(specs):
+    """Within it, an exception raised in the user's own code (user_code_error) leaves as a UserCodeError."""
+    try:
+        yield
+    except Exception as e:
+        found = user_code_error(e, specs)
+        if found is None:
+            raise
+        raise found from None
+
+
+def _package_places(top: str) -> list[str]:
+    """Where an imported top-level package (its folders) or module (its file) lies; nothing for one not imported."""
+    module = sys.modules.get(top)
+    if module is None:
+        return []
+    folders = list(getattr(module, "__path__", []) or [])
+    if folders:
+        return [os.path.join(os.path.realpath(f), "") for f in folders]
+    file = getattr(module, "__file__", None)
+    return [os.path.realpath(file)] if file else []
+
+
 class PeerGaveUp(ConfigError):
     """Another rank ended on an error that a restart cannot mend (its own line says which): this rank ends
     with the same exit code and says nothing more."""
@@ -52,11 +106,13 @@ def one_line(error: Exception) -> str:
     return text
 
 
-def fail(message: str) -> int:
-    """A user's mistake, before anything started: one line on stderr, exit code 2. Under torchrun every worker
-    meets it, and meets it again in every attempt torchrun restarts: the line is said once per node and launch."""
+def fail(error: str | ConfigError) -> int:
+    """A user's mistake, before anything started: one line on stderr (after its traceback, for an error raised in the
+    user's own code), exit code 2. Under torchrun every worker meets it, and meets it again in every attempt torchrun
+    restarts: it is said once per node and launch."""
+    message = str(error)
     if not _said_in_this_launch(message):
-        print(f"error: {message}", file=sys.stderr)
+        print(f"{getattr(error, 'trace', '')}error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

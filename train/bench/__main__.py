@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
         try:
             sample_photos()
         except ConfigError as e:
-            return fail(str(e))
+            return fail(e)
     size = SIZES["quick" if ns.quick else "full"]
     out = Path(ns.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)

@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
     try:
         ns = parser.parse_args(argv)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     try:
         if ns.verify:
             problems = verify(Path(ns.dst))
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
                      label_key=ns.label_key, image_column=ns.image_column, train_split=ns.train_split,
                      val_split=ns.val_split)
     except ConfigError as e:
-        return fail(str(e))
+        return fail(e)
     except BrokenProcessPool:  # a worker killed: by the OOM killer on a huge image, or by hand
         print(f"error: a pack worker died (killed, or out of memory): run the same command to continue the pack "
               f"in {ns.dst}, with fewer WORKERS if memory is short", file=sys.stderr)

@@ -58,9 +58,19 @@ def user_factory(spec: str, flag: str = "--model", takes: str = "num_classes and
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and not f"{module_name}.".startswith(f"{e.name}."):  # it exists, and imports what is not installed
+            raise ConfigError(f"{flag} {spec}: {module_name} imports {e.name}, which is not installed here: install "
+                              f"it (pip install {e.name.split('.')[0]}, or its package's name) where the run "
+                              f"trains") from None
+        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({e}): check the module path and "
+                          f"that it is on PYTHONPATH") from None
     except ImportError as e:
         raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({e}): check the module path and "
                           f"that it is on PYTHONPATH") from None
+    except SyntaxError as e:
+        raise ConfigError(f"{flag} {spec}: {e.filename}, line {e.lineno}: {e.msg} ({(e.text or '').strip()[:80]}): "
+                          f"fix the file") from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise ConfigError(f"{flag} {spec}: {module_name} has no attribute {attr!r}: name a function in it")
@@ -112,8 +122,14 @@ def frozen_names(spec: Model, model: nn.Module, head: Callable[[], str]) -> list
         return []
     names = [name for name, _ in model.named_parameters()]
     if spec.freeze == "backbone":
-        head = head() + "."
-        return [n for n in names if not n.startswith(head)]
+        name = head()
+        kept = [n for n in names if n.startswith(f"{name}.")] if isinstance(name, str) and name else []
+        if not kept:
+            tops = sorted({n.rsplit(".", 2)[0] for n in names})[-3:]
+            raise ConfigError(f"--freeze backbone: the head of --model {spec.model} is {name!r}, which names no module "
+                              f"of it with parameters, so every parameter would be frozen: a task's head(model) "
+                              f"returns the name of its head module (such as {', '.join(tops)})")
+        return [n for n in names if n not in kept]
     chosen = []
     for prefix in (p.strip() for p in spec.freeze.split(",") if p.strip()):
         matched = [n for n in names if n == prefix or n.startswith(prefix + ".")]

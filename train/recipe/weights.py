@@ -156,11 +156,12 @@ def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
                    else None}
 
 
-def fitted(spec: Model, state: dict, model: nn.Module, head: list[str], sized: bool = True) -> dict:
+def fitted(spec: Model, state: dict, model: nn.Module, head: list[str], sized: bool = True,
+           network: str | None = None) -> dict:
     """state, fitted to model: the head's tensors (`head`: keys of the model's state_dict, those whose size is the
     data's class count) left to the model, initialised anew, where their shapes differ, or always when the data is not
     read yet (sized False: the checks before any worker, on a head of a stand-in size); any other difference is one
-    line naming the first key."""
+    line naming the first key (network: what the line calls the model; default --model's)."""
     own = model.state_dict()
     keys = [k for k in head if k in own]
     if keys and keys[0] in state and (not sized or any(state[k].shape != own[k].shape for k in keys if k in state)):
@@ -174,6 +175,6 @@ def fitted(spec: Model, state: dict, model: nn.Module, head: list[str], sized: b
     if mismatch is not None:
         theirs = tuple(state[mismatch].shape) if mismatch in state else "missing"
         ours = tuple(own[mismatch].shape) if mismatch in own else "missing"
-        raise ConfigError(f"--weights {spec.weights} do not fit --model {spec.model}: {mismatch} is {theirs} in the "
-                          f"weights and {ours} in the model: give weights of this architecture")
+        raise ConfigError(f"--weights {spec.weights} do not fit {network or f'--model {spec.model}'}: {mismatch} is "
+                          f"{theirs} in the weights and {ours} in the model: give weights of this architecture")
     return state

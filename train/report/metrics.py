@@ -217,7 +217,8 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.loss = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum, count: on the device, no sync
+        # the loss's sum, its count and the micro-batches that counted nothing: on the device, no sync
+        self.loss = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.steps, self.wait, self.start = 0, 0.0, time.perf_counter()
 
     def add(self, sums: list[torch.Tensor], counts: list) -> None:
@@ -225,20 +226,24 @@ class LogWindow:
         for total, count in zip(sums, counts, strict=True):
             self.loss[0] += total
             self.loss[1] += count
+            self.loss[2] += count == 0
         self.steps += 1
 
     def report(self, world: int) -> dict:
         """The window's figures (every rank calls it on the same step: an all-reduce); starts a new one. The loss:
-        the mean over every item the window's steps trained on, on every rank."""
+        the mean over every item the window's steps trained on, on every rank (None where they counted nothing);
+        empty_batches: the micro-batches of every rank that counted nothing (a crop of ignored pixels alone)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.start
         totals = torch.cat([self.loss, torch.tensor([self.wait], dtype=torch.float64, device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(totals)
-        loss_sum, count, wait = totals.tolist()
-        values = {"loss": loss_sum / count, "samples_per_s": self.steps * self.samples_per_step / elapsed,
-                  "step_time_s": elapsed / self.steps, "data_wait_frac": wait / world / elapsed}
+        loss_sum, count, empty, wait = totals.tolist()
+        values = {"loss": loss_sum / count if count else None,  # None: every micro-batch counted nothing
+                  "samples_per_s": self.steps * self.samples_per_step / elapsed,
+                  "step_time_s": elapsed / self.steps, "data_wait_frac": wait / world / elapsed,
+                  "empty_batches": int(empty)}
         self.reset()
         return values
 

@@ -39,6 +39,7 @@ from train.run.checkpointer import Checkpointer, Keeping, newest_checkpoint
 from train.run.health import DivergenceGuard
 from train.run.plan import Plan, make_plan
 from train.run.runtime import DTYPES
+from train.tasks.contract import check_state_saves, check_task
 from train.tasks.factory import build_task
 from train.tasks.task import Task
 
@@ -119,8 +120,12 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     # of files is listed and checked before the run folder is made: a refused one leaves no folder behind. The built-in
     # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
     torch.manual_seed(cfg.run.seed)
-    in_memory = cfg.data.dataset in BUILT_IN
+    own = ":" in cfg.run.task  # a task of the user's: its datasets, and its answers, checked before the folder
+    in_memory = cfg.data.dataset in BUILT_IN and not own
     data = None if in_memory else task.datasets(run_dir)
+    if own:
+        check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
+    check_state_saves(task)
     prepare_run_dir(run_dir)
     train_set, val_set = data or task.datasets(run_dir)
     names = task.classes

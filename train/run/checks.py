@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from train.base.errors import ConfigError
+from train.base.errors import ConfigError, users_code
 from train.cluster.identity import Identity, alone_fix, launch_variables, resolve_identity
 from train.cluster.jobs import port_problem
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
@@ -27,6 +27,7 @@ from train.recipe.optim import decay_groups
 from train.recipe.weights import read_weights, resolve
 from train.report.metrics import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
+from train.tasks.contract import check_batch_of_one
 from train.tasks.factory import build_task
 from train.tasks.task import Task
 
@@ -34,7 +35,13 @@ from train.tasks.task import Task
 
 def preflight(cfg: Config, world: int | None = None) -> None:
     """All checks that need no process group. world: the workers about to start, when the caller knows
-    (the launcher); else from the launch environment."""
+    (the launcher); else from the launch environment. An exception raised in the user's own task or model code leaves
+    as a UserCodeError: its traceback, once."""
+    with users_code((cfg.run.task, cfg.model.model)):
+        _preflight(cfg, world)
+
+
+def _preflight(cfg: Config, world: int | None) -> None:
     ident = check_launch(cfg.launch.spawn, cfg.run.dry_run)
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
@@ -43,6 +50,7 @@ def preflight(cfg: Config, world: int | None = None) -> None:
     task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
     check_weights(cfg, task)
     check_decay_groups(cfg, task)
+    check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size)
     if cfg.data.dataset in BUILT_IN and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
         check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.

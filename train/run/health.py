@@ -1,8 +1,8 @@
 """A run that diverges stops: a loss that is not finite (NaN, Infinity) ends it with exit code 2 (a restart would
 only meet it again) and one line, before anything of it is saved, so the newest checkpoint stays a finite one and no
-model.pt, best.pt or EMA of a diverged model is ever written. An evaluation's loss counts too (`diverged_evaluation`):
-finite weights can still overflow in a forward pass (BatchNorm statistics of 1e33, say), and such a model never
-ranks as the best.
+model.pt, best.pt or EMA of a diverged model is ever written. An evaluation's loss and metric count too
+(`diverged_evaluation`): finite weights can still overflow in a forward pass (BatchNorm statistics of 1e33, say), and
+such a model never ranks as the best.
 
 Each step adds a few operations on the device (no synchronisation): whether the step's loss is finite, and the first
 step and loss that were not. The ranks agree on it at every log line and before every evaluation, checkpoint and the
@@ -93,13 +93,14 @@ def diverged_line(why: str, grad_clip: float, precision: str, kept: str | None) 
     return f"{why}; a restart cannot mend that: try a lower --lr, {clip}{other}, in a new --run-dir ({start})"
 
 
-def diverged_evaluation(step: int, losses: dict[str, float]) -> str | None:
-    """Why an evaluation at `step` shows a diverged model (losses: each evaluated model's validation loss, by its name
-    in the log, "" or "EMA "), or None. Every rank holds the same all-reduced figures: all decide alike, with no
-    collective."""
-    for name, loss in losses.items():
-        if not math.isfinite(loss):
-            return f"the run diverged: the {name}evaluation at step {step} had a loss of {loss}"
+def diverged_evaluation(step: int, results: dict[str, dict], metric: str) -> str | None:
+    """Why an evaluation at `step` shows a diverged model (results: each evaluated model's scores, by its name in the
+    log, "" or "EMA "), or None: a loss or a metric (the one that picks best.pt) that is not finite. Every rank holds
+    the same all-reduced figures: all decide alike, with no collective."""
+    for name, figures in results.items():
+        for key in dict.fromkeys(("loss", metric)):
+            if not math.isfinite(figures[key]):
+                return f"the run diverged: the {name}evaluation at step {step} had a {key} of {figures[key]}"
     return None
 
 

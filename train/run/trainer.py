@@ -35,6 +35,7 @@ from train.run.checkpointer import capture_rng, restore_rng
 from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast
 from train.run.validate import evaluate
+from train.tasks.contract import checked_scores, fixed_count, loss_of
 
 if TYPE_CHECKING:
     from train.run.build import Parts
@@ -116,15 +117,16 @@ class Trainer:
         parts, task, loop = self.parts, self.parts.task, self.loop
         model, scaler = parts.model, parts.scaler
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
-        scale = self.world / self.step_count(steps) if task.variable_count else None
+        # A step that counts nothing (every pixel ignored) has a gradient of nothing, 0: divided by 1, not by 0
+        scale = self.world / self.step_count(steps).clamp(min=1) if task.variable_count else None
         sums, counts = [], []
         for micro, (x, target) in enumerate(steps):
             if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
-                scale = 1 / (loop.grad_accum * task.count(target))
+                scale = 1 / (loop.grad_accum * fixed_count(task, target))
             last = micro == loop.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with autocast(self.device, parts.precision):
-                    total, count = task.loss(model(x), target)
+                    total, count = loss_of(task, task.loss(model(x), target))
                 scaler.scale(total * scale).backward()
             sums.append(total.detach())
             counts.append(count)
@@ -201,8 +203,8 @@ class Trainer:
         x, target = parts.task.example(loop.batch_size, self.device)
         for _ in range(2 if loop.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
             with autocast(self.device, parts.precision):
-                total, count = parts.task.loss(parts.model(x), target)
-            (total / count).backward()
+                total, count = loss_of(parts.task, parts.task.loss(parts.model(x), target))
+            (total / max(count, 1)).backward()  # the example's count: all that matters is that a backward runs
             parts.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for buffer, saved in zip(parts.raw_model.buffers(), buffers, strict=True):
@@ -246,12 +248,15 @@ class Trainer:
         window = parts.window.report(self.world)
         values = {"loss": window["loss"], "lr": parts.scheduler.get_last_lr()[0],
                   **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
-                  "epoch": self.epoch - (self.step_in_epoch == 0)}  # the epoch of the step just taken
+                  "epoch": self.epoch - (self.step_in_epoch == 0),  # the epoch of the step just taken
+                  **({"empty_batches": window["empty_batches"]} if window["empty_batches"] else {})}
         for r, reading in enumerate(gather(parts.telemetry.read()) if self.device.type == "cuda" else []):
             # A rank without NVML reads {}: it adds nothing; a MIG slice has no utilisation.
             values.update({f"gpu{r}_{k}": v for k, v in reading.items()})
-        log.info("step %d/%d  loss %.4f  lr %.2e  %.0f samples/s  data wait %.1f%%", self.step, self.plan.max_steps,
-                 values["loss"], values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"])
+        shown = "-" if values["loss"] is None else f"{values['loss']:.4f}"
+        empty = f"  ({values['empty_batches']} micro-batches counted nothing)" if "empty_batches" in values else ""
+        log.info("step %d/%d  loss %s  lr %.2e  %.0f samples/s  data wait %.1f%%%s", self.step, self.plan.max_steps,
+                 shown, values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"], empty)
         parts.metrics.write(self.step, "train", values)
         self.checkpointer.record("running", self.step)  # alive: the step and the time, at every log line
 
@@ -301,11 +306,12 @@ class Trainer:
                                       watchdog.progress)
                        for name, model in models.items()}
         for name, figures in results.items():
+            checked_scores(parts.task, figures)  # before anything of it is said or kept
             log.info("eval step %d: %s%s over %d samples", self.step, name, parts.task.summary(figures),
                      figures["samples"])
         result = {**results[""], **{f"ema_{k}": v for k, v in results.get("EMA ", {}).items() if k != "samples"}}
         parts.metrics.write(self.step, "eval", {**result, "criterion": self.plan.loss})
-        why = diverged_evaluation(self.step, {name: figures["loss"] for name, figures in results.items()})
+        why = diverged_evaluation(self.step, results, parts.task.metric)
         if why is not None:
             self.diverged(why)
         self.checkpointer.keep_best(self.step, results[""])

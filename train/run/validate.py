@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from train.run.runtime import autocast
+from train.tasks.contract import checked_state
 from train.tasks.task import Task
 
 
@@ -25,7 +26,7 @@ def evaluate(model, loader, task: Task, device, autocast_dtype, progress=lambda:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
     model.eval()
-    state = task.metric_state(device, detail)
+    state = checked_state(task, task.metric_state(device, detail))
     for batch in loader:
         x, target = task.inputs(batch, device)
         with autocast(device, autocast_dtype):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from train.base.errors import (EXIT_BAD_INPUT, EXIT_DONE, EXIT_FAILED, EXIT_STOPPED, ConfigError, DataError,
-                               OutOfMemory, PeerGaveUp, fail, one_line)
+                               OutOfMemory, PeerGaveUp, fail, one_line, user_code_error)
 from train.base.watchdog import watch_limit, watchdog
 from train.cluster.distributed import (StopSignal, announce_unrecoverable, broadcast_from_main, init, lost_peer,
                                        peer_unrecoverable, teardown)
@@ -73,8 +73,8 @@ def exit_code(error: BaseException, rank: int) -> int | None:
         traceback.print_exception(error, file=sys.stderr)
         return EXIT_FAILED
     if isinstance(error, (DataError, OutOfMemory)):  # the rank that met it says so (the first, if several)
-        if getattr(error, "first", True):
-            print(f"error: [rank {rank}] {one_line(error)}", file=sys.stderr)
+        if getattr(error, "first", True):  # an error raised in the user's own code: its traceback first
+            print(f"{getattr(error, 'trace', '')}error: [rank {rank}] {one_line(error)}", file=sys.stderr)
     elif isinstance(error, ConfigError) and not isinstance(error, PeerGaveUp):  # every rank raised it; one says so
         if is_main():  # once per launch: a refusal before the run folder is made cannot stop torchrun's restarts
             fail(one_line(error))
@@ -134,7 +134,8 @@ def run(cfg: Config) -> int:
         return code
     except Exception as e:
         error = unrecoverable(e, trainer, device, cfg, precision, run_dir)
-        if error is None:
+        if error is None:  # a crash or a lost peer, which a restart may mend: its traceback goes on as itself
+            record_crash(e, run_dir, trainer)
             raise
         end_unrecoverable(error, run_dir, trainer)
         raise error from None
@@ -190,11 +191,27 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
         return out_of_memory(error, where, device, trainer.parts.cfg if trainer else cfg, precision,
                              newest[0] if newest else None)
+    found = user_code_error(error, (cfg.run.task, cfg.model.model))
+    if found is not None:  # the user's own code raised it: theirs to read, and a restart would meet it again
+        return found
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
         status = rundir.read_status(trainer.run_dir)
-        peer = status.get("error") if status.get("state") == "failed" and "exit_code" in status else None
+        peer = status.get("error") if status.get("state") == "failed" and \
+            status.get("exit_code") == EXIT_BAD_INPUT else None
     return PeerGaveUp(peer) if peer is not None else None
+
+
+def record_crash(error: Exception, run_dir: Path | None, trainer: Trainer | None) -> None:
+    """status.json "failed" with the error's first line and exit code 1, by rank 0, for an error that is neither the
+    user's mistake nor the user's code (those: end_unrecoverable): a crash, or a lost peer. A restart resumes and
+    records its own state; nothing else is touched."""
+    if not is_main() or run_dir is None or not run_dir.is_dir():
+        return
+    step = trainer.step if trainer else rundir.read_status(run_dir).get("step", -1)
+    with contextlib.suppress(OSError):
+        rundir.write_status(run_dir, "failed", step, error=f"{type(error).__name__}: {first_line(error)}",
+                            exit_code=EXIT_FAILED)
 
 
 def end_unrecoverable(error: ConfigError, run_dir: Path | None, trainer: Trainer | None) -> None:

@@ -44,11 +44,13 @@ class Classification(ImageTask):
 
     # ---------------------------------------------------------------- data and model
 
-    def check(self, run_dir=None) -> None:
+    def check(self, run_dir=None, train: bool = True) -> None:
         """The data's checks before any worker starts (the built-in sets need none; file datasets are counted by the
         workers, once loaded)."""
         data = self.cfg.data
         root = Path(data.data_dir)
+        if not train:  # make evaluate: its validation set is read, and checked, by the loader
+            return
         if data.dataset == "cifar10":
             check_cifar(root, data.download)
         if data.dataset == "imagefolder":

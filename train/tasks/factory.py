@@ -4,6 +4,8 @@ evaluate and make export import a factory only when the command names it again."
 
 from __future__ import annotations
 
+import inspect
+
 from train.base.errors import ConfigError
 from train.config.settings import Config
 from train.recipe.models import user_factory
@@ -22,7 +24,15 @@ def build_task(cfg: Config) -> Task:
     if ":" not in name:
         raise ConfigError(f"--task {name!r} is not one of {', '.join(BUILT_IN)} nor package.module:factory: pass one "
                           f"of those")
-    task = user_factory(name, "--task", "the Config and returns a train.tasks.task.Task")(cfg)
+    factory = user_factory(name, "--task", "the Config and returns a train.tasks.task.Task")
+    try:
+        inspect.signature(factory).bind(cfg)
+    except TypeError as e:
+        raise ConfigError(f"--task {name}: the factory cannot be called with the run's Config ({e}): make it a "
+                          f"function of one argument, the Config, that returns a Task") from None
+    except ValueError:  # a callable without a signature Python can read: called as it is
+        pass
+    task = factory(cfg)
     if not isinstance(task, Task):
         raise ConfigError(f"--task {name} returned a {type(task).__name__}, not a train.tasks.task.Task: make the "
                           f"factory return one (a subclass of it)")

@@ -37,7 +37,7 @@ from torch import nn
 
 from train.base.errors import ConfigError
 from train.config.settings import Model
-from train.data.masks import check_mask_folder, mask_datasets
+from train.data.masks import SPLITS, check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
 from train.recipe import vision
 from train.recipe.models import user_model
@@ -62,10 +62,11 @@ class Segmentation(ImageTask):
     higher_is_better = True
     variable_count = True  # the labelled pixels of a batch
     stand_in_classes = 21  # before the data is read: VOC's count
+    classes_from = "DATA_DIR/classes.txt, one name per line, or masks whose largest value is the run's"
 
     # ---------------------------------------------------------------- data and model
 
-    def check(self, run_dir=None) -> None:
+    def check(self, run_dir=None, train: bool = True) -> None:
         cfg = self.cfg
         if cfg.data.dataset not in ("shapes", "masks"):
             raise ConfigError(f"--dataset {cfg.data.dataset} holds no pixel masks: --task segmentation trains on "
@@ -79,7 +80,7 @@ class Segmentation(ImageTask):
                               "have no deterministic CUDA backward (pytorch #149130): drop --deterministic (a resume "
                               "on CUDA then equals an uninterrupted run to rounding), or train on --device cpu")
         if cfg.data.dataset == "masks":
-            check_mask_folder(Path(cfg.data.data_dir))
+            check_mask_folder(Path(cfg.data.data_dir), SPLITS if train else ("val",))
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:
         cfg = self.cfg
@@ -124,6 +125,14 @@ class Segmentation(ImageTask):
 
     def loss(self, output: dict | torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output = heads(output)
+        logits = output.get("out")
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 4 or logits.shape[1] != self.num_classes or \
+                logits.shape[2:] != target.shape[1:]:
+            got = f"{list(logits.shape)}" if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}"
+            raise ConfigError(f"--model {self.cfg.model.model} gives {got} for a batch of masks "
+                              f"{list(target.shape)}, and --task segmentation takes N x C x H x W logits (C = "
+                              f"{self.num_classes} classes, H x W the mask's): make the network return them (or "
+                              f"{{'out': logits}})")
         total = F.cross_entropy(output["out"], target, ignore_index=IGNORE, reduction="sum")
         if "aux" in output:
             total = total + 0.5 * F.cross_entropy(output["aux"], target, ignore_index=IGNORE, reduction="sum")
@@ -157,13 +166,17 @@ class Segmentation(ImageTask):
 
     def scores(self, state: torch.Tensor, detail: bool = False) -> dict:
         total, count, images = state[:3].tolist()
+        if not count:
+            raise ConfigError(f"the validation set's masks label no pixel ({int(images)} images, every pixel 255 after "
+                              f"the centre crop to --image-size): an evaluation of nothing has no figures; give it "
+                              f"masks with classes")
         n = self.num_classes
         h = state[3:].view(n, n)
         diagonal = h.diag()
         union = h.sum(1) + h.sum(0) - diagonal
         iou = [(d / u) if u else math.nan for d, u in zip(diagonal.tolist(), union.tolist(), strict=True)]
         seen = [v for v in iou if not math.isnan(v)]
-        scores = {"loss": total / count if count else math.nan, "miou": sum(seen) / len(seen) if seen else math.nan,
+        scores = {"loss": total / count, "miou": sum(seen) / len(seen) if seen else math.nan,
                   "pixel_accuracy": (diagonal.sum() / h.sum()).item() if h.sum() else math.nan,
                   "samples": int(images)}
         if detail:
@@ -187,7 +200,9 @@ class Segmentation(ImageTask):
     def source(self, train_set, val_set) -> dict:
         if self.cfg.data.dataset == "shapes":
             return {"kind": "shapes masks", "order": "made in memory from the seed", "classes_from": "the shapes"}
-        return {"kind": "masks", **{k: v for k, v in val_set.describe().items() if k != "kind"}}
+        val = val_set.describe()
+        return {"kind": "masks", **({"train": train_set.describe()["from"]} if train_set is not None else {}),
+                "val": val["from"], "order": val["order"], "classes_from": val["classes_from"]}
 
     def input_steps(self, train_set, val_set) -> dict:
         mean, std = self.norm

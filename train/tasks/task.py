@@ -34,6 +34,7 @@ from train.base.errors import ConfigError
 from train.config.settings import Config, Model
 from train.recipe.models import freeze, frozen_names
 from train.recipe.weights import fitted
+from train.tasks.contract import check_network
 
 class Task:
     """The base of every task: the defaults below hold for most; a task overrides what it owns."""
@@ -44,6 +45,7 @@ class Task:
     # False: every micro-batch counts alike, a number count() reads off its target's shape (its images, its numbers);
     # True: the count depends on the target's values (ignored pixels, say), summed over the step before its backward
     variable_count = False
+    classes_from = "its class folders, or its label names"  # where a dataset's classes come from (make evaluate's line)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -51,8 +53,9 @@ class Task:
 
     # ---------------------------------------------------------------- data and model
 
-    def check(self, run_dir=None) -> None:
-        """The data's checks that need no process group, before any worker starts (one line each)."""
+    def check(self, run_dir=None, train: bool = True) -> None:
+        """The data's checks that need no process group, before any worker starts (one line each); train False: the
+        validation split's alone (make evaluate)."""
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:
         """(train set or None when train is False, validation set); sets self.description."""
@@ -73,7 +76,7 @@ class Task:
 
     def model(self, spec: Model) -> nn.Module:
         """The network a run trains: frozen where --freeze says (the head: head()), before any optimizer has state."""
-        model = self.network(spec)
+        model = check_network(self, self.network(spec))
         freeze(model, frozen_names(spec, model, lambda: self.head(model)))
         return model
 
@@ -81,7 +84,7 @@ class Task:
         """--weights' state_dict, fitted to the model: what its load_state_dict takes (sized False: the checks before
         the data is read, on a model with a head of a stand-in size). Here every tensor must fit; a task whose head
         has the data's size names its tensors to fitted(), which starts them anew where the class count differs."""
-        return fitted(self.cfg.model, state, model, [], sized)
+        return fitted(self.cfg.model, state, model, [], sized, network=f"the network of --task {self.name}")
 
     def head(self, model: nn.Module) -> str:
         """The name of the model's head module (--freeze backbone trains it alone)."""
@@ -127,6 +130,8 @@ class Task:
     def scores(self, state: torch.Tensor, detail: bool = False) -> dict:
         """The figures of the whole validation set, from the all-reduced state: loss, the metric, samples, ..."""
         loss, count = state.tolist()
+        if not count:
+            raise ConfigError(f"--task {self.name}: the evaluation counted nothing: give the validation set items")
         return {"loss": loss / count, "samples": int(count)}
 
     def pictures(self, model: nn.Module, val_set, device: torch.device) -> list:
