@@ -48,6 +48,11 @@ def test_workers_that_cannot_share_the_global_batch_are_refused_with_the_counts_
                                           r"drop --grad-accum"):
         continue_layout(Layout(4, 16, 1), 2, 16, 1, True, "runs/a")
     assert continue_layout(Layout(4, 16, 1), 2, 16, 2, True, "runs/a") == 2  # given, and right
+    # SyncBatchNorm normalises the workers' micro-batches together: another number of workers is another run
+    with pytest.raises(ConfigError, match=r"runs/a trains with --sync-bn on 4 workers: SyncBatchNorm normalises their "
+                                          r"micro-batches together, .*: resume on 4 workers"):
+        continue_layout(Layout(4, 16, 1), 2, 16, 2, False, "runs/a", sync_bn=True)
+    assert continue_layout(Layout(4, 16, 1), 4, 16, 1, False, "runs/a", sync_bn=True) == 1
 
 
 def steps_of(length, world, accum, batch, layout, seed=5, reps=0, epoch=1):

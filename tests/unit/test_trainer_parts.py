@@ -192,3 +192,28 @@ def test_the_settling_pass_feeds_a_batch_of_a_training_steps_shape(tmp_path):
         trainer.release()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_running_statistics_follow_the_micro_batch_of_slot_zero_alone(tmp_path):
+    """--grad-accum 3 on one worker: the step's three micro-batches each normalise with their own batch's statistics,
+    and the running statistics afterwards are those one forward of the first (laid-out slot 0) makes from the step's
+    start, bit for bit, as at any other world size and accumulation; the plan says so."""
+    import copy
+
+    cfg = parse_config(["--preset", "debug", "--grad-accum", "3", "--run-dir", str(tmp_path)])
+    parts = build(cfg, tmp_path, CPU, "fp32")
+    parts.metrics.close()
+    trainer = Trainer(parts, stop=None)
+    micro_batches = list(trainer.micro_batches(trainer.batches()))
+    alone = copy.deepcopy(parts.raw_model).train()
+    with torch.no_grad():
+        alone(micro_batches[0][0])
+    every = copy.deepcopy(parts.raw_model).train()
+    with torch.no_grad():
+        for x, _ in micro_batches:
+            every(x)
+    trainer.train_step(iter(micro_batches))
+    kept, first, last = (dict(m.named_buffers()) for m in (parts.raw_model, alone, every))
+    assert [k for k in kept if "running_mean" in k] and all(torch.equal(kept[k], first[k]) for k in kept)
+    assert not all(torch.equal(kept[k], last[k]) for k in kept)  # the control: every micro-batch would move them
+    assert parts.plan.running_statistics.startswith("each step's micro-batch of laid-out slot 0 (rank 0's first)")

@@ -101,10 +101,16 @@ class Layout:
 
 
 def continue_layout(layout: Layout, world: int, batch_size: int, grad_accum: int, given_accum: bool,
-                    run_dir: Path | str) -> int:
+                    run_dir: Path | str, sync_bn: bool = False) -> int:
     """The --grad-accum that continues a run laid out as `layout` on `world` workers at the same global batch.
     given_accum: the command gives a --grad-accum of its own (other than the run's), which must then keep the global
-    batch itself. A global batch the workers cannot share evenly is one line with the choices."""
+    batch itself. A global batch the workers cannot share evenly is one line with the choices; so is a --sync-bn run
+    on another number of workers, whose micro-batches are normalised together, so many at a time."""
+    if sync_bn and world != layout.world_size:
+        raise ConfigError(f"{run_dir} trains with --sync-bn on {layout.world_size} workers: SyncBatchNorm normalises "
+                          f"their micro-batches together, and {world} workers would normalise others together (not "
+                          f"the run it was): resume on {layout.world_size} workers, or start a new --run-dir with "
+                          f"--weights of its newest checkpoint")
     if world * batch_size * grad_accum == layout.global_batch:
         return grad_accum
     if given_accum:
@@ -180,7 +186,8 @@ def continued(cfg: Config, state: dict, world: int, run_dir: Path, source: Path)
     layout = Layout(**state["layout"]) if "layout" in state else \
         Layout(state["world_size"], state["batch_size"], state["grad_accum"])
     opt = cfg.optimisation
-    accum = continue_layout(layout, world, opt.batch_size, opt.grad_accum, opt.grad_accum != layout.grad_accum, run_dir)
+    accum = continue_layout(layout, world, opt.batch_size, opt.grad_accum, opt.grad_accum != layout.grad_accum, run_dir,
+                            cfg.model.sync_bn)
     relaid = relayout_line(layout, world, accum) if world != layout.world_size else ""
     return (cfg.replace(grad_accum=accum) if accum != opt.grad_accum else cfg), layout, relaid
 

@@ -166,7 +166,7 @@ def check_resume(cfg: Config, run_dir: Path, world: int) -> None:
     if "layout" in plan:
         layout = Layout(**plan["layout"])
         continue_layout(layout, world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum,
-                        cfg.optimisation.grad_accum != layout.grad_accum, run_dir)
+                        cfg.optimisation.grad_accum != layout.grad_accum, run_dir, cfg.model.sync_bn)
 
 
 def check_launch(spawn: int, dry_run: bool = False) -> Identity:

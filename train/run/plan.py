@@ -54,6 +54,7 @@ class Plan:
     epochs: float
     global_batch: int  # workers x --batch-size x --grad-accum: images per optimizer step
     sampler: str
+    running_statistics: str | None  # which micro-batch of a step updates BatchNorm's running statistics; None: none
     normalize: dict | None  # mean and std per channel, of images scaled to [0, 1] (a task of images)
     train_size: int | None  # the side of a training image in pixels: a micro-batch is batch x 3 x this x this
     train_transform: str  # per image, in the loader (uint8 in, uint8 out)
@@ -91,11 +92,23 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         num_classes=len(task.classes), classes=task.classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
-        **task.input_steps(train_set, val_set), batch_transform=repr(batch) if batch else "none",
+        running_statistics=running_statistics(model, cfg.model.sync_bn), **task.input_steps(train_set, val_set), batch_transform=repr(batch) if batch else "none",
         loss=described["loss"], optimizer=_optimizer(cfg),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
+
+
+def running_statistics(model: torch.nn.Module, sync_bn: bool) -> str | None:
+    """The rule the running statistics of the model's normalisation layers follow (Trainer.keep_slot_zeros), for the
+    plan; None for a model that keeps none."""
+    if not any(getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
+               for m in model.modules()):
+        return None
+    together = (" (SyncBatchNorm: that micro-batch of every worker together, so a resume keeps the workers)"
+                if sync_bn else "")
+    return (f"each step's micro-batch of laid-out slot 0 (rank 0's first) alone updates them, whichever worker "
+            f"trains it: the same at any world size and accumulation{together}")
 
 
 def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:

@@ -119,7 +119,7 @@ class Trainer:
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
         # A step that counts nothing (every pixel ignored) has a gradient of nothing, 0: divided by 1, not by 0
         scale = self.world / self.step_count(steps).clamp(min=1) if task.variable_count else None
-        sums, counts = [], []
+        sums, counts, statistics = [], [], self.running_statistics()
         for micro, (x, target) in enumerate(steps):
             if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
                 scale = 1 / (loop.grad_accum * fixed_count(task, target))
@@ -128,6 +128,7 @@ class Trainer:
                 with autocast(self.device, parts.precision):
                     total, count = loss_of(task, task.loss(model(x), target))
                 scaler.scale(total * scale).backward()
+            statistics = self.keep_slot_zeros(statistics, micro)  # after the backward, which reads them
             sums.append(total.detach())
             counts.append(count)
         if loop.grad_clip > 0:
@@ -137,6 +138,27 @@ class Trainer:
         scaler.update()
         parts.optimizer.zero_grad(set_to_none=True)
         return sums, counts
+
+    def running_statistics(self) -> list[torch.Tensor]:
+        """The buffers a forward pass updates (BatchNorm's running statistics and their kin) that the slot-0 rule
+        keeps (keep_slot_zeros): rank 0's, where a step has several micro-batches; nothing to do otherwise."""
+        return list(self.parts.raw_model.buffers()) if self.rank == 0 and self.loop.grad_accum > 1 else []
+
+    def keep_slot_zeros(self, statistics: list[torch.Tensor], micro: int) -> list[torch.Tensor]:
+        """The running statistics follow one rule at every world size and accumulation: each step updates them from
+        the micro-batch of laid-out slot 0 alone, which is always rank 0's first (slot = micro-batch x world + rank,
+        in any layout), the one DDP keeps when every slot has its own worker (DDP broadcasts rank 0's buffers at
+        every forward). Rank 0's later micro-batches of the step normalise with their own batch's statistics but
+        leave the running ones as slot 0 left them: a run resumed on fewer workers, whose rank 0 now trains more
+        slots, keeps the uninterrupted run's statistics. Returns what the next micro-batch needs (slot 0's result)."""
+        if not statistics:
+            return statistics
+        if micro == 0:
+            return [b.detach().clone() for b in statistics]
+        with torch.no_grad():
+            for buffer, kept in zip(self.parts.raw_model.buffers(), statistics, strict=True):
+                buffer.copy_(kept)
+        return statistics
 
     def step_count(self, micro_batches: list[tuple]) -> torch.Tensor:
         """The items the loss of this step sums over, on every rank (an all-reduce of one number on the device: no
