@@ -13,9 +13,9 @@ import typing
 from pathlib import Path
 
 from train.base.errors import ConfigError
+from train.base.vision import evaluation_transforms
 from train.config.settings import (BUILT_IN, IMAGENET_FROM, PRESETS, SECTION_OF, SECTIONS, Config, flag, recipe,
                                    settings, unknown_key)
-from train.recipe.vision import evaluation_transforms
 
 try:
     import tomllib

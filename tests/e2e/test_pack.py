@@ -9,12 +9,12 @@ import time
 
 from tests.helpers import DEBUG, PY, env_for_tests, make, python_cmd, run
 from tests.processes import alive, in_session
+from train.base import vision
 from train.bench.photos import make_photos
 from train.data import ShardSplit, load_image
 from train.pack.command import pack, verify
 from train.pack.images import shrink
 from train.pack.shards import JOURNAL
-from train.recipe import vision
 
 
 def photos(root, train: int, val: int):

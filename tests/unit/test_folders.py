@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from train.base import vision
 from train.base.errors import ConfigError
 from train.data.folders import check_imagefolder, imagefolder_split
 from train.data.scan import IMAGE_EXTENSIONS, scan_split, scan_splits
 from train.pack.command import main as pack_main
-from train.recipe import vision
 
 # A tree that exercises torchvision's rules: names in any case, files that are not images, a folder named like an
 # image, hidden files, a file named only ".jpg", nested folders whose paths sort apart from their names

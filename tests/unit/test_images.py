@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
+from train.base import vision
 from train.base.errors import DataError
 from train.cli import parse_config
 from train.data import build_datasets, image_transforms
 from train.data.decode import as_tensor, decode, decode_batch, device_jpegs, load_image, plain_kind, read_bytes
-from train.recipe import vision
 
 H, W = 21, 34
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
+from train.base import vision
 from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.data import (SHAPE_CLASSES, SeededSample, ShapeMasks, build_train_loader, check_mask_folder,
                         make_shape_masks, make_shapes, mask_datasets, mask_transforms, sampling)
 from train.data.loaders import in_memory
 from train.data.masks import DEFECTS, MaskSplit, read_mask
-from train.recipe import vision
 
 
 def make_shapes_before(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

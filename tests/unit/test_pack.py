@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from tests.sources import assert_same_batches, batches
+from train.base import vision
 from train.base.errors import ConfigError, DataError
 from train.bench.photos import make_photos
 from train.cli import parse_config
@@ -28,11 +29,10 @@ from train.data import ShardSplit, build_datasets
 from train.data.decode import load_image
 from train.data.folders import imagefolder_split
 from train.data.tars import check_shards
-from train.pack.command import pack, verify
 from train.pack.command import main as pack_main
+from train.pack.command import pack, verify
 from train.pack.images import shrink
 from train.pack.shards import JOURNAL, write_shard
-from train.recipe import vision
 
 
 @pytest.fixture(scope="module")

@@ -162,7 +162,7 @@ def test_a_segmentation_models_weights_start_every_tensor_but_the_convolutions_t
 
 
 def test_segmentation_weights_name_the_model_or_its_backbone():
-    from train.recipe.vision import named_weights
+    from train.base.vision import named_weights
     from train.run.plan import dry_run
 
     for weights, part in (("MobileNet_V3_Large_Weights.IMAGENET1K_V1", {"for": "the backbone"}),

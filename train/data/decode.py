@@ -14,8 +14,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
+from train.base import vision
 from train.base.errors import DataError
-from train.recipe import vision
 
 PNG_START = b"\x89PNG\r\n\x1a\n"
 JPEG_START = (0xFF, 0xD8)

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from train.base import vision
 from train.base.errors import ConfigError, DataError
 from train.cluster.distributed import gather
 from train.cluster.identity import identity
 from train.data.decode import as_tensor, load_image
 from train.data.scan import FolderScan, scan_split, scan_splits, within
 from train.files.downloads import private_name, publish
-from train.recipe import vision
 
 
 PACK_JOURNAL = ".pack-journal.jsonl"  # an unfinished pack's record (train/pack/command.py)

@@ -30,13 +30,13 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from train.base import vision
 from train.base.errors import ConfigError, DataError, first_few
 from train.config.settings import Config
 from train.data.decode import load_image
 from train.data.labelfiles import class_list
 from train.data.maskpairs import pair_up, scan_folder, split_pairs
 from train.data.scan import IMAGE_EXTENSIONS, FolderScan, how_many, images_in_both
-from train.recipe import vision
 
 SPLITS = ("train", "val")
 IGNORE = 255  # a mask's value that the loss and the metric skip (and the crop's padding)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from train.base import vision
 from train.config.settings import BUILT_IN, Augmentation, Config, recipe
-from train.recipe import vision
-from train.recipe.weights import MEAN, STD
+
+# trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (prepare_inputs), where the weights
+# bring none of their own (recipe/weights.py: normalisation)
+MEAN, STD = 0.5, 0.25
 
 
 def eval_resize(size: int) -> int:

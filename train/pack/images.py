@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from train.base import vision
 from train.base.errors import DataError
 from train.data.decode import as_tensor, decode
 from train.data.sources import name_of, read_reference, suffix_of
-from train.recipe import vision
 
 QUALITY = 90  # the JPEG quality of a resized image unless --quality says otherwise
 CHUNK = 8  # images per task handed to a worker: few round trips for small files, little memory for big ones

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from train.base import vision
 from train.config.settings import Augmentation
-from train.recipe import vision
 
 
 def batch_seed(seed: int, step: int, micro: int, rank: int) -> int:

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from train.base import vision
 from train.base.errors import ConfigError
 from train.config.settings import Model
-from train.recipe import vision
 
 
 # torch.nn's batch and instance normalisation layers by their public classes (their common bases, _BatchNorm and

@@ -24,17 +24,16 @@ from torch import nn
 
 from train.base.errors import ConfigError
 from train.base.progress import Progress
+from train.base.vision import named_weights
 from train.cluster.distributed import gather
 from train.cluster.identity import identity
 from train.config.settings import Config, Model
+from train.data.transforms import MEAN, STD
 from train.files.downloads import private_name, publish
 from train.files.rundir import file_digest
-from train.recipe.vision import named_weights
 
 log = logging.getLogger("train")
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-# trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (data.prepare_inputs)
-MEAN, STD = 0.5, 0.25
 
 
 # ---------------------------------------------------------------- --weights

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError
+from train.base.vision import backbone_weights
 from train.config.resume import Layout
 from train.config.settings import Config
 from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
 from train.recipe.ema import adjusted_decay
 from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
-from train.recipe.vision import backbone_weights
 from train.recipe.weights import cached_file, resolve
 from train.run.checks import check_steps
 from train.run.runtime import precision_of

@@ -3,7 +3,7 @@ vision.io, vision.datasets, vision.models, vision.tv_tensors), and its models' w
 1.5 s of a process's start-up, and the built-in dataset and model need none of it. No trainbox module but the errors is
 imported here, so the config may ask it for the named weights' sizes while it is parsed.
 
-  from train.recipe import vision
+  from train.base import vision
   vision.v2.Resize(256)              # torchvision.transforms.v2, imported at this first use
 """
 
