@@ -89,7 +89,7 @@ class _PausesInItsFirstEvaluation(nn.Module):
 
     def __init__(self, num_classes: int):
         super().__init__()
-        from train.recipe.models import SmallCNN
+        from train.components.models import SmallCNN
 
         self.net = SmallCNN(num_classes, width=8)
 
@@ -191,7 +191,7 @@ class _InDouble(nn.Module):
 
 def small_cnn_in_double(num_classes: int) -> nn.Module:
     """The debug preset's built-in CNN (with BatchNorm), in float64."""
-    from train.recipe.models import SmallCNN
+    from train.components.models import SmallCNN
 
     return _InDouble(SmallCNN(num_classes, width=8))
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from torchvision.datasets import CIFAR10
 from train.data.folders import download_cifar
-from train.recipe.weights import fetch
+from train.components.weights import fetch
 
 spec, ready, go = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 dataset = type("SmallCIFAR", (CIFAR10,), spec["cifar"])

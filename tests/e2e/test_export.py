@@ -10,9 +10,9 @@ import torch
 
 from tests.helpers import DEBUG, PEAKED, PY, REPO, make, python_cmd, run, snapshot
 from train.cli import parse_config
+from train.components.models import build_model
 from train.config.settings import Config
 from train.data import build_datasets, prepare_inputs
-from train.recipe.models import build_model
 
 # A fresh interpreter that cannot import trainbox or torchvision: what a serving process has.
 TORCH_ONLY = """

@@ -152,7 +152,7 @@ def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(sc
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     from train.cli import parse_config
-    from train.recipe.models import build_model
+    from train.components.models import build_model
 
     run_dir = tmp_path / "run"
     args = [*DEBUG, "--train-samples", 96, "--model-ema", "--model-ema-steps", 4, "--model-ema-decay", "0.999",

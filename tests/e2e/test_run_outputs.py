@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import DEBUG, PEAKED, REPO, metrics, python_cmd, run, status, torchrun_cmd
 from train.cli import parse_config
-from train.recipe.models import build_model
+from train.components.models import build_model
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from train.cli import parse_config
+from train.components.augment import BatchAugment
+from train.components.models import build_model
 from train.data import build_datasets
 from train.files import rundir
-from train.recipe.augment import BatchAugment
-from train.recipe.models import build_model
 from train.run.build import build
 from train.run.plan import dry_run, planned_precision
 from train.run.runtime import DTYPES, precision_of, resolve_precision

@@ -118,8 +118,8 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
     """A checkpoint's param groups name the kernels they ran with; loading one made by torch's default
     optimizer must not switch this run's fused kernels off (under fp16's GradScaler the mix fails)."""
     from train.cli import parse_config
-    from train.recipe.models import SmallCNN
-    from train.recipe.optim import build_optimizer, decay_groups
+    from train.components.models import SmallCNN
+    from train.components.optim import build_optimizer, decay_groups
 
     torch.manual_seed(0)
     model = SmallCNN(10, 8)
@@ -148,7 +148,7 @@ def test_an_optimizer_saved_with_torchs_default_kernels_resumes_fused(name):
 def test_a_strided_parameter_is_left_to_torchs_default_optimizer():
     """Fused kernels would update a non-dense view wrongly: such a model keeps torch's default kernels."""
     from train.cli import parse_config
-    from train.recipe.optim import build_optimizer, decay_groups
+    from train.components.optim import build_optimizer, decay_groups
 
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])

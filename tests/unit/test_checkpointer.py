@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from train.cli import parse_config
+from train.components.ema import ModelEma
+from train.components.models import build_model
+from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.config.resume import Layout
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
-from train.recipe.ema import ModelEma
-from train.recipe.models import build_model
-from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.run.checkpointer import Checkpointer, Keeping, capture_rng, newest_checkpoint, restore_rng
 from train.run.plan import dry_run
 from train.tasks.factory import build_task

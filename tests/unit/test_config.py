@@ -196,13 +196,13 @@ def test_modules_of_one_concern_take_their_section():
     """docs/development.md: a module that reads one concern takes its section, not the whole config."""
     import inspect
 
-    from train.recipe import augment
-    from train.recipe import ema
-    from train.recipe import models
-    from train.recipe import optim
+    from train.components import augment
+    from train.components import ema
+    from train.components import models
+    from train.components import optim
     from train.report import tracker
     from train.report import mlflow_tracking
-    from train.recipe import weights
+    from train.components import weights
 
     takes = {models.build_model: "Model", models.check_model_spec: "Model", weights.read_weights: "Model",
              weights.fitted: "Model", models.frozen_names: "Model", models.trainable_model: "Model",

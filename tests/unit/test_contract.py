@@ -10,7 +10,7 @@ import torch
 from tests.tasks import Broken
 from train.base.errors import ConfigError, UserCodeError, user_code_error
 from train.cli import parse_config
-from train.recipe.models import user_factory
+from train.components.models import user_factory
 from train.run import build as build_module
 from train.run import checks
 from train.run.build import build

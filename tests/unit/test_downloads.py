@@ -10,9 +10,9 @@ import pytest
 
 from tests.helpers import FileServer, small_cifar
 from train.base.errors import ConfigError
+from train.components.weights import download, fetch
 from train.data.folders import cifar_split, download_cifar
 from train.files.downloads import private_name, publish
-from train.recipe.weights import download, fetch
 
 
 def test_the_first_complete_file_or_folder_takes_the_name_and_a_later_one_does_not(tmp_path):

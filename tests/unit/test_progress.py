@@ -1,6 +1,6 @@
 """The progress line (train/base/progress.py): redrawn in place on a terminal (a real pty too), periodic plain lines
 elsewhere, never one per item, nothing for a short wait where the caller asks so; and the first fetch of named
-weights (train/recipe/weights.py) showing it, from a real HTTP server on 127.0.0.1."""
+weights (train/components/weights.py) showing it, from a real HTTP server on 127.0.0.1."""
 
 import hashlib
 import io
@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import FileServer
 from train.base.errors import ConfigError
 from train.base.progress import Progress, duration
-from train.recipe.weights import fetch
+from train.components.weights import fetch
 
 LINE = re.compile(r"pack: ([\d,]+)/1,000 images \(\d+\.\d%\), [\d.,]+ images/s, ETA \d+ s")
 

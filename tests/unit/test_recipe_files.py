@@ -15,7 +15,7 @@ from torchvision.transforms import v2
 
 from tests.unit.test_recipe_knobs import reference_groups
 from train.cli import parse_config
-from train.recipe.models import build_model
+from train.components.models import build_model
 from train.run.plan import dry_run
 
 RECIPES = Path(__file__).resolve().parents[2] / "train" / "recipes"

@@ -10,10 +10,10 @@ from torchvision.transforms import v2
 
 from train.base.errors import ConfigError
 from train.cli import parse_config
+from train.components.augment import BatchAugment
+from train.components.ema import ModelEma, adjusted_decay
+from train.components.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.data import image_transforms, eval_steps
-from train.recipe.augment import BatchAugment
-from train.recipe.ema import ModelEma, adjusted_decay
-from train.recipe.optim import EMBEDDING_KEYS, build_optimizer, build_scheduler, decay_groups, schedule_lengths
 
 
 def scheduler_of(cfg, optimizer):
@@ -131,7 +131,7 @@ DECAY_FLAGS = {"norm_weight_decay": "--norm-weight-decay", "bias_weight_decay": 
 def test_weight_decay_groups_are_the_references_by_name(model_name, given):
     """Every trainable parameter in the reference's group with the reference's decay, by name: a group of its own
     only for the decays given (on the meta device: no memory, no weights)."""
-    from train.recipe.models import build_model
+    from train.components.models import build_model
 
     cfg_args = ["--model", model_name, "--weight-decay", "1e-4"]
     for key, value in given.items():

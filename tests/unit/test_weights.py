@@ -6,9 +6,9 @@ from torchvision.transforms import v2
 
 from train.base.errors import ConfigError
 from train.cli import parse_config
+from train.components.models import build_model, freeze, frozen_names, head_name
+from train.components.weights import IMAGENET, normalisation, normalisation_on
 from train.data import prepare_inputs
-from train.recipe.models import build_model, freeze, frozen_names, head_name
-from train.recipe.weights import IMAGENET, normalisation, normalisation_on
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -176,7 +176,7 @@ def test_the_public_normalisation_classes_are_every_layer_of_torchs_private_base
     A torch that moves the base or adds a layer fails here."""
     import importlib
 
-    from train.recipe import models
+    from train.components import models
 
     module, name = base.split(".")
     private = getattr(importlib.import_module(f"torch.nn.modules.{module}"), name)

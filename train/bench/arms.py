@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
+from train.components.models import SmallCNN
 from train.data import make_shape_masks, make_shapes, prepare_inputs
 from train.files.rundir import read_metrics
-from train.recipe.models import SmallCNN
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]

@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.bench.arms import _init, bare_arm, drain, free_port, median, row, trainer_arm
 from train.cli import parse_config
 from train.cluster.distributed import destroy_and_leave_together
+from train.components.models import SmallCNN
 from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes, sampling
 from train.files import checkpoint_io as ckpt
 from train.pack.command import pack
-from train.recipe.models import SmallCNN
 
 
 # ---------------------------------------------------------------- CPU rows

@@ -11,7 +11,7 @@ from train.base import vision
 from train.config.settings import BUILT_IN, Augmentation, Config, recipe
 
 # trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (prepare_inputs), where the weights
-# bring none of their own (recipe/weights.py: normalisation)
+# bring none of their own (components/weights.py: normalisation)
 MEAN, STD = 0.5, 0.25
 
 
@@ -31,7 +31,7 @@ def image_transforms(cfg: Config, train: bool):
     imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
     --auto-augment; eval: resize to --val-resize-size, centre crop to --val-crop-size, --interpolation);
     cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
-    training device (train/recipe/augment.py), as the reference's preset has it after Normalize."""
+    training device (train/components/augment.py), as the reference's preset has it after Normalize."""
     v2 = vision.v2
     size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
     if recipe(cfg) == "imagenet" and train:

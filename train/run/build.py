@@ -25,14 +25,14 @@ import torch.distributed as dist
 from train.base.errors import ConfigError
 from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
 from train.cluster.identity import identity, is_main
+from train.components.ema import ModelEma
+from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
+from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
 from train.config.settings import BUILT_IN, Config
 from train.data import build_train_loader, build_val_loader, packed_with, sampling
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
-from train.recipe.ema import ModelEma
-from train.recipe.optim import build_optimizer, build_scheduler, schedule_lengths
-from train.recipe.weights import read_weights
 from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
 from train.run.checkpointer import Checkpointer, Keeping, newest_checkpoint

@@ -31,11 +31,11 @@ from train.base.errors import ConfigError
 from train.base.watchdog import watchdog
 from train.cluster.distributed import broadcast_from_main, gather, on_main
 from train.cluster.identity import identity, is_main
+from train.components.optim import schedule_at, schedule_lengths
 from train.config.resume import Layout, Resumed
 from train.config.settings import Config, Schedule
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
-from train.recipe.optim import schedule_at, schedule_lengths
 from train.tasks.task import Task
 
 log = logging.getLogger("train")

@@ -16,15 +16,15 @@ import torch
 from train.base.errors import ConfigError, users_code
 from train.cluster.identity import Identity, alone_fix, launch_variables, resolve_identity
 from train.cluster.jobs import port_problem
+from train.components.models import frozen_names
+from train.components.optim import decay_groups
+from train.components.weights import read_weights, resolve
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
 from train.config.settings import BUILT_IN, Config
 from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
-from train.recipe.models import frozen_names
-from train.recipe.optim import decay_groups
-from train.recipe.weights import read_weights, resolve
 from train.report.metrics import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.tasks.contract import check_batch_of_one

@@ -20,13 +20,13 @@ import torch
 
 from train.base.errors import ConfigError
 from train.base.vision import backbone_weights
+from train.components.ema import adjusted_decay
+from train.components.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
+from train.components.weights import cached_file, resolve
 from train.config.resume import Layout
 from train.config.settings import Config
 from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
-from train.recipe.ema import adjusted_decay
-from train.recipe.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
-from train.recipe.weights import cached_file, resolve
 from train.run.checks import check_steps
 from train.run.runtime import precision_of
 from train.tasks.factory import build_task

@@ -27,10 +27,10 @@ from train.base.errors import EXIT_DONE, EXIT_STOPPED
 from train.base.watchdog import watchdog
 from train.cluster.distributed import StopSignal, broadcast_from_main, gather
 from train.cluster.identity import identity, is_main
+from train.components.augment import batch_seed
 from train.data import origin
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
-from train.recipe.augment import batch_seed
 from train.run.checkpointer import capture_rng, restore_rng
 from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast

@@ -2,13 +2,13 @@
 
   data      the built-in shapes (and synthetic), CIFAR-10, an ImageFolder, label files, tars, a Hugging Face dataset
             (train/data/), the class names in label order (classes.json)
-  model     a classifier of --model with a head of the classes' count (train/recipe/models.py); its head: the last
+  model     a classifier of --model with a head of the classes' count (train/components/models.py); its head: the last
             nn.Linear with that many outputs
   loss      cross-entropy with --label-smoothing, summed over the images (Mixup/CutMix's soft targets too), counted
             in images: the trainer's mean over a step's images equals torchvision's reference's
   metric    top-1 accuracy picks best.pt; the state: the loss sum, the correct images, the images and the correct in
             the top 5 (and make evaluate's confusion matrix, rows the true class), summed across ranks
-  augment   --random-erase, --mixup-alpha, --cutmix-alpha (train/recipe/augment.py)
+  augment   --random-erase, --mixup-alpha, --cutmix-alpha (train/components/augment.py)
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.base.errors import ConfigError
+from train.components.augment import BatchAugment
+from train.components.models import build_model, check_model_spec, head_name
+from train.components.weights import fitted
 from train.config.settings import Config, Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
                         class_names, eval_steps, preprocessing, source_of, train_size)
-from train.recipe.augment import BatchAugment
-from train.recipe.models import build_model, check_model_spec, head_name
-from train.recipe.weights import fitted
 from train.tasks.inputs import ImageTask
 
 def criterion_of(label_smoothing: float) -> str:

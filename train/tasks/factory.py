@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 
 from train.base.errors import ConfigError
+from train.components.models import user_factory
 from train.config.settings import Config
-from train.recipe.models import user_factory
 from train.tasks.classification import Classification
 from train.tasks.segmentation import Segmentation
 from train.tasks.task import Task

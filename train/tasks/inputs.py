@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from train.components.weights import normalisation
 from train.config.settings import Config
 from train.data import prepare_inputs
-from train.recipe.weights import normalisation
 from train.tasks.task import Task
 
 

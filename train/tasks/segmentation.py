@@ -37,11 +37,11 @@ from torch import nn
 
 from train.base import vision
 from train.base.errors import ConfigError
+from train.components.models import user_model
+from train.components.weights import fitted
 from train.config.settings import Model
 from train.data.masks import SPLITS, check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
-from train.recipe.models import user_model
-from train.recipe.weights import fitted
 from train.tasks.inputs import ImageTask
 
 log = logging.getLogger("train")

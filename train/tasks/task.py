@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from train.base.errors import ConfigError
+from train.components.models import freeze, frozen_names
+from train.components.weights import fitted
 from train.config.settings import Config, Model
-from train.recipe.models import freeze, frozen_names
-from train.recipe.weights import fitted
 from train.tasks.contract import check_network
 
 class Task:

@@ -1,4 +1,4 @@
-"""Starting from trained weights (--weights); freezing parts of a model (--freeze) is train/recipe/models.py's.
+"""Starting from trained weights (--weights); freezing parts of a model (--freeze) is train/components/models.py's.
 
   --weights ResNet50_Weights.IMAGENET1K_V2   torchvision's named weights (DEFAULT: the model's default), fetched
                                              once per node into TORCH_HOME (put it on the NAS), checked against

@@ -8,8 +8,8 @@ import warnings
 import torch
 
 from train.base.errors import ConfigError
+from train.components.models import BATCH_NORMS, INSTANCE_NORMS
 from train.config.settings import Optimisation, Schedule
-from train.recipe.models import BATCH_NORMS, INSTANCE_NORMS
 
 
 def _fusable(p: torch.Tensor) -> bool:
