@@ -14,8 +14,8 @@ from pathlib import Path
 
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
-from train.config.settings import (BUILT_IN, IMAGENET_FROM, PRESETS, SECTION_OF, SECTIONS, Config, flag, recipe,
-                                   settings, unknown_key)
+from train.config.settings import (IMAGENET_FROM, IN_MEMORY, PRESETS, SECTION_OF, SECTIONS, Config,
+                                   augmentation_recipe, flag, settings, unknown_key)
 
 try:
     import tomllib
@@ -82,7 +82,7 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
                               f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
                               f"it, or read the setting in your task (docs/tasks.md)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
-          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in BUILT_IN,
+          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in IN_MEMORY,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
          f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
@@ -90,15 +90,15 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
          "with --dataset masks (the loader workers decode each image and its mask and move them together at "
          "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
          "resize and centre crop): drop it"),
-        (("train_samples", "val_samples"), cfg.data.dataset not in BUILT_IN,
+        (("train_samples", "val_samples"), cfg.data.dataset not in IN_MEMORY,
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
-         cfg.data.dataset not in BUILT_IN and recipe(cfg) == "cifar",
+         cfg.data.dataset not in IN_MEMORY and augmentation_recipe(cfg) == "cifar",
          f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
          f"--augment imagenet"),
-        (("ra_magnitude",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "ra",
+        (("ra_magnitude",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "ra",
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment ra"),
-        (("augmix_severity",), cfg.data.dataset not in BUILT_IN and cfg.augmentation.auto_augment != "augmix",
+        (("augmix_severity",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "augmix",
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
         (("download",), cfg.data.dataset != "cifar10",
          f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
@@ -234,7 +234,7 @@ def _weights_sizes(cfg: Config, given: dict) -> Config:
     are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
     (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win. --dataset masks reads
     --image-size alone (train/data/masks.py), as the segmentation weights' own transforms give no crop."""
-    if not cfg.model.weights or cfg.data.dataset in (*BUILT_IN, "masks"):
+    if not cfg.model.weights or cfg.data.dataset in (*IN_MEMORY, "masks"):
         return cfg
     own = evaluation_transforms(cfg.model.model, cfg.model.weights)  # torchvision is imported for named weights only
     if own is None:  # a file

@@ -10,7 +10,7 @@ from torchvision import transforms as v1
 from torchvision.transforms import v2
 
 from train.cli import parse_config
-from train.config.settings import recipe
+from train.config.settings import augmentation_recipe
 from train.data import eval_resize, image_transforms
 
 
@@ -27,9 +27,9 @@ def cfg(*args):
 @pytest.mark.parametrize("size, expected", [(16, "cifar"), (32, "cifar"), (96, "cifar"), (128, "imagenet"),
                                             (224, "imagenet")])
 def test_auto_picks_the_recipe_by_image_size_and_the_flag_overrides_it(size, expected):
-    assert recipe(cfg("--image-size", size)) == expected
+    assert augmentation_recipe(cfg("--image-size", size)) == expected
     other = "cifar" if expected == "imagenet" else "imagenet"
-    assert recipe(cfg("--image-size", size, "--augment", other)) == other
+    assert augmentation_recipe(cfg("--image-size", size, "--augment", other)) == other
 
 
 def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():

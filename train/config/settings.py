@@ -351,11 +351,11 @@ PRESETS: dict[str, dict] = {
                   warmup_steps=5, save_every=20, eval_every=20, log_every=10, lr=1e-2),
 }
 
-BUILT_IN = ("shapes", "synthetic")  # in memory, made at --image-size: no files to resize, crop or augment
+IN_MEMORY = ("shapes", "synthetic")  # the built-in datasets: in memory, made at --image-size, no files to transform
 IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
 
 
-def recipe(cfg: Config) -> str:
+def augmentation_recipe(cfg: Config) -> str:
     """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
     if cfg.augmentation.augment != "auto":
         return cfg.augmentation.augment

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from train.cluster.identity import identity, usable_cores
-from train.config.settings import BUILT_IN, Config, Data
+from train.config.settings import IN_MEMORY, Config, Data
 from train.data.decode import Decoded, DeviceDecoder, FileBytes, collate_files, load_image, read_bytes
 from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
                                 is_pack, path_of)
@@ -73,7 +73,7 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
     if not train:
         val = validation_set(cfg, root, run_dir)
         return None, val, len(class_names(val))
-    if cfg.data.dataset in BUILT_IN:
+    if cfg.data.dataset in IN_MEMORY:
         kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
         train_set = kind(cfg.data.train_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 1)
     elif cfg.data.dataset == "cifar10":
@@ -111,7 +111,7 @@ def wrapped(cfg: Config, split, train: bool):
 
 def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
     """The validation set, with the evaluation's transforms."""
-    if cfg.data.dataset in BUILT_IN:
+    if cfg.data.dataset in IN_MEMORY:
         kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
         return kind(cfg.data.val_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 2)
     if cfg.data.dataset == "cifar10":
@@ -142,7 +142,7 @@ def source_of(cfg: Config, train_set, val_set) -> dict:
 
     val = described(val_set)
     if val is None:  # built in, or CIFAR-10
-        where = "made in memory from the seed" if cfg.data.dataset in BUILT_IN else \
+        where = "made in memory from the seed" if cfg.data.dataset in IN_MEMORY else \
             f"torchvision's CIFAR10 in {cfg.data.data_dir}: its batches' order"
         return {"kind": cfg.data.dataset, "order": where, "classes_from": "the dataset's own names"}
     train = described(train_set) if train_set is not None else None
@@ -154,7 +154,7 @@ def default_num_workers(data: Data) -> int:
     """--num-workers, or where it is -1 the DataLoader workers per process that the data wants."""
     if data.num_workers >= 0:
         return data.num_workers
-    if data.dataset in BUILT_IN:
+    if data.dataset in IN_MEMORY:
         return 0
     # Every core of this process's share but one (the one that runs the training loop itself), no cap:
     # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from train.base import vision
-from train.config.settings import BUILT_IN, Augmentation, Config, recipe
+from train.config.settings import IN_MEMORY, Augmentation, Config, augmentation_recipe
 
 # trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (prepare_inputs), where the weights
 # bring none of their own (components/weights.py: normalisation)
@@ -34,9 +34,9 @@ def image_transforms(cfg: Config, train: bool):
     training device (train/components/augment.py), as the reference's preset has it after Normalize."""
     v2 = vision.v2
     size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
-    if recipe(cfg) == "imagenet" and train:
+    if augmentation_recipe(cfg) == "imagenet" and train:
         return CropFlip(train_size(cfg), mode, auto_augment(cfg.augmentation))
-    elif recipe(cfg) == "imagenet":
+    elif augmentation_recipe(cfg) == "imagenet":
         resize, crop, _ = eval_steps(cfg)
         steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
     else:
@@ -91,8 +91,8 @@ def eval_steps(cfg: Config) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
     / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
     (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
-    files = cfg.data.dataset not in BUILT_IN
-    if not files or recipe(cfg) != "imagenet":
+    files = cfg.data.dataset not in IN_MEMORY
+    if not files or augmentation_recipe(cfg) != "imagenet":
         return cfg.data.image_size, cfg.data.image_size, "bilinear"
     crop = cfg.augmentation.val_crop_size or cfg.data.image_size
     return cfg.augmentation.val_resize_size or eval_resize(crop), crop, cfg.augmentation.interpolation

@@ -29,7 +29,7 @@ from train.components.ema import ModelEma
 from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.config.settings import BUILT_IN, Config
+from train.config.settings import IN_MEMORY, Config
 from train.data import build_train_loader, build_val_loader, packed_with, sampling
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
@@ -121,8 +121,8 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
     torch.manual_seed(cfg.run.seed)
     own = ":" in cfg.run.task  # a task of the user's: its datasets, and its answers, checked before the folder
-    in_memory = cfg.data.dataset in BUILT_IN and not own
-    data = None if in_memory else task.datasets(run_dir)
+    built_in = cfg.data.dataset in IN_MEMORY and not own
+    data = None if built_in else task.datasets(run_dir)
     if own:
         check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
     check_state_saves(task)

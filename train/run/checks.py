@@ -20,7 +20,7 @@ from train.components.models import frozen_names
 from train.components.optim import decay_groups
 from train.components.weights import read_weights, resolve
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
-from train.config.settings import BUILT_IN, Config
+from train.config.settings import IN_MEMORY, Config
 from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
@@ -51,7 +51,7 @@ def _preflight(cfg: Config, world: int | None) -> None:
     check_weights(cfg, task)
     check_decay_groups(cfg, task)
     check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size)
-    if cfg.data.dataset in BUILT_IN and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
+    if cfg.data.dataset in IN_MEMORY and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
         check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
     port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \

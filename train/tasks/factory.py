@@ -13,16 +13,16 @@ from train.tasks.classification import Classification
 from train.tasks.segmentation import Segmentation
 from train.tasks.task import Task
 
-BUILT_IN = {"classification": Classification, "segmentation": Segmentation}
+TASKS = {"classification": Classification, "segmentation": Segmentation}
 
 
 def build_task(cfg: Config) -> Task:
     """The run's task, built once."""
     name = cfg.run.task
-    if name in BUILT_IN:
-        return BUILT_IN[name](cfg)
+    if name in TASKS:
+        return TASKS[name](cfg)
     if ":" not in name:
-        raise ConfigError(f"--task {name!r} is not one of {', '.join(BUILT_IN)} nor package.module:factory: pass one "
+        raise ConfigError(f"--task {name!r} is not one of {', '.join(TASKS)} nor package.module:factory: pass one "
                           f"of those")
     factory = user_factory(name, "--task", "the Config and returns a train.tasks.task.Task")
     try:
