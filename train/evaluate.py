@@ -1,5 +1,5 @@
 """A finished run's model scored again, on its validation set or another, with the trainer's own evaluation
-(evaluate(), train/run/validate.py), every sample counted once across ranks:
+(validate(), train/run/validate.py), every sample counted once across ranks:
 
   python -m train.evaluate RUN_DIR (make evaluate RUN=...): a finished run's model, on its validation set or another
 
@@ -41,7 +41,7 @@ from train.data import build_val_loader
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.run.checks import check_launch
 from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
-from train.run.validate import evaluate
+from train.run.validate import validate
 from train.tasks.contract import checked_scores
 from train.tasks.factory import build_task
 from train.tasks.task import Task
@@ -151,7 +151,7 @@ def evaluate_run(job: Job) -> int:
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = checked_scores(task, evaluate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)],
+            result = checked_scores(task, validate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)],
                                                    progress.update, detail=True))
         finally:
             progress.close()

@@ -34,7 +34,7 @@ from train.files.rundir import process_start_time
 from train.run.checkpointer import capture_rng, restore_rng
 from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast
-from train.run.validate import evaluate
+from train.run.validate import validate
 from train.tasks.contract import checked_scores, fixed_count, loss_of
 
 if TYPE_CHECKING:
@@ -324,7 +324,7 @@ class Trainer:
         with watchdog.during(f"evaluation at step {self.step}"):
             self.last_eval = self.step
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
-            results = {name: evaluate(model, parts.val_loader, parts.task, self.device, parts.precision,
+            results = {name: validate(model, parts.val_loader, parts.task, self.device, parts.precision,
                                       watchdog.progress)
                        for name, model in models.items()}
         for name, figures in results.items():

@@ -1,6 +1,5 @@
-"""The trainer's evaluation: a model scored on a validation set by its task, every sample counted once across ranks.
-The trainer calls evaluate() at its evaluation steps, and `python -m train.evaluate` (train/evaluate.py) on a finished
-run."""
+"""A model scored on a validation set by its task, every sample counted once across ranks: validate(). The trainer calls
+it at its evaluation steps (Trainer.evaluate), and `python -m train.evaluate` (train/evaluate.py) on a finished run."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from train.tasks.task import Task
 
 
 @torch.inference_mode()
-def evaluate(model, loader, task: Task, device, autocast_dtype, progress=lambda: None, detail: bool = False) -> dict:
+def validate(model, loader, task: Task, device, autocast_dtype, progress=lambda: None, detail: bool = False) -> dict:
     """The task's scores over the whole validation set (task.scores: the loss, its metric, the samples; with detail
     what its report needs too). Every rank adds its share of the data to the task's state (task.update), the state is
     all-reduced by SUM once, and the figures are computed from it once: no mean of per-batch or per-rank means, and no
