@@ -26,7 +26,7 @@ from train.components.weights import fitted
 from train.config.settings import Config, Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
                         class_names, eval_steps, preprocessing, source_of, train_size)
-from train.tasks.inputs import ImageTask
+from train.tasks.images import ImageTask
 
 def criterion_of(label_smoothing: float) -> str:
     """The loss a run trains with and its evaluations report (plan.json's "loss", the evaluation records' criterion)."""

@@ -42,7 +42,7 @@ from train.components.weights import fitted
 from train.config.settings import Model
 from train.data.masks import SPLITS, check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
-from train.tasks.inputs import ImageTask
+from train.tasks.images import ImageTask
 
 log = logging.getLogger("train")
 IGNORE = 255  # a pixel of this value counts for nothing: torchvision's references/segmentation
