@@ -28,7 +28,7 @@ from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
 from train.cluster.identity import usable_cores
 from train.report.metrics import nvml_read
-from train.run import checks
+from train.run import preflight
 
 
 
@@ -119,7 +119,7 @@ def check_cores(gpus: int) -> None:
 def check_port() -> None:
     port = os.environ.get("MASTER_PORT", "29500")
     try:
-        checks.check_port(port, fix="set MASTER_PORT to a free port")
+        preflight.check_port(port, fix="set MASTER_PORT to a free port")
     except ConfigError as e:
         report("FAIL", "port", str(e))
         return

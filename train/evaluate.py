@@ -39,7 +39,7 @@ from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config
 from train.data import build_val_loader
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
-from train.run.checks import check_launch
+from train.run.preflight import check_launch
 from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
 from train.run.validate import validate
 from train.tasks.contract import checked_scores

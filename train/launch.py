@@ -1,4 +1,4 @@
-"""Starting the workers, after the checks (train/run/checks.py) passed:
+"""Starting the workers, after the checks (train/run/preflight.py) passed:
 
   start(cfg)                    python -m train: this process is the one worker (or its --dry-run's plan)
   check(cfg)                    the checks alone, as --spawn N's launcher has them made (train/cluster/spawn.py)
@@ -26,10 +26,10 @@ from train.cluster.identity import identity, is_main
 from train.cluster.jobs import TORCHRUN_ENV, PlanError, torchrun_flags
 from train.cluster.spawn import workers_for
 from train.config.settings import Config
-from train.files.rundir import read_status, to_json
 from train.files.rundir import default_run_dir
-from train.run.checks import preflight
+from train.files.rundir import read_status, to_json
 from train.run.plan import dry_run
+from train.run.preflight import preflight
 from train.run.worker import run_worker
 
 

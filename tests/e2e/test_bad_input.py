@@ -174,7 +174,7 @@ def test_cuda_visible_devices_naming_a_missing_gpu(finished_run, capsys, monkeyp
     """On a GPU host NVML counts the GPUs and the line names the index the host lacks; on a host without a
     driver nothing can be counted and no GPU is visible at all: the generic line, which must not claim a
     count. (The index check itself, with counts: tests/unit/test_checks.py.)"""
-    from train.run.checks import host_gpu_count
+    from train.run.preflight import host_gpu_count
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     gpus = host_gpu_count()

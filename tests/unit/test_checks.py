@@ -4,7 +4,7 @@ import pytest
 
 from train.base.errors import ConfigError
 from train.cluster.spawn import workers_for
-from train.run.checks import check_gpu_per_worker, visible_devices_problem
+from train.run.preflight import check_gpu_per_worker, visible_devices_problem
 
 
 @pytest.mark.parametrize("value, host, problem", [

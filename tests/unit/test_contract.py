@@ -12,7 +12,7 @@ from train.base.errors import ConfigError, UserCodeError, user_code_error
 from train.cli import parse_config
 from train.components.models import user_factory
 from train.run import build as build_module
-from train.run import checks
+from train.run import preflight
 from train.run.build import build
 from train.run.health import Diverged
 from train.run.trainer import Trainer
@@ -56,10 +56,10 @@ def test_a_broken_answer_is_one_line_before_the_run_folder_is_made(tmp_path, mon
 
 def test_a_head_that_names_nothing_is_refused_before_any_worker(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path / "run", "--freeze", "backbone")
-    monkeypatch.setattr(checks, "build_task", lambda cfg: _broken(cfg, "head"))
+    monkeypatch.setattr(preflight, "build_task", lambda cfg: _broken(cfg, "head"))
     with pytest.raises(ConfigError, match=r"--freeze backbone: the head of --model cnn is 'nothing', which names no "
                                           r"module of it with parameters, so every parameter would be frozen"):
-        checks.preflight(cfg)
+        preflight.preflight(cfg)
 
 
 @pytest.mark.parametrize("breaks, line", [
@@ -135,7 +135,7 @@ def test_an_error_raised_in_the_users_own_code_is_theirs_with_its_traceback_once
 
 def test_a_factory_that_raises_takes_no_config_or_does_not_parse_is_named(tmp_path, monkeypatch):
     with pytest.raises(UserCodeError) as raised:
-        checks.preflight(parse_config(["--task", "tests.tasks:raising_factory"]))
+        preflight.preflight(parse_config(["--task", "tests.tasks:raising_factory"]))
     assert "RuntimeError: the factory's own mistake (raised in your code, " in str(raised.value)
     assert "in raising_factory" in str(raised.value) and raised.value.trace.count("Traceback") == 1
     with pytest.raises(ConfigError, match=r"--task tests.tasks:takes_nothing: the factory cannot be called with the "

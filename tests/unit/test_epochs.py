@@ -4,8 +4,8 @@ import pytest
 
 from train.base.errors import ConfigError
 from train.cli import parse_config
-from train.run.checks import check_steps
 from train.run.plan import steps_for_epochs
+from train.run.preflight import check_steps
 
 
 # 1000 images, batch 16: an epoch is floor(1000 / workers / 16 / accumulation) steps (the sampler drops the rest)

@@ -7,7 +7,7 @@ from train.base.errors import ConfigError
 from train.cluster.hostlist import PlanError, expand_hostlist, parse_hostlist
 from train.cluster.identity import from_environment, resolve_identity
 from train.cluster.jobs import master_port as slurm_master_port
-from train.run.checks import check_port, check_rendezvous_variables
+from train.run.preflight import check_port, check_rendezvous_variables
 
 
 def test_single_process():
@@ -69,7 +69,7 @@ def test_a_rank_from_the_environment_without_a_rendezvous_address_is_refused_in_
 
 
 def test_spawn_with_rank_variables_in_the_environment_is_refused_naming_them(monkeypatch):
-    from train.run.checks import preflight
+    from train.run.preflight import preflight
     from train.cli import parse_config
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():

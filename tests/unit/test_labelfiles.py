@@ -15,7 +15,7 @@ from train.cli import parse_config
 from train.data import build_datasets
 from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.pack.command import main as pack_main
-from train.run.checks import preflight
+from train.run.preflight import preflight
 
 VAL = "path,label\nv.png,cat\n"
 

@@ -255,7 +255,7 @@ def test_the_worker_says_the_same_line_when_it_meets_the_problem(tmp_path):
 
 def test_without_run_dir_the_checks_look_at_the_folder_runs_is_made_in(tmp_path, monkeypatch):
     """runs/<start time>, made by the run: a file named runs in the working folder stops it before any worker."""
-    from train.run.checks import preflight
+    from train.run.preflight import preflight
     from train.cli import parse_config
     from train.base.errors import ConfigError
 

@@ -25,7 +25,7 @@ from train.data import build_datasets
 from train.data.tarindex import CACHE, FALLBACK, cache_dirs, find_tars, indexing, load_split
 from train.data.tars import check_shards, tar_splits
 from train.pack.command import main as pack_main
-from train.run.checks import preflight
+from train.run.preflight import preflight
 
 
 def png(colour=(200, 30, 30)) -> bytes:

@@ -47,7 +47,7 @@ class Job:
 
 
 def spawn_run(cfg: Config) -> int:
-    """python -m train --spawn N: the checks that need torch (train/run/checks.py's preflight) in one child of the fork
+    """python -m train --spawn N: the checks that need torch (train/run/preflight.py's preflight) in one child of the fork
     server, then the N workers from the same server. A mistake is the child's one line and exit code 2, before any
     worker starts."""
     start_fork_server()  # python -m train started it already

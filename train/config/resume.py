@@ -12,7 +12,7 @@ something else is refused in one line before anything is written. What may chang
   data_differences what differs between the data a run trained on (plan.json, classes.json) and the data it finds
   plan_as_trained  plan.json of a resumed run: its resumes that changed something, the rates each step trained at
 
-Standard library only: the checks run before any worker starts (train/run/checks.py), and again in each worker against
+Standard library only: the checks run before any worker starts (train/run/preflight.py), and again in each worker against
 the checkpoint itself (train/run/build.py).
 """
 

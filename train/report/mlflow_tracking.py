@@ -1,7 +1,7 @@
 """MLflow tracking, opt-in: MLFLOW_TRACKING_URI (or --mlflow-uri) turns it on. Where a run is tracked:
 
   tracking_uri, experiment_name   the server and the experiment a run tracks to ('' : tracking is off)
-  check_uri, probe_server         a bad URI or refused credentials stop a new run before it starts (train/run/checks.py)
+  check_uri, probe_server         a bad URI or refused credentials stop a new run before it starts (train/run/preflight.py)
   RECORD                          RUN_DIR/mlflow.json: which MLflow run tracks the run directory
   log_evaluation                  `python -m train.evaluate`'s scores and files, to the run's MLflow run
   import_mlflow                   the one place mlflow is imported: only runs that track pay for it (about 1 s)

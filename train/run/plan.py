@@ -27,7 +27,7 @@ from train.config.resume import Layout
 from train.config.settings import Config
 from train.data import check_cifar, describe_sampler
 from train.files.rundir import launch_run_dir
-from train.run.checks import check_steps
+from train.run.preflight import check_steps
 from train.run.runtime import precision_of
 from train.tasks.factory import build_task
 from train.tasks.task import Task

@@ -10,7 +10,7 @@ import torch
 
 from train.cluster.identity import Identity, identity, usable_cores
 from train.config.settings import Config, Model
-from train.run.checks import check_precision
+from train.run.preflight import check_precision
 
 log = logging.getLogger("train")
 
