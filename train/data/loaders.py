@@ -80,7 +80,7 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
         train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.data.download)
     elif cfg.data.dataset in ("shards", "csv", "hf"):
         splits = source_splits(cfg, root, ("train", "val"), run_dir)
-        return *(wrapped(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
+        return *(decoded(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
         check_imagefolder(root)
         splits = imagefolder_splits(root, loader=read_bytes if cfg.data.decode == "gpu" else load_image)
@@ -104,7 +104,7 @@ def source_splits(cfg: Config, root: Path, splits: tuple[str, ...], run_dir: Pat
     return tar_splits(root, splits, cfg.data.label_key, run_dir)
 
 
-def wrapped(cfg: Config, split, train: bool):
+def decoded(cfg: Config, split, train: bool):
     """A source of (bytes, label), decoded and transformed: in the loader workers, or on the device (--decode gpu)."""
     return (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, train), split.name)
 
@@ -117,7 +117,7 @@ def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
     if cfg.data.dataset == "cifar10":
         return cifar_split(root, False, image_transforms(cfg, False))
     if cfg.data.dataset in ("shards", "csv", "hf"):
-        return wrapped(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
+        return decoded(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
     check_imagefolder(root, ("val",))
     split = imagefolder_split(root, "val", loader=read_bytes if cfg.data.decode == "gpu" else load_image)
     return transformed(cfg, split, False)

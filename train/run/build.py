@@ -153,7 +153,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     resumed = checkpointer.restore(state, source)
     if relaid:
         log.info("%s", relaid)
-    model = wrapped(raw_model, cfg, device, world)
+    model = for_training(raw_model, cfg, device, world)
     step = resumed.step if resumed else 0
     write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
@@ -224,7 +224,7 @@ def loaders(cfg: Config, plan: Plan, layout: Layout, train_set, val_set, device:
     return train_loader, sampler, val_loader
 
 
-def wrapped(model: torch.nn.Module, cfg: Config, device: torch.device, world: int) -> torch.nn.Module:
+def for_training(model: torch.nn.Module, cfg: Config, device: torch.device, world: int) -> torch.nn.Module:
     """What trains: the model compiled (--compile) and, in a process group, DDP-wrapped (with the rank-ordered
     reduction under --deterministic)."""
     if cfg.model.compile:
