@@ -41,8 +41,8 @@ export TRAINBOX_DIR
 # NNODES NPROC_PER_NODE CPUS_PER_TASK MASTER_ADDR MASTER_PORT RUN_DIR RUN_DIR_ARG LAUNCH TORCHRUN TRAINER_ARGS,
 # and the torchrun environment (the same as `make train` gets): every decision is in train/cluster/jobs.py. A
 # --run-dir among the arguments is the run's folder (RUN_DIR), as RUNS_DIR=its parent RUN_NAME=its name.
-plan=$(python3 -m train.cluster plan -- "$@") || exit 2
-eval "$plan"
+job=$(python3 -m train.cluster job -- "$@") || exit 2
+eval "$job"
 echo "trainbox: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x $NPROC_PER_NODE worker(s)," \
      "$CPUS_PER_TASK CPU(s) per node, rendezvous $MASTER_ADDR:$MASTER_PORT, runtime ${RUNTIME:-local}, run $RUN_DIR"
 

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from train.base.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
 from train.cli import parse_config
 from train.cluster.identity import identity, is_main
-from train.cluster.jobs import TORCHRUN_ENV, PlanError, torchrun_flags
+from train.cluster.jobs import TORCHRUN_ENV, JobError, torchrun_flags
 from train.cluster.spawn import workers_for
 from train.config.settings import Config
 from train.files.rundir import default_run_dir
@@ -87,7 +87,7 @@ def launch_main(argv: list[str]) -> int:
         preflight(cfg, nprocs)
         if cfg.run.dry_run:
             return print_plan(cfg, nprocs)
-    except (ConfigError, PlanError) as e:
+    except (ConfigError, JobError) as e:
         return fail(e)
     if not cfg.run.run_dir:
         cfg = cfg.replace(run_dir=default_run_dir())

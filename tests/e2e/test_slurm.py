@@ -65,7 +65,7 @@ def test_hostlists_expand_as_this_clusters_scontrol_expands_them(cluster, tmp_pa
         assert hostlist_module.expand_hostlist(hostlist, cluster) == hostlist_module.parse_hostlist(hostlist) == hosts
     for hostlist in MALFORMED_HOSTLISTS:
         assert scontrol(hostlist) is None, hostlist
-        with pytest.raises(hostlist_module.PlanError, match="write ranges as"):
+        with pytest.raises(hostlist_module.JobError, match="write ranges as"):
             hostlist_module.expand_hostlist(hostlist, cluster)
     no_config = {**cluster, "SLURM_CONF": str(tmp_path / "slurm.conf")}
     started = time.monotonic()

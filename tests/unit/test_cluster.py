@@ -1,4 +1,4 @@
-"""train/cluster/jobs.py: what the batch script does before the step (plan) and after it (after), decided in Python."""
+"""train/cluster/jobs.py: what the batch script does before the step (job) and after it (after), decided in Python."""
 
 import json
 
@@ -15,42 +15,42 @@ def _job_env(tmp_path, **extra):
             "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": PY, **extra}
 
 
-def test_plan_local_runtime(tmp_path):
-    out = cluster.plan(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
+def test_slurm_job_local_runtime(tmp_path):
+    out = cluster.slurm_job(_job_env(tmp_path, SLURM_GPUS_ON_NODE="4"))
     assert (out["NNODES"], out["NPROC_PER_NODE"], out["MASTER_ADDR"]) == ("2", "4", "gpu07")
     assert out["MASTER_PORT"] == str(20000 + 777) and out["LAUNCH"] == [PY]
     assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(tmp_path / "runs" / "slurm-777")
-    assert cluster.plan(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
-    assert cluster.plan(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
+    assert cluster.slurm_job(_job_env(tmp_path, NPROC_PER_NODE="3", MASTER_PORT="31000"))["MASTER_PORT"] == "31000"
+    assert cluster.slurm_job(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
 
 
-def test_plan_creates_the_default_runs_folder_beside_the_checkout(tmp_path):
+def test_slurm_job_creates_the_default_runs_folder_beside_the_checkout(tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     env = {k: v for k, v in _job_env(tmp_path, TRAINBOX_DIR=str(checkout)).items() if k != "RUNS_DIR"}
-    out = cluster.plan(env)
+    out = cluster.slurm_job(env)
     assert (checkout / "runs").is_dir() and out["RUN_DIR"] == str(checkout / "runs" / "slurm-777")
-    assert cluster.plan(env)["RUN_DIR"] == out["RUN_DIR"]  # a second job finds it there
+    assert cluster.slurm_job(env)["RUN_DIR"] == out["RUN_DIR"]  # a second job finds it there
 
 
 @pytest.mark.parametrize("extra, cpus", [({}, "1"), ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)"}, "64"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2),32"}, "32"),
                                          ({"SLURM_JOB_CPUS_PER_NODE": "64(x2)", "SLURM_CPUS_PER_TASK": "8"}, "8")])
-def test_plan_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
-    assert cluster.plan(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
+def test_slurm_job_gives_the_task_the_cpus_of_the_node(tmp_path, extra, cpus):
+    assert cluster.slurm_job(_job_env(tmp_path, **extra))["CPUS_PER_TASK"] == cpus
 
 
-def test_plan_container_runtimes_mount_the_nas(tmp_path):
+def test_slurm_job_container_runtimes_mount_the_nas(tmp_path):
     (tmp_path / "data").mkdir()
     image = tmp_path / "trainbox.sqsh"
     image.write_text("x")
     env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "data"), IMAGE=str(image))
-    pyxis = cluster.plan({**env, "RUNTIME": "pyxis"})
+    pyxis = cluster.slurm_job({**env, "RUNTIME": "pyxis"})
     assert pyxis["LAUNCH"][0] == f"--container-image={image}"
     assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
     assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
     assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
-    apptainer = cluster.plan({**env, "RUNTIME": "apptainer"})
+    apptainer = cluster.slurm_job({**env, "RUNTIME": "apptainer"})
     assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
 
 
@@ -67,9 +67,9 @@ def test_plan_container_runtimes_mount_the_nas(tmp_path):
     ({"SLURM_JOB_NODELIST": "gpu[3-1]"}, "hostlist 'gpu[3-1]': '3-1' in [3-1] is not a number or a range"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port number (1-65535): unset it"),
 ])
-def test_plan_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(cluster.PlanError) as e:
-        cluster.plan({**_job_env(tmp_path), **extra})
+def test_slurm_job_refuses_bad_input(tmp_path, extra, message):
+    with pytest.raises(cluster.JobError) as e:
+        cluster.slurm_job({**_job_env(tmp_path), **extra})
     assert message in str(e.value)
 
 
@@ -102,23 +102,23 @@ def test_a_run_dir_among_the_trainer_arguments_is_the_run_folder(tmp_path):
     nas = tmp_path / "nas" / "runs"
     nas.mkdir(parents=True)
     args = ["--preset", "debug", "--run-dir", str(nas / "exp1"), "--max-steps", "6"]
-    out = cluster.plan(env, args)
+    out = cluster.slurm_job(env, args)
     assert out["RUN_DIR"] == out["RUN_DIR_ARG"] == str(nas / "exp1")
     assert out["TRAINER_ARGS"] == ["--preset", "debug", "--max-steps", "6"]
-    assert cluster.plan(env, [f"--run-dir={nas / 'exp2'}"])["RUN_DIR"] == str(nas / "exp2")
-    assert cluster.plan({**env, "RUN_NAME": "exp1", "RUNS_DIR": str(nas)}, args)["RUN_DIR"] == str(nas / "exp1")
+    assert cluster.slurm_job(env, [f"--run-dir={nas / 'exp2'}"])["RUN_DIR"] == str(nas / "exp2")
+    assert cluster.slurm_job({**env, "RUN_NAME": "exp1", "RUNS_DIR": str(nas)}, args)["RUN_DIR"] == str(nas / "exp1")
     # relative to the checkout, as the trainer would take it there
-    assert cluster.plan({**env, "TRAINBOX_DIR": str(tmp_path / "nas")}, ["--run-dir", "runs/exp3"])["RUN_DIR"] == \
+    assert cluster.slurm_job({**env, "TRAINBOX_DIR": str(tmp_path / "nas")}, ["--run-dir", "runs/exp3"])["RUN_DIR"] == \
         str(nas / "exp3")
     config = tmp_path / "exp.json"
     config.write_text(json.dumps({"run_dir": str(nas / "exp4")}))
-    assert cluster.plan(env, ["--config", str(config)])["RUN_DIR"] == str(nas / "exp4")
-    assert cluster.plan(env, ["--config", str(config), "--run-dir", str(nas / "exp5")])["RUN_DIR"] == str(nas / "exp5")
+    assert cluster.slurm_job(env, ["--config", str(config)])["RUN_DIR"] == str(nas / "exp4")
+    assert cluster.slurm_job(env, ["--config", str(config), "--run-dir", str(nas / "exp5")])["RUN_DIR"] == str(nas / "exp5")
     (tmp_path / "i.sqsh").write_text("x")
-    pyxis = cluster.plan({**env, "RUNTIME": "pyxis", "IMAGE": str(tmp_path / "i.sqsh")}, args)
+    pyxis = cluster.slurm_job({**env, "RUNTIME": "pyxis", "IMAGE": str(tmp_path / "i.sqsh")}, args)
     assert pyxis["RUN_DIR"] == str(nas / "exp1") and pyxis["RUN_DIR_ARG"] == "runs/exp1"  # its parent mounted
     assert f"{nas}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
-    sky = cluster.plan_sky({**_sky_env(tmp_path, 0), "RUNS_DIR": str(nas), "RUN_NAME": "exp1",
+    sky = cluster.sky_job({**_sky_env(tmp_path, 0), "RUNS_DIR": str(nas), "RUN_NAME": "exp1",
                           "ARGS": f"--preset debug --run-dir {nas / 'exp1'}"})
     assert sky["RUN_DIR"] == str(nas / "exp1") and sky["TRAINER_ARGS"] == ["--preset", "debug"]
 
@@ -133,8 +133,8 @@ def test_a_run_dir_that_contradicts_the_job_or_is_missing_is_refused(tmp_path, e
     env = {k: v for k, v in _job_env(tmp_path).items() if k != "RUNS_DIR"}
     (tmp_path / "nas").mkdir()
     fill = {"nas": tmp_path / "nas", "tmp": tmp_path}
-    with pytest.raises(cluster.PlanError) as e:
-        cluster.plan({**env, **{k: v.format(**fill) for k, v in extra.items()}}, [a.format(**fill) for a in args])
+    with pytest.raises(cluster.JobError) as e:
+        cluster.slurm_job({**env, **{k: v.format(**fill) for k, v in extra.items()}}, [a.format(**fill) for a in args])
     assert message.format(**fill) in str(e.value)
 
 
@@ -144,7 +144,7 @@ def test_make_train_and_the_slurm_template_take_their_torchrun_flags_from_here(t
     assert launch.torchrun_flags is cluster.torchrun_flags and launch.TORCHRUN_ENV is cluster.TORCHRUN_ENV
     assert cluster.torchrun_flags("") == cluster.torchrun_flags(None) == cluster.torchrun_flags(3)
     assert "--max-restarts=3" in cluster.torchrun_flags("") and "--max-restarts=0" in cluster.torchrun_flags("0")
-    planned = cluster.plan(_job_env(tmp_path, MAX_RESTARTS="5"))
+    planned = cluster.slurm_job(_job_env(tmp_path, MAX_RESTARTS="5"))
     assert planned["TORCHRUN"] == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                    "--rdzv-backend=c10d", "--rdzv-endpoint=gpu07:20777", "--rdzv-id=777",
                                    *cluster.torchrun_flags("5")]
@@ -168,8 +168,8 @@ def _sky_env(tmp_path, rank: int, **extra):
             "PYTHON": PY, **extra}
 
 
-def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
-    head, other = cluster.plan_sky(_sky_env(tmp_path, 0)), cluster.plan_sky(_sky_env(tmp_path, 1))
+def test_sky_job_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
+    head, other = cluster.sky_job(_sky_env(tmp_path, 0)), cluster.sky_job(_sky_env(tmp_path, 1))
     assert (head["NNODES"], head["NPROC_PER_NODE"], head["MASTER_ADDR"]) == ("2", "8", "10.0.0.1")
     assert head["RUN_DIR"] == other["RUN_DIR"] == str(tmp_path / "runs" / "resnet50-a")  # a relaunch resumes it
     assert head["LAUNCH"] == [PY]
@@ -177,7 +177,7 @@ def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
               "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=resnet50-a"]
     assert head["TORCHRUN"] == [*common, "--rdzv-conf=is_host=true", *cluster.torchrun_flags(None)]
     assert other["TORCHRUN"] == [*common, "--rdzv-conf=is_host=false", *cluster.torchrun_flags(None)]
-    cpu = cluster.plan_sky(_sky_env(tmp_path, 0, SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
+    cpu = cluster.sky_job(_sky_env(tmp_path, 0, SKYPILOT_NUM_GPUS_PER_NODE="0", NPROC_PER_NODE="2"))
     assert cpu["NPROC_PER_NODE"] == "2"
 
 
@@ -191,9 +191,9 @@ def test_plan_sky_one_torchrun_per_node_with_the_store_on_the_first(tmp_path):
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1' is not a number"),
     ({"MASTER_PORT": "65536"}, "MASTER_PORT='65536' is not a port number (1-65535): unset it"),
 ])
-def test_plan_sky_refuses_bad_input(tmp_path, extra, message):
-    with pytest.raises(cluster.PlanError) as e:
-        cluster.plan_sky({**_sky_env(tmp_path, 0), **extra})
+def test_sky_job_refuses_bad_input(tmp_path, extra, message):
+    with pytest.raises(cluster.JobError) as e:
+        cluster.sky_job({**_sky_env(tmp_path, 0), **extra})
     assert message in str(e.value)
 
 

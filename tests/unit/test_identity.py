@@ -4,7 +4,7 @@ import pytest
 
 from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
 from train.base.errors import ConfigError
-from train.cluster.hostlist import PlanError, expand_hostlist, parse_hostlist
+from train.cluster.hostlist import JobError, expand_hostlist, parse_hostlist
 from train.cluster.identity import from_environment, resolve_identity
 from train.cluster.jobs import master_port as slurm_master_port
 from train.run.preflight import check_port, check_rendezvous_variables
@@ -142,12 +142,12 @@ def test_hostlists_parse_as_scontrol_expands_them(hostlist, hosts):
 # Slurm 22.05 reads the last three leniently ('a]', 'a1-2]', 'a1'); its newer releases refuse the first.
 @pytest.mark.parametrize("hostlist", [*MALFORMED_HOSTLISTS, "a[1-2", "a1-2]", "a[1-]"])
 def test_a_malformed_hostlist_is_one_line(hostlist):
-    with pytest.raises(PlanError, match=r"write ranges as name\[1-4,7\]$"):
+    with pytest.raises(JobError, match=r"write ranges as name\[1-4,7\]$"):
         parse_hostlist(hostlist)
 
 
 def test_a_hostlist_without_hosts_is_refused_and_a_step_names_it_in_one_line():
-    with pytest.raises(PlanError, match="names no host"):
+    with pytest.raises(JobError, match="names no host"):
         expand_hostlist(" , ")
     env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
            "SLURM_JOB_ID": "9", "SLURM_STEP_NODELIST": "n[2-1]", "SLURM_CONF": "/nonexistent"}

@@ -59,7 +59,7 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_evaluation_sits_below_the_trainer_and_its_launcher():
     """python -m train.evaluate (and export) import neither the trainer nor its launcher; the trainer imports the
-    evaluation, and the command line's workers, the cluster plans and the run files sit below both."""
+    evaluation, and the command line's workers, the cluster jobs and the run files sit below both."""
     graph = _graph()
     for command in ("train.evaluate", "train.export"):
         assert not {"train.run.trainer", "train.launch", "train.run.plan"} & _reach(graph, command), command

@@ -1,4 +1,4 @@
-"""python3 -m train.cluster: a cluster job's plan: nodes, ports, torchrun's flags, the requeue decision
+"""python3 -m train.cluster: a cluster job's settings: nodes, ports, torchrun's flags, the requeue decision
 (train/cluster/jobs.py)."""
 
 import sys

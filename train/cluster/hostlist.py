@@ -11,7 +11,7 @@ import shutil
 import subprocess
 
 
-class PlanError(ValueError):
+class JobError(ValueError):
     """Bad input of a launch: one line, the cause and the fix."""
 
 
@@ -22,12 +22,12 @@ def expand_hostlist(hostlist: str, env=None) -> list[str]:
     """The host names of a Slurm hostlist such as 'gpu[01-03,7],login1' or 'rack[1-2]-gpu[1-4]', in Slurm's
     order. Slurm's own `scontrol show hostnames` answers where it can (it reads the node's slurm.conf, no
     daemon, a few milliseconds); elsewhere `parse_hostlist` does. env: the job's environment (SLURM_CONF),
-    default os.environ. A list that names no host, or that neither understands, is a PlanError."""
+    default os.environ. A list that names no host, or that neither understands, is a JobError."""
     hosts = None if "[" not in hostlist else scontrol_hostnames(hostlist, env)
     if hosts is None:
         hosts = parse_hostlist(hostlist)
     if not hosts:
-        raise PlanError(f"hostlist {hostlist!r} names no host: check SLURM_JOB_NODELIST")
+        raise JobError(f"hostlist {hostlist!r} names no host: check SLURM_JOB_NODELIST")
     return hosts
 
 
@@ -54,7 +54,7 @@ def parse_hostlist(hostlist: str) -> list[str]:
     commas ('a[1,3,5-7]'), a range as wide as its first number ('a[01-10]': a01 ... a10); text around the
     brackets stays ('rack1-gpu[1-4].ib', a suffix Slurm reads since 23.02.5). Several brackets in one name
     give every combination in scontrol's order: the last bracket varies fastest, then the first, the second,
-    ..., the one before the last slowest (hostlist.c's recursion). A malformed list is a PlanError."""
+    ..., the one before the last slowest (hostlist.c's recursion). A malformed list is a JobError."""
     entries, depth, start = [], 0, 0
     for i, char in enumerate(hostlist + ","):
         if char == "[":
@@ -62,13 +62,13 @@ def parse_hostlist(hostlist: str) -> list[str]:
         elif char == "]":
             depth -= 1
         if depth not in (0, 1):
-            raise PlanError(f"hostlist {hostlist!r}: unbalanced or nested brackets at {hostlist[:i + 1]!r}: "
+            raise JobError(f"hostlist {hostlist!r}: unbalanced or nested brackets at {hostlist[:i + 1]!r}: "
                             "write ranges as name[1-4,7]")
         if depth == 0 and (char == "," or char.isspace()):
             entries.append(hostlist[start:i])
             start = i + 1
     if depth:
-        raise PlanError(f"hostlist {hostlist!r}: a '[' is not closed: write ranges as name[1-4,7]")
+        raise JobError(f"hostlist {hostlist!r}: a '[' is not closed: write ranges as name[1-4,7]")
     hosts = []
     for entry in filter(None, entries):
         texts = re.split(r"\[([^\]]*)\]", entry)  # text, bracket, text, bracket, ..., text
@@ -86,7 +86,7 @@ def _bracket_values(hostlist: str, body: str) -> list[str]:
     for part in body.split(","):
         m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part)
         if not m or (m[2] and int(m[2]) < int(m[1])) or int(m[2] or m[1]) - int(m[1]) >= MAX_RANGE:
-            raise PlanError(f"hostlist {hostlist!r}: {part!r} in [{body}] is not a number or a range lo-hi "
+            raise JobError(f"hostlist {hostlist!r}: {part!r} in [{body}] is not a number or a range lo-hi "
                             f"(lo <= hi, at most {MAX_RANGE} hosts): write ranges as name[1-4,7]")
         values += [f"{n:0{len(m[1])}d}" for n in range(int(m[1]), int(m[2] or m[1]) + 1)]
     return values

@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 
 from train.base.errors import ConfigError
-from train.cluster.hostlist import PlanError, expand_hostlist
+from train.cluster.hostlist import JobError, expand_hostlist
 from train.cluster.jobs import master_port, port_problem
 
 
@@ -59,7 +59,7 @@ def _first_node(env) -> str:
     hostlist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
     try:
         return expand_hostlist(hostlist, env)[0]
-    except PlanError as e:
+    except JobError as e:
         raise ConfigError(f"{e}, or set MASTER_ADDR") from None
 
 

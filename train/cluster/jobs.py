@@ -1,8 +1,8 @@
 """The cluster logic of every launch, in one place and standard library only (the batch shell's or the cloud
 node's bare python3 runs it from the checkout): hostlists, ports, torchrun's flags and environment, and the
-plans of the Slurm template and the SkyPilot task.
+jobs of the Slurm template and the SkyPilot task (what each node starts: its shell assignments).
 
-  python3 -m train.cluster plan -- TRAINER ARGS  for slurm/multinode.sh, shell assignments: NNODES,
+  python3 -m train.cluster job -- TRAINER ARGS  for slurm/multinode.sh, shell assignments: NNODES,
                                                  NPROC_PER_NODE, CPUS_PER_TASK, MASTER_ADDR, MASTER_PORT,
                                                  RUN_DIR (a --run-dir among the trainer's arguments, else
                                                  RUNS_DIR/RUN_NAME), RUN_DIR_ARG, LAUNCH (the runtime's
@@ -32,7 +32,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from train.cluster.hostlist import PlanError, expand_hostlist
+from train.cluster.hostlist import JobError, expand_hostlist
 from train.files.rundir import read_status
 
 RUNTIMES = ("local", "pyxis", "apptainer")
@@ -50,7 +50,7 @@ def count(name: str, value: int | str | None, default: int) -> int:
     if not text:
         return default
     if not text.isdecimal():
-        raise PlanError(f"{name}={value!r} is not a number: use 0, 1, 3, ...")
+        raise JobError(f"{name}={value!r} is not a number: use 0, 1, 3, ...")
     return int(text)
 
 
@@ -153,21 +153,21 @@ def run_location(env, trainer_args: list[str], base: Path, where: str,
     path = Path(os.path.normpath(base / run_dir))
     named = Path(env["RUNS_DIR"]) / (env.get("RUN_NAME") or path.name) if env.get("RUNS_DIR") else None
     if env.get("RUN_NAME") and env["RUN_NAME"] != path.name or named and named.resolve() != path.resolve():
-        raise PlanError(f"--run-dir {run_dir} and RUNS_DIR/RUN_NAME ({named or env['RUN_NAME']}) name two "
+        raise JobError(f"--run-dir {run_dir} and RUNS_DIR/RUN_NAME ({named or env['RUN_NAME']}) name two "
                         f"different run folders: give one of them")
     if path.name in ("", ".", ".."):
-        raise PlanError(f"--run-dir {run_dir}: name the run's own folder, e.g. --run-dir /nas/runs/exp1")
+        raise JobError(f"--run-dir {run_dir}: name the run's own folder, e.g. --run-dir /nas/runs/exp1")
     return _runs_dir({**env, "RUNS_DIR": str(path.parent)}, base, where), path.name, rest
 
 
-def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
+def slurm_job(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
     """Everything the batch script needs to start one torchrun per node, checked first. trainer_args: the
     script's arguments (TRAINER_ARGS is them without a --run-dir, which becomes RUN_DIR)."""
     if "SLURM_JOB_ID" not in env:
-        raise PlanError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
+        raise JobError("not inside a Slurm job: submit with sbatch slurm/multinode.sh")
     runtime = env.get("RUNTIME", "local")
     if runtime not in RUNTIMES:
-        raise PlanError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
+        raise JobError(f"RUNTIME={runtime!r}: use one of {', '.join(RUNTIMES)}")
     workers = _nproc_per_node(env) or gpus_on_node(env) or 1
     count("MAX_REQUEUES", env.get("MAX_REQUEUES"), DEFAULT_MAX_REQUEUES)  # checked now, used after the step
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
@@ -175,11 +175,11 @@ def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
                                             env.get("SLURMD_NODENAME", "this node"), f"slurm-{env['SLURM_JOB_ID']}")
     data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
     if env.get("DATA_DIR") and not data_dir.is_dir():
-        raise PlanError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
+        raise JobError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"), env)
     port = env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"]))
     if port_problem("MASTER_PORT", port):
-        raise PlanError(f"{port_problem('MASTER_PORT', port)}: unset it (the job's port is derived from its id) or "
+        raise JobError(f"{port_problem('MASTER_PORT', port)}: unset it (the job's port is derived from its id) or "
                         f"set a free port")
     out: dict[str, str | list[str]] = {
         "NNODES": str(len(nodes)),
@@ -199,7 +199,7 @@ def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
     image = env.get("IMAGE", "")
     suffix = ".sqsh" if runtime == "pyxis" else ".sif"
     if not image or ("/" in image and not Path(image).exists()):
-        raise PlanError(f"RUNTIME={runtime} needs IMAGE=/nas/path/trainbox{suffix}: build it with "
+        raise JobError(f"RUNTIME={runtime} needs IMAGE=/nas/path/trainbox{suffix}: build it with "
                               f"`make {'enroot' if runtime == 'pyxis' else 'apptainer'}`")
     mounts = [(str(runs_dir), f"{WORKDIR}/runs", "rw")]
     if data_dir.is_dir():
@@ -217,30 +217,30 @@ def plan(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
     return out
 
 
-def plan_sky(env) -> dict[str, str | list[str]]:
+def sky_job(env) -> dict[str, str | list[str]]:
     """One node of a SkyPilot task (slurm/skypilot.yaml): one torchrun per node, c10d rendezvous on the
     first node of SKYPILOT_NODE_IPS, which hosts the store; the run in RUNS_DIR/RUN_NAME on the task's
     mounted storage (or the --run-dir in ARGS), so that a relaunch (a managed job recovered after a
     preemption) resumes it. TRAINER_ARGS: ARGS as words, without the --run-dir."""
     ips = env.get("SKYPILOT_NODE_IPS", "").split()
     if not ips or not env.get("SKYPILOT_NODE_RANK", "").isdigit():
-        raise PlanError("not inside a SkyPilot task (no SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK): launch with "
+        raise JobError("not inside a SkyPilot task (no SKYPILOT_NODE_IPS / SKYPILOT_NODE_RANK): launch with "
                         "sky launch slurm/skypilot.yaml")
     try:
         args = shlex.split(env.get("ARGS", ""))
     except ValueError as e:
-        raise PlanError(f"ARGS={env.get('ARGS')!r} cannot be split into words ({e}): check its quotes") from None
+        raise JobError(f"ARGS={env.get('ARGS')!r} cannot be split into words ({e}): check its quotes") from None
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or ".")
     where = f"node {env['SKYPILOT_NODE_RANK']}"
     runs_dir, run_name, rest = run_location(env, args, trainbox_dir, where, None)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name):
-        raise PlanError(f"RUN_NAME={run_name!r}: name the run (letters, digits, . _ -), e.g. sky launch "
+        raise JobError(f"RUN_NAME={run_name!r}: name the run (letters, digits, . _ -), e.g. sky launch "
                         f"--env RUN_NAME=resnet50-a slurm/skypilot.yaml; a relaunch with the same name resumes it")
     gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
     workers = _nproc_per_node(env) or (int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1)
     port = env.get("MASTER_PORT") or "29400"
     if port_problem("MASTER_PORT", port):
-        raise PlanError(f"{port_problem('MASTER_PORT', port)}: unset it (29400) or set a free port")
+        raise JobError(f"{port_problem('MASTER_PORT', port)}: unset it (29400) or set a free port")
     rank = int(env["SKYPILOT_NODE_RANK"])
     return {
         "NNODES": str(len(ips)),
@@ -260,7 +260,7 @@ def _nproc_per_node(env) -> int | None:
     """NPROC_PER_NODE, checked (None: not set)."""
     nproc = env.get("NPROC_PER_NODE", "")
     if nproc and (not nproc.isdecimal() or int(nproc) < 1):
-        raise PlanError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
+        raise JobError(f"NPROC_PER_NODE={nproc!r}: give the workers per node as a positive number")
     return int(nproc) if nproc else None
 
 
@@ -271,13 +271,13 @@ def _runs_dir(env, trainbox_dir: Path, where: str) -> Path:
         try:
             runs_dir.mkdir(exist_ok=True)
         except OSError as e:
-            raise PlanError(f"cannot create {runs_dir} ({e.strerror}): set RUNS_DIR to a writable folder on "
+            raise JobError(f"cannot create {runs_dir} ({e.strerror}): set RUNS_DIR to a writable folder on "
                             f"the NAS") from None
     if not runs_dir.is_dir():
-        raise PlanError(f"RUNS_DIR={runs_dir} does not exist on {where}: create it on the NAS (or mount the "
+        raise JobError(f"RUNS_DIR={runs_dir} does not exist on {where}: create it on the NAS (or mount the "
                         f"storage there) or set RUNS_DIR")
     if not os.access(runs_dir, os.W_OK):
-        raise PlanError(f"RUNS_DIR={runs_dir} is not writable: fix its permissions or set RUNS_DIR")
+        raise JobError(f"RUNS_DIR={runs_dir} is not writable: fix its permissions or set RUNS_DIR")
     return runs_dir
 
 
@@ -285,7 +285,7 @@ def _python(env, trainbox_dir: Path) -> str:
     """PYTHON (a path, or a name on PATH such as the image's `python`), else the checkout's .venv."""
     python = env.get("PYTHON") or str(trainbox_dir / ".venv" / "bin" / "python")
     if not (Path(python).exists() if "/" in python else shutil.which(python)):
-        raise PlanError(f"{python} not found: run `make setup` in {trainbox_dir.resolve()} or set PYTHON")
+        raise JobError(f"{python} not found: run `make setup` in {trainbox_dir.resolve()} or set PYTHON")
     return python
 
 
@@ -313,9 +313,9 @@ def after(run_dir: Path, env, preempted: bool) -> tuple[str, int]:
 
 def main(argv: list[str]) -> int:
     try:
-        if argv[:1] in (["plan"], ["sky"]):
+        if argv[:1] in (["job"], ["sky"]):
             trainer_args = argv[2:] if argv[1:2] == ["--"] else argv[1:]
-            planned = plan(os.environ, trainer_args) if argv[0] == "plan" else plan_sky(os.environ)
+            planned = slurm_job(os.environ, trainer_args) if argv[0] == "job" else sky_job(os.environ)
             for key, value in planned.items():
                 if isinstance(value, list):
                     print(f"{key}=({' '.join(shlex.quote(v) for v in value)})")
@@ -327,10 +327,10 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["after"] and len(argv) in (2, 3) and argv[2:] in ([], ["--preempted"]):
             print(*after(Path(argv[1]), os.environ, preempted=argv[2:] == ["--preempted"]))
             return 0
-    except PlanError as e:
+    except JobError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("usage: python3 -m train.cluster plan [-- TRAINER ARGS] | after RUN_DIR [--preempted] | sky",
+    print("usage: python3 -m train.cluster job [-- TRAINER ARGS] | after RUN_DIR [--preempted] | sky",
           file=sys.stderr)
     return 2
 

@@ -1,5 +1,5 @@
 """The run directory: its name (launch_run_dir: --run-dir, else runs/<start time>, a torchrun launch's own start) and
-its small files, each written and read here alone (standard library only: the cluster plan and the host tools read
+its small files, each written and read here alone (standard library only: the cluster jobs and the host tools read
 them with the host's python3 too).
 
   status.json      the run's state for scripts that decide whether to resume (write_status, read_status)
