@@ -106,7 +106,7 @@ def test_the_models_are_torchvisions_built_without_a_download_with_their_aux_hea
     with torch.device("meta"):
         model = task.network(task.cfg.model)
     assert model.aux_classifier is not None and model.classifier[-1].out_channels == 5
-    assert task.head(model) == "classifier" and "0.5 x the auxiliary head's" in task.plan()["loss"]
+    assert task.head(model) == "classifier" and "0.5 x the auxiliary head's" in task.facts()["loss"]
 
 
 def _segmenter(name: str, classes: int, *flags):

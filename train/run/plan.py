@@ -84,7 +84,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
     steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg, layout.grad_accum)
     max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
     epochs = cfg.run.epochs or max_steps / steps_per_epoch
-    batch, described = task.augment(), task.plan()
+    batch, described = task.augment(), task.facts()
     global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
     return Plan(
         run_dir=run_dir, world_size=world, device=device, precision=precision, task=described,

@@ -162,8 +162,8 @@ class Classification(ImageTask):
             lines += [f"  {pair:<{width}}  {count:>6}  {share:5.1f}%" for pair, count, share in pairs]
         return figures.figure(record), lines
 
-    def plan(self) -> dict:
-        return {**super().plan(), "loss": criterion_of(self.label_smoothing)}
+    def facts(self) -> dict:
+        return {**super().facts(), "loss": criterion_of(self.label_smoothing)}
 
     def export_io(self) -> tuple:
         """An input of the evaluation's centre crop; images in, logits out; the preprocessing and the classes."""

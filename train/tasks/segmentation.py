@@ -190,9 +190,9 @@ class Segmentation(ImageTask):
 
     # ---------------------------------------------------------------- records
 
-    def plan(self) -> dict:
+    def facts(self) -> dict:
         aux = " + 0.5 x the auxiliary head's" if self.cfg.model.model in WITH_AUX else ""
-        return {**super().plan(), "loss": f"CrossEntropyLoss(ignore_index={IGNORE}){aux}, summed over the labelled "
+        return {**super().facts(), "loss": f"CrossEntropyLoss(ignore_index={IGNORE}){aux}, summed over the labelled "
                                           f"pixels, divided by those of the step",
                 "bit_exact_resume": "on the CPU; on CUDA to rounding only (upsampling and pooling have no "
                                     "deterministic CUDA backward)"}

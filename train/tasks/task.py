@@ -18,7 +18,7 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   scores(state)                share, the trainer all-reduces it by SUM once, scores() computes the figures once
   example(batch_size, device)  a batch of a training step's shape, for the pass that settles DDP's buckets
   augment()                    the batch augmentation on the device, or None
-  plan()                       its lines in the plan (plan.json, --dry-run): the task, its loss, its metric
+  facts()                      what the task is, for the run's plan (plan.json's task, --dry-run): its name, loss, metric
   state_dict / load_state_dict what the task keeps between steps, saved in every checkpoint (most keep nothing)
 
 Built in: classification (train/tasks/classification.py). A task of your own: --task package.module:factory, a
@@ -176,8 +176,9 @@ class Task:
         """The figures of an evaluation in the log line (before "over N samples")."""
         return ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
 
-    def plan(self) -> dict:
-        """Its lines in the plan: the task, its loss, the metric that picks best.pt and which way is better."""
+    def facts(self) -> dict:
+        """What the task is, for the run's plan (its "task"): its name, its loss, the metric that picks best.pt and which
+        way is better."""
         return {"name": self.name, "loss": f"{type(self).__name__}.loss, summed over the items",
                 "metric": self.metric, "better": "higher" if self.higher_is_better else "lower"}
 
