@@ -27,7 +27,7 @@ from train.cluster.cuda_driver import MIN_DRIVER, driver_problem
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
 from train.cluster.identity import usable_cores
-from train.report.metrics import nvml_read
+from train.report.hardware import nvml_read
 from train.run import preflight
 
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from train.report.metrics import GpuTelemetry, NvmlDevice, nvml_device
+from train.report.hardware import GpuTelemetry, NvmlDevice, nvml_device
 
 # Three GPUs in NVML's order; 'GPU-8f2' is a prefix of the first two, 'GPU-8f2c' of the first alone.
 UUIDS = ["GPU-8f2c1a7e-4b1d-9c3e-2f5a-6d7e8f9a0b1c", "GPU-8f2d0b6a-1c2e-4f3a-8b9c-0d1e2f3a4b5c",

@@ -33,7 +33,8 @@ from train.config.settings import IN_MEMORY, Config
 from train.data import build_train_loader, build_val_loader, packed_with, sampling
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
-from train.report.metrics import GpuTelemetry, LogWindow, MetricsWriter, build_manifest, setup_logging
+from train.report.hardware import GpuTelemetry
+from train.report.metrics import LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
 from train.run.checkpointer import Checkpointer, Keeping, newest_checkpoint
 from train.run.health import DivergenceGuard

@@ -25,7 +25,7 @@ from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
-from train.report.metrics import nvml_read
+from train.report.hardware import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.tasks.contract import check_batch_of_one
 from train.tasks.factory import build_task
