@@ -20,9 +20,13 @@ from pathlib import Path
 
 from train.base.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
 from train.cli import parse_config
-from train.cluster.forkserver import start_fork_server
-from train.files.rundir import launch_run_dir
-from train.files.rundir import failed_in_this_launch
+from train.cluster.forkserver import TORCH, start_fork_server, stop_fork_server
+from train.config.settings import Config
+from train.files.rundir import default_run_dir, failed_in_this_launch, launch_run_dir
+
+# What --spawn's fork server imports once, before it forks: torch, the trainer (train.launch imports it) and the
+# evaluation
+PRELOAD = [*TORCH, "train.launch", "train.evaluate"]
 
 
 def main(argv: list[str]) -> int:
@@ -35,15 +39,27 @@ def main(argv: list[str]) -> int:
     if cfg.launch.spawn > 0 and not cfg.run.dry_run:
         # --spawn N: the fork server imports torch and the trainer, once; this launcher never does
         # (train/cluster/spawn.py)
-        start_fork_server()
-        from train.cluster.spawn import spawn_run  # noqa: PLC0415
-
+        start_fork_server(PRELOAD)
         return spawn_run(cfg)
     # Everything that needs torch starts here, so that --help and a mistake in the flags or config file answer
     # at once.
     from train.launch import start  # noqa: PLC0415
 
     return start(cfg)
+
+
+def spawn_run(cfg: Config) -> int:
+    """python -m train --spawn N: the checks that need torch (train/run/preflight.py's preflight) in one child of the
+    fork server, then the N workers from the same server (train/cluster/spawn.py). A mistake is the child's one line
+    and exit code 2, before any worker starts."""
+    from train.cluster.spawn import Job, run_check, spawn_workers  # noqa: PLC0415 - the --spawn launcher's alone
+
+    code = run_check(Job("train.launch", "check", cfg))
+    if code != 0:
+        stop_fork_server()
+        return code
+    cfg = cfg.replace(run_dir=cfg.run.run_dir or default_run_dir())  # one run folder for them all
+    return spawn_workers(cfg.launch.spawn, Job("train.run.worker", "run_worker", cfg))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail, users
 from train.base.progress import Progress
 from train.cluster.distributed import init, teardown
 from train.cluster.identity import PeersNeverCame, identity, is_main
+from train.cluster.forkserver import start_fork_server
 from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config
 from train.data import build_val_loader
@@ -213,6 +214,7 @@ def main(argv: list[str]) -> int:
         with users_code((cfg.run.task, cfg.model.model)):  # the data's checks, as training runs them: one line each
             build_task(cfg.replace(data_dir=job.data_dir) if job.data_dir else cfg).check(train=False)
         if spawn:
+            start_fork_server(["train.evaluate"])  # what its workers run, imported once, torch with it
             return spawn_workers(spawn, partial(worker, job))
         return worker(job)
     except ConfigError as e:

@@ -34,7 +34,7 @@ from train.run.worker import run_worker
 
 
 def start(cfg: Config) -> int:
-    """python -m train, once the config parsed (--spawn N's launcher: train/cluster/spawn.py's spawn_run)."""
+    """python -m train, once the config parsed (--spawn N's launcher: train/__main__.py's spawn_run)."""
     try:
         preflight(cfg)
         if cfg.run.dry_run:

@@ -44,7 +44,7 @@ def test_what_the_fork_server_imports_makes_no_cuda_call():
     count the GPUs. Every torch.cuda function goes through a torch._C._cuda_* one: each is wrapped here."""
     probe = """if True:
         import sys, torch
-        from train.cluster.forkserver import PRELOAD
+        from train.__main__ import PRELOAD
         calls = []
         for name in [n for n in dir(torch._C) if n.startswith("_cuda_") and callable(getattr(torch._C, n))]:
             def wrapped(*args, _f=getattr(torch._C, name), _name=name, **kwargs):

@@ -42,10 +42,18 @@ def test_the_worker_package_has_no_import_cycle():
     assert not cycles, f"modules in an import cycle: {cycles}"
 
 
+def _named(path) -> set[str]:
+    """The modules of the package a module names in a string (for importlib, a fork server's preload, a pickled job):
+    a dependency as much as an import."""
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("train.")}
+
+
 def _graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of it that it imports, or names for importlib."""
     modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
                for p in (REPO / "train").rglob("*.py")}
-    return {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+    return {m: {n for n in _imports(p) | _named(p) if n in modules and n != m} for m, p in modules.items()}
 
 
 def _reach(graph: dict[str, set[str]], start: str) -> set[str]:

@@ -4,7 +4,7 @@ A fresh interpreter per worker (the "spawn" start method) imports torch, and tor
 optimizer imports it), in every worker: about 2 s of CPU each before any work, N times over on the same cores.
 Forked from a server that imported them, a worker starts at once. python -m train starts the server right
 after reading its flags; the launcher itself never imports torch: the checks that need it run in one more child
-of the server (train/cluster/spawn.py's spawn_run), so torch is imported once per launch. The server never touches CUDA
+of the server (train/__main__.py's spawn_run), so torch is imported once per launch. The server never touches CUDA
 (importing torch does not initialise it), so its children may, as torch requires of a start method: spawn or
 forkserver, never fork. Standard library only: importing this imports nothing heavy.
 """
@@ -17,16 +17,16 @@ import multiprocessing.forkserver
 import os
 import signal
 
-# What a worker runs: the trainer (train.launch imports it) and the evaluation; torch._dynamo, which no
-# module imports but torch.optim's first optimizer loads (torch 2.13.0). Only imported, never called: a torch that no
-# longer loads it costs its import here, one that renames it is skipped (the server ignores an ImportError), and
-# tests/e2e/test_reproducibility.py (imported once, by the server) fails on either.
-PRELOAD = ["torch", "torch._dynamo", "train.launch", "train.evaluate"]
+# torch, and torch._dynamo, which no module imports but torch.optim's first optimizer loads (torch 2.13.0). Only
+# imported, never called: a torch that no longer loads it costs its import here, one that renames it is skipped (the
+# server ignores an ImportError), and tests/e2e/test_reproducibility.py (imported once, by the server) fails on either.
+TORCH = ["torch", "torch._dynamo"]
 
 
-def start_fork_server() -> None:
-    """Start the server (once per process; later calls return at once)."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+def start_fork_server(preload=()) -> None:
+    """Start the server (once per process; later calls return at once), with torch and the modules of what its
+    children run (`preload`: the caller names them, from above) imported."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*TORCH, *preload])
     multiprocessing.forkserver.ensure_running()
 
 

@@ -2,7 +2,7 @@
 torch once (train/cluster/forkserver.py) and waits for all of them; GPUS=N with make picks how many. Standard library
 only: python -m train --spawn N's launcher imports neither torch nor the trainer (its fork server does, once).
 
-  spawn_run(cfg)             python -m train --spawn N: the checks, then the workers, all forked from the server
+  run_check(job)             job (the checks that need torch) in one child of the fork server: its exit code
   spawn_workers(n, work)     n local workers, each running work() as its rank; signals passed on to them
   Job(module, function, *a)  work named by its module, so that the launcher need not import it to start it
   workers_for(gpus, visible) GPUS=... as (local workers, force the CPU)
@@ -31,13 +31,12 @@ from typing import Any
 from train.base.errors import EXIT_BAD_INPUT, EXIT_STOPPED, ConfigError, end_process, run_exit_handlers
 from train.cluster.forkserver import start_fork_server, stop_fork_server
 from train.cluster.identity import free_port
-from train.config.settings import Config
-from train.files.rundir import default_run_dir
 
 
 class Job:
     """A function named by its module and name, with its arguments: pickled by name for the fork server's child,
-    which imported the module already (train/cluster/forkserver.py's PRELOAD), so that the launcher never imports it."""
+    which imported the module already (the server's preload, which the caller names), so that the launcher never
+    imports it."""
 
     def __init__(self, module: str, function: str, *args: Any) -> None:
         self.module, self.function, self.args = module, function, args
@@ -46,17 +45,9 @@ class Job:
         return getattr(importlib.import_module(self.module), self.function)(*self.args)
 
 
-def spawn_run(cfg: Config) -> int:
-    """python -m train --spawn N: the checks that need torch (train/run/preflight.py's preflight) in one child of the fork
-    server, then the N workers from the same server. A mistake is the child's one line and exit code 2, before any
-    worker starts."""
-    start_fork_server()  # python -m train started it already
-    code = _exit_code(_start(_checked, Job("train.launch", "check", cfg)))
-    if code != 0:
-        stop_fork_server()
-        return code
-    cfg = cfg.replace(run_dir=cfg.run.run_dir or default_run_dir())  # one run folder for them all
-    return spawn_workers(cfg.launch.spawn, Job("train.run.worker", "run_worker", cfg))
+def run_check(check: Job) -> int:
+    """`check` in one child of the fork server (the checks that need torch, before any worker): its exit code."""
+    return _exit_code(_start(_checked, check))
 
 
 def _start(target: Callable, *args: Any) -> multiprocessing.process.BaseProcess:
@@ -176,7 +167,7 @@ def spawn_workers(nprocs: int, work: Callable[[], int]) -> int:
     train.evaluate --spawn), and wait for all of them; signals are passed on to them."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    start_fork_server()  # train/cluster/forkserver.py: python -m train started it already
+    start_fork_server()  # train/cluster/forkserver.py: its caller started it already, with what work() needs
     processes = [_start(_spawned, rank, work, nprocs) for rank in range(nprocs)]
 
     def forward(signum, _frame):
