@@ -218,7 +218,8 @@ def write_hf_sources(folder: Path, disk: Path, parquet: Path) -> tuple[Path, Pat
 def batches(cfg, start: int = 0, val: bool = False) -> list:
     """The batches one rank of one worker reads from cfg's data: the validation loader's, or the training loader's
     of epoch 1 from sample `start` on."""
-    from train.data import build_datasets, build_train_loader, build_val_loader, sampling
+    from train.data import build_datasets
+    from train.loading import build_train_loader, build_val_loader, sampling
 
     train_set, val_set, _ = build_datasets(cfg)
     if val:

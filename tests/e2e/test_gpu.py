@@ -104,7 +104,8 @@ def first_batches(common: list[str]) -> tuple[dict, object, object]:
     """The first training batch of epoch 0 on the CPU path and on --decode gpu, on the GPU; and the GPU
     path's loader and sampler, for a control draw."""
     from train.cli import parse_config
-    from train.data import build_datasets, build_train_loader, sampling
+    from train.data import build_datasets
+    from train.loading import build_train_loader, sampling
 
     loaded = {}
     for decode in ("cpu", "gpu"):

@@ -5,7 +5,8 @@ import torch
 
 from tests.helpers import DEBUG
 from train.cli import parse_config
-from train.data import SeededSample, ShardSampler, build_val_loader, make_shapes
+from train.data import make_shapes
+from train.loading import SeededSample, ShardSampler, build_val_loader
 
 
 def test_shapes_is_a_pure_function_of_the_seed():
@@ -113,7 +114,7 @@ def test_repeated_augmentation_on_one_worker_samples_plainly_as_the_reference():
     """The reference uses RASampler only when distributed, RandomSampler otherwise: on one worker --ra-reps
     leaves the order a plain shuffle of the whole set (no copies in a batch, no cut to 256), and the line that
     describes the sampler says so."""
-    from train.data import describe_sampler
+    from train.loading import describe_sampler
 
     plain = ShardSampler(1000, 0, 1, seed=7, with_seeds=True)
     repeated = ShardSampler(1000, 0, 1, seed=7, with_seeds=True, reps=4)

@@ -11,7 +11,8 @@ from PIL import Image
 from train.base.errors import DataError
 from train.bench.photos import make_photos
 from train.cli import parse_config
-from train.data import DeviceDecoder, build_datasets, build_train_loader, build_val_loader, sampling
+from train.data import DeviceDecoder, build_datasets
+from train.loading import build_train_loader, build_val_loader, sampling
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def test_no_code_outside_the_tests_edits_sys_path():
 
 # The packages from the ground up. A module imports modules of its own package and of the packages below it, never
 # of one above; the entry points (train/*.py: the commands users run) and make bench's train/bench/ import any.
-LAYERS = ("base", "files", "config", "cluster", "data", "components", "report", "tasks", "run", "pack")
+LAYERS = ("base", "files", "config", "cluster", "loading", "data", "components", "report", "tasks", "run", "pack")
 
 
 def test_each_package_imports_only_its_own_and_the_packages_below_it():

@@ -11,10 +11,10 @@ from PIL import Image
 from train.base import vision
 from train.base.errors import ConfigError
 from train.cli import parse_config
-from train.data import (SHAPE_CLASSES, SeededSample, ShapeMasks, build_train_loader, check_mask_folder,
-                        make_shape_masks, make_shapes, mask_datasets, mask_transforms, sampling)
-from train.data.loaders import in_memory
+from train.data import (SHAPE_CLASSES, ShapeMasks, check_mask_folder, make_shape_masks, make_shapes, mask_datasets,
+                        mask_transforms)
 from train.data.masks import DEFECTS, MaskSplit, read_mask
+from train.loading import SeededSample, build_train_loader, in_memory, sampling
 
 
 def make_shapes_before(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

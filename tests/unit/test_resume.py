@@ -12,8 +12,8 @@ from train.components.optim import build_optimizer, build_scheduler, schedule_at
 from train.config.resume import (FIXED, MAY_CHANGE, Layout, changed_settings, continue_layout, refusal, resume_record,
                                  spliced_lr)
 from train.config.settings import Config, settings
-from train.data import ShardSampler, origin
 from train.files.rundir import to_json
+from train.loading import ShardSampler, origin
 from train.run.checkpointer import saved_length
 from train.run.health import DivergenceGuard
 

@@ -21,8 +21,9 @@ from train.bench.arms import _init, bare_arm, drain, free_port, median, row, tra
 from train.cli import parse_config
 from train.cluster.distributed import destroy_and_leave_together
 from train.components.models import SmallCNN
-from train.data import SHAPE_CLASSES, build_datasets, build_train_loader, default_num_workers, make_shapes, sampling
+from train.data import SHAPE_CLASSES, build_datasets, make_shapes
 from train.files import checkpoint_io as ckpt
+from train.loading import build_train_loader, default_num_workers, sampling
 from train.pack.command import pack
 
 
@@ -395,5 +396,3 @@ def checkpoint_rows(out: Path, size: dict, rounds: int) -> list[dict]:
         row("checkpoint load: raw read / trainbox load (size + CRC32 check, then weights_only load)", load,
             f"raw {mb / median(reads):.0f} MiB/s, load {mb / median(loads):.0f} MiB/s"),
     ]
-
-

@@ -10,7 +10,7 @@ import torch
 from train.bench.arms import bare_arm, drain, median, row, trainer_arm
 from train.bench.photos import make_photos
 from train.cli import parse_config
-from train.data import build_train_loader, default_num_workers, sampling
+from train.loading import build_train_loader, default_num_workers, sampling
 
 
 # ---------------------------------------------------------------- GPU rows

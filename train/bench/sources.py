@@ -17,10 +17,11 @@ import torch
 
 from train.bench.arms import median, row
 from train.cli import parse_config
-from train.data import SeededSample, build_datasets, check_labelfiles
+from train.data import build_datasets, check_labelfiles
 from train.data.hfdisk import arrow
 from train.data.scan import scan_split
 from train.data.tarindex import CACHE
+from train.loading import SeededSample
 
 PER_TAR = 1000  # samples per tar, as img2dataset's default of 10,000 would leave too few tars here
 PER_BATCH = 1000  # rows per Arrow record batch, as save_to_disk writes them

@@ -1,4 +1,5 @@
-"""Datasets, sampling and loaders, one job per module:
+"""The image wing: the images the built-in tasks train on, from every source, decoded and transformed, one job per
+module (the samplers and loaders every task uses are train/loading/):
 
   shapes      the built-in datasets, made in memory from the seed (shapes; synthetic for benchmarks)
   folders     file datasets on disk: an ImageFolder, packed shards (read by offset), CIFAR-10, and their checks
@@ -15,28 +16,23 @@
   decode      file bytes to uint8 RGB tensors (torchvision.io, or PIL as convert("RGB") makes them), in the loader
               workers or on the GPU (--decode gpu)
   transforms  the per-image recipe (torchvision's reference presets), the evaluation's steps, normalisation
-  samplers    which samples each rank trains on, in which order, with which augmentation seed
-  loaders     the datasets a run uses and their loaders
+  datasets    the image datasets of a classification run, from every source, and what the plan says of them
 
 This face hands on what the rest of trainbox uses.
 """
 
+from train.data.datasets import build_datasets, class_names, source_of
 from train.data.decode import DeviceDecoder, load_image
 from train.data.folders import ShardSplit, check_cifar, check_imagefolder, packed_with, read_idx, read_index
 from train.data.hfrows import check_hf
 from train.data.labelfiles import check_labelfiles
-from train.data.loaders import (build_datasets, build_train_loader, build_val_loader, class_names, default_num_workers,
-                                sampling, source_of)
 from train.data.masks import check_mask_folder, mask_datasets, mask_transforms
-from train.data.samplers import Sampling, SeededSample, ShardSampler, describe_sampler, origin, samples_per_rank
 from train.data.shapes import SHAPE_CLASSES, ShapeMasks, ShapesDataset, make_shape_masks, make_shapes
 from train.data.tars import check_shards
 from train.data.transforms import eval_resize, eval_steps, image_transforms, preprocessing, prepare_inputs, train_size
 
-__all__ = ["SHAPE_CLASSES", "DeviceDecoder", "Sampling", "SeededSample", "ShapeMasks", "ShapesDataset", "ShardSampler",
-           "ShardSplit", "build_datasets", "build_train_loader", "build_val_loader", "check_cifar", "check_hf",
-           "check_imagefolder", "check_labelfiles", "check_mask_folder", "check_shards", "class_names",
-           "default_num_workers", "describe_sampler", "eval_resize", "eval_steps", "image_transforms", "load_image",
-           "make_shape_masks", "make_shapes", "mask_datasets", "mask_transforms", "packed_with", "prepare_inputs",
-           "preprocessing", "read_idx", "read_index", "origin", "samples_per_rank", "sampling", "source_of",
-           "train_size"]
+__all__ = ["SHAPE_CLASSES", "DeviceDecoder", "ShapeMasks", "ShapesDataset", "ShardSplit", "build_datasets",
+           "check_cifar", "check_hf", "check_imagefolder", "check_labelfiles", "check_mask_folder", "check_shards",
+           "class_names", "eval_resize", "eval_steps", "image_transforms", "load_image", "make_shape_masks",
+           "make_shapes", "mask_datasets", "mask_transforms", "packed_with", "prepare_inputs", "preprocessing",
+           "read_idx", "read_index", "source_of", "train_size"]

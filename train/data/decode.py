@@ -140,11 +140,22 @@ class FileBytes(Dataset):
     """--decode gpu: items are (bytes, label, seed, index); decoding and the transform wait for the training
     process (DeviceDecoder). source yields (bytes, label); name(index) says which file a sample is."""
 
+    seeded = True  # asked for as (index, seed): the seed goes with the bytes to the transform on the device
+
     def __init__(self, source, transform, name):
         self.source, self.transform, self.name = source, transform, name
 
     def __len__(self) -> int:
         return len(self.source)
+
+    @staticmethod
+    def collate(batch):
+        """Its DataLoader's collate: the files' bytes as a list, the labels as a tensor."""
+        return collate_files(batch)
+
+    def on_device(self, loader: DataLoader, device: torch.device) -> DeviceDecoder:
+        """Its loader, decoding and transforming each batch on the training device (train/loading/loaders.py)."""
+        return DeviceDecoder(loader, self, device)
 
     def __getitem__(self, item):
         index, seed = item if isinstance(item, tuple) else (item, 0)

@@ -17,7 +17,7 @@ classes.txt the classes are the values 0 .. the largest in the training masks, n
 check_mask_folder reads every mask's header and pixels and every image's header, before any worker starts, and names
 every kind of defect in one line. The datasets (mask_datasets) read each pair when the loader asks for it: items
 (uint8 3 x H x W image, uint8 H x W mask), transformed together (mask_transforms) under the per-sample seed that
-samplers.SeededSample sets, so a resume sees the same batches.
+train/loading/samplers.py's SeededSample sets, so a resume sees the same batches.
 """
 
 from __future__ import annotations

@@ -101,6 +101,15 @@ class ShapesDataset(Dataset):
         self.images, self.labels = self.images.to(device), self.labels.to(device)
         return self
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its images and labels, as a TensorDataset's: the loaders hold them on the device and cut batches there."""
+        return self.images, self.labels
+
+    @tensors.setter
+    def tensors(self, tensors: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.images, self.labels = tensors
+
     def __len__(self) -> int:
         return len(self.labels)
 
@@ -110,7 +119,7 @@ class ShapesDataset(Dataset):
 
 class ShapeMasks(TensorDataset):
     """make_shape_masks's images and masks, items (uint8 3 x H x W image, uint8 H x W mask): the trainer holds them on
-    its device and cuts batches there (loaders.in_memory); a mask's values index `classes`."""
+    its device and cuts batches there (train/loading/loaders.py: in_memory); a mask's values index `classes`."""
 
     def __init__(self, n: int, size: int, seed: int):
         super().__init__(*make_shape_masks(n, size, seed))

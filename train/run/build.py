@@ -30,9 +30,10 @@ from train.components.optim import build_optimizer, build_scheduler, schedule_le
 from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
 from train.config.settings import IN_MEMORY, Config
-from train.data import build_train_loader, build_val_loader, packed_with, sampling
+from train.data import packed_with
 from train.files import checkpoint_io as ckpt
 from train.files import rundir
+from train.loading import build_train_loader, build_val_loader, sampling
 from train.report.hardware import GpuTelemetry
 from train.report.metrics import LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
@@ -87,7 +88,7 @@ class Parts:
     precision: torch.dtype | None  # autocast's dtype; None: fp32
     task: Task  # what the run trains for: its data, model, loss, metric (train/tasks/)
     train_loader: object  # micro-batches of --batch-size, in the sampler's order
-    sampler: object  # which samples this rank trains on, from which position (train/data/samplers.py)
+    sampler: object  # which samples this rank trains on, from which position (train/loading/samplers.py)
     val_loader: object  # this rank's share of the validation set, each sample once across ranks
     raw_model: torch.nn.Module  # the model itself: what is saved and evaluated
     model: torch.nn.Module  # what trains: raw_model, compiled and DDP-wrapped where asked

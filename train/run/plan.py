@@ -25,8 +25,9 @@ from train.components.optim import build_optimizer, build_scheduler, decay_group
 from train.components.weights import cached_file, resolve
 from train.config.resume import Layout
 from train.config.settings import Config
-from train.data import check_cifar, describe_sampler
+from train.data import check_cifar
 from train.files.rundir import launch_run_dir
+from train.loading import describe_sampler
 from train.run.preflight import check_steps
 from train.run.runtime import precision_of
 from train.tasks.factory import build_task
@@ -92,7 +93,8 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         num_classes=len(task.classes), classes=task.classes, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
         warmup_steps=warmup_steps, epochs=epochs, global_batch=global_batch,
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
-        running_statistics=running_statistics(model, cfg.model.sync_bn), **task.input_steps(train_set, val_set), batch_transform=repr(batch) if batch else "none",
+        running_statistics=running_statistics(model, cfg.model.sync_bn), **task.input_steps(train_set, val_set),
+        batch_transform=repr(batch) if batch else "none",
         loss=described["loss"], optimizer=_optimizer(cfg),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),

@@ -21,10 +21,10 @@ from train.components.optim import decay_groups
 from train.components.weights import read_weights, resolve
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
 from train.config.settings import IN_MEMORY, Config
-from train.data import samples_per_rank
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json, run_dir_problem
+from train.loading import samples_per_rank
 from train.report.hardware import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri
 from train.tasks.contract import check_batch_of_one

@@ -28,9 +28,9 @@ from train.base.watchdog import watchdog
 from train.cluster.distributed import StopSignal, broadcast_from_main, gather
 from train.cluster.identity import identity, is_main
 from train.components.augment import batch_seed
-from train.data import origin
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
+from train.loading import origin
 from train.run.checkpointer import capture_rng, restore_rng
 from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast
