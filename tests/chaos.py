@@ -22,7 +22,7 @@ Launchers:
   slurm     `sbatch slurm/multinode.sh` on the 2-node test cluster (tests/cluster/up.sh; needs root and
             slurm-wlm + munge, and no other test cluster running), N/2 workers per node
 World sizes (--workers): 2 and 4. With more than 2 workers the all-reduce's sums depend on DDP's bucket
-layout, which every attempt settles before its first step (Trainer.settle_buckets).
+layout, which every attempt settles before its first step (train/run/exact.py: settle_buckets).
 
 Prints every trial, then ok=N/N per launcher, fault and world size with the recovery times, then the failures with
 the end of their logs. Exit 0 when every trial ended bit-identical, 1 otherwise.

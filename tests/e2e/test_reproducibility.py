@@ -101,7 +101,7 @@ def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(referen
 ], ids=["3-workers", "4-workers", "8-workers", "3-grad-accum", "3-static-graph", "3-compile", "3-deterministic"])
 def test_a_stopped_and_resumed_run_is_bit_identical_at_any_world_size(reference_run, tmp_path, workers, flags, stops):
     """DDP lays its gradient buckets out anew after its first backward, and with more than 2 ranks the
-    all-reduce's sums depend on the layout: every attempt settles it first (Trainer.settle_buckets)."""
+    all-reduce's sums depend on the layout: every attempt settles it first (exact.settle_buckets)."""
     straight = reference_run(*DEBUG, *flags, workers=workers)
     resumed = tmp_path / "resumed"
     for stop in stops:

@@ -14,6 +14,7 @@ from train.files.checkpoint_io import finished
 from train.files.rundir import read_metrics, status_record
 from train.report.metrics import LogWindow
 from train.run.build import build
+from train.run.exact import settle_buckets
 from train.run.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -186,7 +187,7 @@ def test_the_settling_pass_feeds_a_batch_of_a_training_steps_shape(tmp_path):
         trainer = Trainer(parts, stop=None)
         fed = []
         parts.raw_model.register_forward_pre_hook(lambda _, inputs: fed.append(tuple(inputs[0].shape)))
-        trainer.settle_buckets()
+        settle_buckets(parts, parts.loop, CPU)
         step, _ = next(trainer.micro_batches(trainer.batches()))
         assert fed == [tuple(step.shape)] == [(4, 3, 16, 16)] and parts.plan.train_size == 16
         trainer.release()

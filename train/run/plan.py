@@ -102,7 +102,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
 
 
 def running_statistics(model: torch.nn.Module, sync_bn: bool) -> str | None:
-    """The rule the running statistics of the model's normalisation layers follow (Trainer.keep_slot_zeros), for the
+    """The rule the running statistics of the model's normalisation layers follow (exact.SlotZeroStatistics), for the
     plan; None for a model that keeps none."""
     if not any(getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
                for m in model.modules()):

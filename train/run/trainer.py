@@ -31,7 +31,7 @@ from train.components.augment import batch_seed
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
 from train.loading import origin
-from train.run.checkpointer import capture_rng, restore_rng
+from train.run.exact import SlotZeroStatistics, settle_buckets
 from train.run.health import Diverged, diverged_evaluation, diverged_line
 from train.run.runtime import autocast
 from train.run.validate import validate
@@ -88,7 +88,7 @@ class Trainer:
             if self.resumed_from is not None and self.stop_reached(self.step) and self.step < max_steps:
                 return self.stop_here(f"--stop-at {loop.stop_at}: already at step {self.step}", save=False)
             parts.model.train()
-            self.settle_s = self.settle_buckets()
+            self.settle_s = settle_buckets(parts, loop, self.device)
             batches = self.batches()
             while self.step < max_steps:
                 lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step trains at
@@ -119,7 +119,8 @@ class Trainer:
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
         # A step that counts nothing (every pixel ignored) has a gradient of nothing, 0: divided by 1, not by 0
         scale = self.world / self.step_count(steps).clamp(min=1) if task.variable_count else None
-        sums, counts, statistics = [], [], self.running_statistics()
+        sums, counts = [], []
+        statistics = SlotZeroStatistics(parts.raw_model, self.rank == 0 and loop.grad_accum > 1)
         for micro, (x, target) in enumerate(steps):
             if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
                 scale = 1 / (loop.grad_accum * fixed_count(task, target))
@@ -128,7 +129,7 @@ class Trainer:
                 with autocast(self.device, parts.precision):
                     total, count = loss_of(task, task.loss(model(x), target))
                 scaler.scale(total * scale).backward()
-            statistics = self.keep_slot_zeros(statistics, micro)  # after the backward, which reads them
+            statistics.after(micro)  # after the backward, which reads them
             sums.append(total.detach())
             counts.append(count)
         if loop.grad_clip > 0:
@@ -138,27 +139,6 @@ class Trainer:
         scaler.update()
         parts.optimizer.zero_grad(set_to_none=True)
         return sums, counts
-
-    def running_statistics(self) -> list[torch.Tensor]:
-        """The buffers a forward pass updates (BatchNorm's running statistics and their kin) that the slot-0 rule
-        keeps (keep_slot_zeros): rank 0's, where a step has several micro-batches; nothing to do otherwise."""
-        return list(self.parts.raw_model.buffers()) if self.rank == 0 and self.loop.grad_accum > 1 else []
-
-    def keep_slot_zeros(self, statistics: list[torch.Tensor], micro: int) -> list[torch.Tensor]:
-        """The running statistics follow one rule at every world size and accumulation: each step updates them from
-        the micro-batch of laid-out slot 0 alone, which is always rank 0's first (slot = micro-batch x world + rank,
-        in any layout), the one DDP keeps when every slot has its own worker (DDP broadcasts rank 0's buffers at
-        every forward). Rank 0's later micro-batches of the step normalise with their own batch's statistics but
-        leave the running ones as slot 0 left them: a run resumed on fewer workers, whose rank 0 now trains more
-        slots, keeps the uninterrupted run's statistics. Returns what the next micro-batch needs (slot 0's result)."""
-        if not statistics:
-            return statistics
-        if micro == 0:
-            return [b.detach().clone() for b in statistics]
-        with torch.no_grad():
-            for buffer, kept in zip(self.parts.raw_model.buffers(), statistics, strict=True):
-                buffer.copy_(kept)
-        return statistics
 
     def step_count(self, micro_batches: list[tuple]) -> torch.Tensor:
         """The items the loss of this step sums over, on every rank (an all-reduce of one number on the device: no
@@ -206,35 +186,6 @@ class Trainer:
             return False
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
         return True
-
-    def settle_buckets(self) -> float:
-        """DDP runs its first backward with every gradient in one bucket, then lays its buckets out anew in the
-        order the gradients became ready; with more than 2 ranks the all-reduce's summation order depends on
-        where a value sits in its bucket. So every attempt (a fresh start, a resume, a restart) makes that
-        first backward here, on a batch of zeros, and leaves no trace: the gradients dropped, the parameters
-        untouched (no optimizer step), the buffers (BatchNorm statistics) and every RNG stream restored. Its
-        first real step then runs with the rebuilt layout, as an uninterrupted run's every step does. Returns
-        the seconds it took (make bench reports them against a step)."""
-        parts, loop = self.parts, self.loop
-        if not isinstance(parts.model, DDP):
-            return 0.0
-        started = time.perf_counter()
-        buffers = [b.detach().clone() for b in parts.raw_model.buffers()]
-        rng = capture_rng(self.device)
-        # the task's batch of a training step's shape: no more memory than one, no compile for another
-        x, target = parts.task.example(loop.batch_size, self.device)
-        for _ in range(2 if loop.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
-            with autocast(self.device, parts.precision):
-                total, count = loss_of(parts.task, parts.task.loss(parts.model(x), target))
-            (total / max(count, 1)).backward()  # the example's count: all that matters is that a backward runs
-            parts.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for buffer, saved in zip(parts.raw_model.buffers(), buffers, strict=True):
-                buffer.copy_(saved)
-        restore_rng(rng, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # once per attempt: the time is the pass's, not its launch's
-        return time.perf_counter() - started
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches on the device, epoch after epoch from the position the run resumed at; the time
