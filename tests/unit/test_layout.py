@@ -9,7 +9,8 @@ from tests.helpers import REPO
 HOST_HELPERS = ("train/cluster/__main__.py", "train/cluster/jobs.py", "train/hostenv.py")
 # What the host helpers may import (the packages' own __init__ modules too: importing train.cluster.jobs runs them)
 STDLIB_ONLY = ("train/__init__.py", "train/cluster/__init__.py", "train/files/__init__.py", "train/files/rundir.py",
-               "train/cluster/cuda_driver.py", "train/cluster/jobs.py", "train/cluster/hostlist.py")
+               "train/files/writable.py", "train/cluster/cuda_driver.py", "train/cluster/jobs.py",
+               "train/cluster/hostlist.py")
 
 
 def _imports(path) -> set[str]:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from train.files import rundir
-from train.files.rundir import run_dir_problem, write_problem
+from train.files import rundir, writable
+from train.files.writable import run_dir_problem, write_problem
 
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -52,17 +52,17 @@ def write_on_a_full_disk(run_dir: str, out: str) -> None:
     try:
         rundir.write_status(run_dir, "running", 6)
     except OSError as e:
-        seen["status"] = [errno.errorcode[e.errno], rundir.full_disk_problem(run_dir, e)]
+        seen["status"] = [errno.errorcode[e.errno], writable.full_disk_problem(run_dir, e)]
     metrics = rundir.MetricsFile(run_dir)
     try:
         metrics.append({"step": 6, "kind": "train"})
     except OSError as e:  # a line-buffered append: no file named
-        seen["metrics"] = [errno.errorcode[e.errno], e.filename, rundir.full_disk_problem(run_dir, e)]
+        seen["metrics"] = [errno.errorcode[e.errno], e.filename, writable.full_disk_problem(run_dir, e)]
     with contextlib.suppress(OSError):
         metrics.close()
     rundir.write_status(run_dir, "failed", 6, error="its disk is full", exit_code=2)
     seen["recorded"] = rundir.read_status(run_dir)
-    seen["elsewhere"] = rundir.full_disk_problem(run_dir, OSError(errno.ENOSPC, "No space left on device",
+    seen["elsewhere"] = writable.full_disk_problem(run_dir, OSError(errno.ENOSPC, "No space left on device",
                                                                      "/elsewhere/data.idx"))
     Path(out).write_text(json.dumps(seen))
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError
-from train.files.rundir import FULL_BYTES, atomic_file, atomic_write, file_digest, read_status
+from train.files.rundir import atomic_file, atomic_write, file_digest, read_status
+from train.files.writable import FULL_BYTES
 
 log = logging.getLogger("train")
 

@@ -20,7 +20,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 from train.cluster.identity import identity, is_main
 from train.config.settings import Run
-from train.files.rundir import FULL_ERRNOS, MetricsFile
+from train.files.rundir import MetricsFile
+from train.files.writable import FULL_ERRNOS
 from train.report.hardware import gpu_facts
 
 log = logging.getLogger("train")

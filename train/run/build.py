@@ -32,7 +32,7 @@ from train.config.resume import Layout, Resumed, continued, data_differences, pl
 from train.config.settings import IN_MEMORY, Config
 from train.data import packed_with
 from train.files import checkpoint_io as ckpt
-from train.files import rundir
+from train.files import rundir, writable
 from train.loading import build_train_loader, build_val_loader, sampling
 from train.report.hardware import GpuTelemetry
 from train.report.metrics import LogWindow, MetricsWriter, build_manifest, setup_logging
@@ -185,7 +185,7 @@ def prepare_run_dir(run_dir: Path) -> None:
         if freed:
             print(f"removed {freed / 2**20:.1f} MiB of unfinished checkpoint files", file=sys.stderr)
 
-    on_main(prepare, lambda e: rundir.write_problem(run_dir, e))
+    on_main(prepare, lambda e: writable.write_problem(run_dir, e))
     setup_logging(run_dir if is_main() else None)
 
 
@@ -255,7 +255,7 @@ def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan
         rundir.write_manifest(run_dir, {**manifest, **weights})
         checkpointer.record("running", resumed.step if resumed else 0)
 
-    on_main(write, lambda e: rundir.write_problem(run_dir, e))
+    on_main(write, lambda e: writable.write_problem(run_dir, e))
     if is_main():
         log.info("run %s: %d worker(s) via %s on %s, %d steps (%d per epoch), global batch %d, precision %s",
                  run_dir, ident.world_size, ident.launcher, device.type, plan.max_steps, plan.steps_per_epoch,

@@ -35,7 +35,7 @@ from train.components.optim import schedule_at, schedule_lengths
 from train.config.resume import Layout, Resumed
 from train.config.settings import Config, Schedule
 from train.files import checkpoint_io as ckpt
-from train.files import rundir
+from train.files import rundir, writable
 from train.tasks.task import Task
 
 log = logging.getLogger("train")
@@ -160,7 +160,7 @@ class Checkpointer:
             if self.tracker:
                 self.tracker.upload(path)
 
-        on_main(write, lambda e: f"could not write {path.name}: {rundir.write_problem(self.run_dir, e)}")
+        on_main(write, lambda e: f"could not write {path.name}: {writable.write_problem(self.run_dir, e)}")
 
     def save_final(self) -> None:
         """model.pt, and with --model-ema model_ema.pt (the average's weights, as model.pt's: make evaluate/export

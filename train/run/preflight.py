@@ -23,7 +23,8 @@ from train.config.resume import Layout, changed_settings, continue_layout, refus
 from train.config.settings import IN_MEMORY, Config
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
-from train.files.rundir import read_config, read_json, run_dir_problem
+from train.files.rundir import read_config, read_json
+from train.files.writable import run_dir_problem
 from train.loading import samples_per_rank
 from train.report.hardware import nvml_read
 from train.report.mlflow_tracking import check_uri, continues_a_tracked_run, probe_server, tracking_uri

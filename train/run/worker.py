@@ -29,7 +29,7 @@ from train.cluster.identity import PeersNeverCame, first_line, identity, is_main
 from train.cluster.spawn import kill_loader_workers, stop_with_launcher
 from train.config.settings import Config
 from train.files import checkpoint_io as ckpt
-from train.files import rundir
+from train.files import rundir, writable
 from train.files.rundir import launch_run_dir, process_start_time
 from train.report.tracker import catch_up_tracking
 from train.run.build import build
@@ -180,7 +180,7 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
     other workers changes its --grad-accum) and whether a checkpoint fixes the rest."""
     if isinstance(error, ConfigError):
         return error if one_line(error) == str(error) else type(error)(one_line(error))
-    full = rundir.full_disk_problem(run_dir, error) if run_dir is not None else None
+    full = writable.full_disk_problem(run_dir, error) if run_dir is not None else None
     if full is not None:  # a write between checkpoints (status.json, metrics.jsonl, TensorBoard's events)
         return ConfigError(full)
     if is_out_of_memory(error):
