@@ -16,6 +16,7 @@ from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
 from train.config.settings import (IMAGENET_FROM, IN_MEMORY, PRESETS, SECTION_OF, SECTIONS, Config,
                                    augmentation_recipe, flag, settings, unknown_key)
+from train.config.values import check_values
 
 try:
     import tomllib
@@ -220,7 +221,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("task") == "segmentation" and "model" not in given:  # the task's own default network
         values["model"] = "lraspp_mobilenet_v3_large"
     cfg = Config.from_dict(values)
-    cfg.validate()
+    check_values(cfg)
     cfg = _weights_sizes(cfg, given)
     where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
              **{k: f"--{'no-' if v is False else ''}{flag(k)}{'' if isinstance(v, bool) else f' {v}'}"

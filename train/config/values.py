@@ -1,0 +1,66 @@
+"""Every setting's range, and the settings one needs given (check_values): the command line's and a config file's
+values, checked once they are a Config (train/cli.py), each mistake one line: the cause and the fix."""
+
+from __future__ import annotations
+
+from train.base.errors import ConfigError
+from train.config.settings import Config, flag, settings
+
+
+def check_values(cfg: Config) -> None:
+    """Every setting in its range, and the settings that one needs given: the first mistake is one line."""
+    positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
+                "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
+    for name in positive:
+        if cfg.setting(name) <= 0:
+            raise ConfigError(f"--{flag(name)} must be > 0, got {cfg.setting(name)}: pass a positive value")
+    non_negative = ("spawn", "stop_at", "threads", "warmup_steps", "eval_every", "grad_clip", "weight_decay",
+                    "momentum", "epochs", "warmup_epochs")
+    for name in non_negative:
+        if cfg.setting(name) < 0:
+            raise ConfigError(f"--{flag(name)} must be >= 0, got {cfg.setting(name)}: pass 0 or more")
+    if cfg.data.num_workers < -1:
+        raise ConfigError(f"--num-workers must be -1 (auto) or >= 0, got {cfg.data.num_workers}: pass -1, 0 (load "
+                          f"in the training process) or a worker count")
+    schedule = cfg.schedule
+    if cfg.optimisation.lr <= 0:
+        raise ConfigError(f"--lr must be > 0, got {cfg.optimisation.lr}: pass a positive learning rate, e.g. "
+                          f"--lr 3e-4")
+    if not 0 <= schedule.min_lr_ratio <= 1:
+        raise ConfigError(f"--min-lr-ratio must be within [0, 1], got {schedule.min_lr_ratio}: pass a fraction of "
+                          f"--lr, e.g. 0.1")
+    if schedule.warmup_epochs and not cfg.run.epochs:
+        raise ConfigError(f"--warmup-epochs {schedule.warmup_epochs} needs --epochs: give the run's length in "
+                          f"epochs too, or the warm-up in --warmup-steps")
+    _check_recipe(cfg)
+    if cfg.data.image_size < 8:
+        raise ConfigError(f"--image-size must be at least 8, got {cfg.data.image_size}: pass 8 or more (pixels)")
+    for f in settings():
+        choices = f.metadata.get("choices")
+        if choices and cfg.setting(f.name) not in choices:
+            raise ConfigError(f"--{flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
+                              f"got {cfg.setting(f.name)!r}: pass one of those")
+
+def _check_recipe(cfg: Config) -> None:
+    """The recipe knobs: ranges, and the knobs a setting needs."""
+    for name in ("label_smoothing", "random_erase", "warmup_decay"):
+        if not 0 <= cfg.setting(name) <= 1:
+            raise ConfigError(f"--{flag(name)} must be within [0, 1], got {cfg.setting(name)}: pass a fraction")
+    for name in ("ra_reps", "mixup_alpha", "cutmix_alpha", "norm_weight_decay", "bias_weight_decay",
+                 "transformer_embedding_decay", "train_crop_size", "val_resize_size", "val_crop_size"):
+        if cfg.setting(name) is not None and cfg.setting(name) < 0:
+            raise ConfigError(f"--{flag(name)} must be >= 0, got {cfg.setting(name)}: pass 0 or more")
+    for name in ("lr_step_size", "model_ema_steps", "augmix_severity"):
+        if cfg.setting(name) <= 0:
+            raise ConfigError(f"--{flag(name)} must be > 0, got {cfg.setting(name)}: pass a positive value")
+    schedule, ema_decay = cfg.schedule, cfg.regularisation.model_ema_decay
+    if not 0 < schedule.lr_gamma <= 1 or not 0 < ema_decay < 1:
+        raise ConfigError(f"--lr-gamma must be within (0, 1] and --model-ema-decay within (0, 1), got "
+                          f"{schedule.lr_gamma} and {ema_decay}: pass fractions, e.g. 0.1 and 0.99998")
+    if schedule.lr_scheduler == "multistep" and not schedule.milestones():
+        raise ConfigError("--lr-scheduler multistep needs --lr-milestones: pass e.g. --lr-milestones 30,60,80")
+    epochs, warmup = cfg.run.epochs, schedule.warmup_epochs
+    if schedule.schedule_unit == "epoch" and (not epochs or warmup != int(warmup)):
+        raise ConfigError(f"--schedule-unit epoch needs --epochs and a whole --warmup-epochs, got --epochs "
+                          f"{epochs} --warmup-epochs {warmup}: give the run in whole epochs, or use "
+                          f"--schedule-unit step")
