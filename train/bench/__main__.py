@@ -13,7 +13,8 @@ from PIL import Image, ImageDraw
 from train.base.errors import ConfigError, fail
 from train.bench.arms import bare_main
 from train.bench.camera import camera_rows
-from train.bench.cpu import checkpoint_rows, comm_rows, pipeline_rows, shard_rows, trainer_rows
+from train.bench.cpu import checkpoint_rows, comm_rows, trainer_rows
+from train.bench.pipeline import pipeline_rows, shard_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.pixels import segmentation_rows
