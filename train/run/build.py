@@ -118,18 +118,9 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
         cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
     # Starting weights, read (named ones fetched once per node) before anything is written; not for a resume
     initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
-    # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights. A dataset
-    # of files is listed and checked before the run folder is made: a refused one leaves no folder behind. The built-in
-    # sets, made in memory, can meet only a lack of memory, which the run folder then records (restarts refuse at once).
+    # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
     torch.manual_seed(cfg.run.seed)
-    own = ":" in cfg.run.task  # a task of the user's: its datasets, and its answers, checked before the folder
-    built_in = cfg.data.dataset in IN_MEMORY and not own
-    data = None if built_in else task.datasets(run_dir)
-    if own:
-        check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
-    check_state_saves(task)
-    prepare_run_dir(run_dir)
-    train_set, val_set = data or task.datasets(run_dir)
+    train_set, val_set = data_then_folder(cfg, task, run_dir)
     names = task.classes
     raw_model = model_on(cfg, task, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
@@ -170,6 +161,20 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
                  model=model, augment=task.augment(), optimizer=optimizer, scheduler=checkpointer.scheduler,
                  scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
                  telemetry=telemetry, window=window, resumed=resumed)
+
+
+def data_then_folder(cfg: Config, task: Task, run_dir: Path) -> tuple:
+    """(training set, validation set), and the run folder made between: a dataset of files, and a task of the user's
+    with its answers (train/tasks/contract.py), are listed and checked before the folder is made, so that a refused one
+    leaves no folder behind. The built-in sets, made in memory, can meet only a lack of memory, which the run folder
+    then records (restarts refuse at once)."""
+    own = ":" in cfg.run.task
+    data = None if cfg.data.dataset in IN_MEMORY and not own else task.datasets(run_dir)
+    if own:
+        check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
+    check_state_saves(task)
+    prepare_run_dir(run_dir)
+    return data or task.datasets(run_dir)
 
 
 def prepare_run_dir(run_dir: Path) -> None:
