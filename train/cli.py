@@ -83,7 +83,7 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
                               f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
                               f"it, or read the setting in your task (docs/tasks.md)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
-          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in IN_MEMORY,
+          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in IN_MEMORY and not own,
          f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
          f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
@@ -175,8 +175,38 @@ def load_config_file(path: str) -> dict:
         name = key.replace("-", "_")
         if name not in SECTION_OF:
             raise unknown_key(key, f"config file {path}")
+        if name == "task_settings" and isinstance(value, dict):  # a [task_settings] table
+            value = json.dumps(value, sort_keys=True)
         out[name] = _coerce(name, value, f"config file {path}")
     return out
+
+
+def canonical_settings(text: str) -> str:
+    """A task's own settings as one JSON object with sorted keys (what config.json keeps and a resume compares): from a
+    JSON object, or KEY=VALUE,KEY=VALUE with each value read as JSON where it parses (64, 0.5, true), else a
+    string."""
+    text = text.strip()
+    if not text:
+        return ""
+    if text.startswith("{"):
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--task-settings {text}: not a JSON object ({e}): pass KEY=VALUE,KEY=VALUE or a JSON "
+                              f"object") from None
+    else:
+        values = {}
+        for pair in (p.strip() for p in text.split(",") if p.strip()):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--task-settings {text}: {pair!r} is not KEY=VALUE: pass KEY=VALUE,KEY=VALUE")
+            try:
+                values[key.strip()] = json.loads(value)
+            except ValueError:
+                values[key.strip()] = value
+    if not isinstance(values, dict):
+        raise ConfigError(f"--task-settings {text}: not a JSON object: pass KEY=VALUE,KEY=VALUE or a JSON object")
+    return json.dumps(values, sort_keys=True)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -218,6 +248,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if given.get(length) and steps in given:
             raise ConfigError(f"--{flag(length)} and --{flag(steps)} both set the same length: give one of them")
     values = {**PRESETS.get(preset, {}), **file_values, **args}
+    if values.get("task_settings"):
+        values["task_settings"] = canonical_settings(values["task_settings"])
     if values.get("task") == "segmentation" and "model" not in given:  # the task's own default network
         values["model"] = "lraspp_mobilenet_v3_large"
     cfg = Config.from_dict(values)

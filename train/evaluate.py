@@ -143,7 +143,7 @@ def evaluate_run(job: Job) -> int:
                               f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
                               f"validation set of the run's classes ({task.classes_from})")
         loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, ident.global_rank, ident.world_size,
-                                  device.type == "cuda", device)
+                                  device.type == "cuda", device, task.collate)
         model = network_of(task, cfg, state, source)
         model.to(device)
         if cfg.model.channels_last:

@@ -9,15 +9,17 @@ import torch
 from tests.helpers import PY, REPO, env_for_tests, load_model, metrics, python_cmd, run, status
 
 
-def _printed_task(folder):
-    """docs/tasks.md's task module, as the page prints it, saved where the page says: mytasks/sines.py."""
+def _printed_task(folder, name="sines"):
+    """A task module of docs/tasks.md, as the page prints it (the first, or the one before "Saved as mytasks/NAME.py"),
+    saved where the page says; its command's trainer flags, as printed."""
     text = (REPO / "docs" / "tasks.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    assert len(code.splitlines()) < 80  # a task in one file, short
-    (folder / "mytasks").mkdir()
-    (folder / "mytasks" / "sines.py").write_text(code)
-    command = re.search(r"PYTHONPATH=\. (python -m train --task .*)", text).group(1)
-    return command.split()[3:]  # the trainer's flags, as printed
+    code = re.findall(r"```python\n(.*?)```\n\nSaved as `mytasks/(\w+)\.py`", text, re.S)
+    code = dict((module, source) for source, module in code)[name]
+    assert len(code.splitlines()) < 100  # a task in one file, short
+    (folder / "mytasks").mkdir(exist_ok=True)
+    (folder / "mytasks" / f"{name}.py").write_text(code)
+    command = re.search(rf"PYTHONPATH=\. (python -m train --task mytasks\.{name}:.*)", text).group(1)
+    return command.split()[3:]
 
 
 def test_the_task_of_docs_tasks_md_trains_evaluates_and_exports_as_printed(tmp_path):
@@ -95,3 +97,24 @@ def test_a_tasks_mistake_at_two_workers_is_said_once_and_recorded_as_failed(tmp_
     assert example.stderr.count("\n") == 1 and "Traceback" not in example.stderr
     assert "example(64, device) gives an input that is a float64 tensor of shape [64, 15]" in example.stderr
     assert not (tmp_path / "example").exists()
+
+
+def test_the_sequence_task_of_docs_tasks_md_owns_its_batches_inputs_and_settings_as_printed(tmp_path):
+    """docs/tasks.md's tagger of variable-length walks, run as printed: its items through DataLoader workers and its
+    own collate (padded batches, a dict input), its settings kept in config.json and the plan, its accuracy learnt;
+    make evaluate scores it again to the run's figures; a resume with other settings is refused."""
+    flags = _printed_task(tmp_path, "walks")
+    assert flags[:4] == ["--task", "mytasks.walks:build", "--task-settings", "max_len=24,width=32"]
+    env = env_for_tests(PYTHONPATH=f"{tmp_path}:{REPO}")
+    run_dir = tmp_path / "run"
+    run(python_cmd(*flags, "--run-dir", run_dir), env=env)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["task"]["settings"] == {"max_len": 24, "width": 32} and plan["val_samples"] == 200
+    assert json.loads((run_dir / "config.json").read_text())["task_settings"] == '{"max_len": 24, "width": 32}'
+    evals = metrics(run_dir, "eval")
+    assert [e["samples"] for e in evals] == [200, 200] and evals[-1]["accuracy"] > 0.9, evals  # it learns
+    scored = run([PY, "-m", "train.evaluate", str(run_dir), "--task", "mytasks.walks:build"], env=env)
+    assert json.loads((run_dir / "eval-model.json").read_text())["accuracy"] == evals[-1]["accuracy"], scored.stdout
+    other = run(python_cmd(*[f if f != "max_len=24,width=32" else "max_len=30,width=32" for f in flags],
+                           "--max-steps", 130, "--run-dir", run_dir), expect=2, env=env)
+    assert other.stderr.count("\n") == 1 and "--task-settings" in other.stderr, other.stderr

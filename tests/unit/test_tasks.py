@@ -1,6 +1,8 @@
 """The task seam in one process: the task a run names, what a checkpoint keeps of it, and what classification's
 state and scores are made of (each figure equal to the one computed directly)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +86,36 @@ def test_a_checkpoint_keeps_the_tasks_state_and_refuses_another_task(tmp_path):
     with pytest.raises(ConfigError, match="is a checkpoint of --task classification: resume it with --task "
                                           "classification, or start a new --run-dir"):
         other.load_state_dict(state, tmp_path / "checkpoints" / "step_00000003.pt")
+
+
+def test_a_tasks_own_settings_are_typed_by_its_dataclass_and_each_mistake_is_one_line(tmp_path):
+    """--task-settings as KEY=VALUE (each value read as JSON where it parses) or a config file's [task_settings]
+    table: the same canonical JSON, typed by the task's Settings; an unknown key, a value of another type, or settings
+    for a task that has none are one line each."""
+    from dataclasses import dataclass
+
+    from tests.tasks import _MaskedRegression
+    from train.tasks.factory import typed_settings
+
+    @dataclass
+    class Settings:
+        depth: int = 2
+        rate: float = 0.5
+        name: str = "walk"
+
+    task = _MaskedRegression(parse_config([]))
+    task.name, task.Settings = "mytasks.x:build", Settings
+    flagged = parse_config(["--task-settings", "depth=3,rate=1,name=run"]).run.task_settings
+    (tmp_path / "c.toml").write_text('[task_settings]\ndepth = 3\nrate = 1\nname = "run"\n')
+    assert parse_config(["--config", str(tmp_path / "c.toml")]).run.task_settings == flagged
+    assert typed_settings(task, flagged) == Settings(3, 1.0, "run")
+    assert typed_settings(task, "") == Settings()
+    for given, line in (('{"depth": 2, "width": 4}', "has no setting 'width': give one of depth, rate, name"),
+                        ('{"depth": "deep"}', "depth of --task mytasks.x:build is a int, got 'deep': pass a int"),
+                        ('{"depth": true}', "depth of --task mytasks.x:build is a int, got True")):
+        with pytest.raises(ConfigError, match=re.escape(line)):
+            typed_settings(task, given)
+    with pytest.raises(ConfigError, match="--task classification has no settings of its own"):
+        build_task(parse_config(["--task-settings", "depth=3"]))
+    with pytest.raises(ConfigError, match="'depth' is not KEY=VALUE"):
+        parse_config(["--task-settings", "depth"])

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 # What the run is. A setting added to the config must be placed in FIXED or MAY_CHANGE (tests/unit/test_resume.py).
 FIXED = frozenset({
-    "task", "seed", "dataset", "path_column", "label_column", "label_key", "image_column", "train_split", "val_split",
-    "image_size", "train_samples", "val_samples",
+    "task", "task_settings", "seed", "dataset", "path_column", "label_column", "label_key", "image_column",
+    "train_split", "val_split", "image_size", "train_samples", "val_samples",
     "normalize",
     "augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment", "ra_magnitude",
     "augmix_severity", "ra_reps", "random_erase", "mixup_alpha", "cutmix_alpha",

@@ -41,6 +41,9 @@ class Run:
     task: str = _field("classification", "what the run trains for: classification (images and class labels), "
                                          "segmentation (a class per pixel), or package.module:factory, a task of your "
                                          "own (docs/tasks.md)")
+    task_settings: str = _field("", "a task's own settings (its Settings dataclass), as KEY=VALUE,KEY=VALUE or a "
+                                    "JSON object; a config file's [task_settings] table; checked against the task's "
+                                    "fields, kept in config.json")
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ class FileBytes(Dataset):
         """Its DataLoader's collate: the files' bytes as a list, the labels as a tensor."""
         return collate_files(batch)
 
-    def on_device(self, loader: DataLoader, device: torch.device) -> DeviceDecoder:
+    def loader_on(self, loader: DataLoader, device: torch.device) -> DeviceDecoder:
         """Its loader, decoding and transforming each batch on the training device (train/loading/loaders.py)."""
         return DeviceDecoder(loader, self, device)
 

@@ -7,7 +7,7 @@ padding). They know no image: a dataset says what it needs of them by what it ha
   collate(items)          the DataLoader's collate function (default: torch's default_collate)
   seeded = True           its items are asked for as (index, seed) and it applies the seed itself (else SeededSample
                           seeds the global RNG around each item)
-  on_device(loader, dev)  the loader wrapped into one that yields batches on the device (no pinned memory then)
+  loader_on(loader, dev)  the loader wrapped into one that yields batches on the device (no pinned memory then)
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ from torch.utils.data import DataLoader
 from train.cluster.identity import identity, usable_cores
 from train.config.settings import IN_MEMORY, Config, Data
 from train.loading.samplers import Sampling, SeededSample, ShardSampler
+
+
+def on_device(value, device: torch.device):
+    """A tensor, or a dict, list or tuple of them (nested), on the device; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(v, device) for v in value)
+    return value
 
 
 def in_memory(dataset) -> tuple[torch.Tensor, ...] | None:
@@ -53,13 +64,18 @@ class TensorLoader:
 
 
 def default_num_workers(data: Data) -> int:
-    """--num-workers, or where it is -1 the DataLoader workers per process that the data wants."""
+    """--num-workers, or where it is -1 the DataLoader workers per process that the data wants: none for the
+    built-in sets, made in memory; for any dataset whose items a loader reads (files, a task's own), the cores'."""
     if data.num_workers >= 0:
         return data.num_workers
     if data.dataset in IN_MEMORY:
         return 0
-    # Every core of this process's share but one (the one that runs the training loop itself), no cap:
-    # decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker).
+    return loader_workers()
+
+
+def loader_workers() -> int:
+    """Every core of this process's share but one (the one that runs the training loop itself), no cap: reading,
+    decoding and augmenting is the work that scales with cores (make bench: images/s per loader worker)."""
     return max(1, usable_cores() // max(1, identity().local_world_size) - 1)
 
 
@@ -77,39 +93,42 @@ def sampling(cfg: Config) -> Sampling:
 
 def build_train_loader(dataset, spec: Sampling, data: Data, rank: int, world_size: int, pin_memory: bool,
                        device: torch.device | None = None, persistent: bool = True,
-                       layout: tuple[int, int] | None = None):
+                       layout: tuple[int, int] | None = None, collate=None):
     """The training loader of this rank and its sampler, as `spec` deals the samples and `data` (--num-workers) loads
     them. layout: the (workers, --grad-accum) the run's sample order is laid out for (a resume on other workers keeps
-    it); default: this one."""
-    held = in_memory(dataset) is not None
+    it); default: this one. collate: the task's (Task.collate), which takes its items through DataLoader workers even
+    where they are tensors held in memory; default: the dataset's, else torch's."""
+    held = in_memory(dataset) is not None and collate is None
     sampler = ShardSampler(len(dataset), rank, world_size, spec.seed, with_seeds=not held, reps=spec.reps,
                            batch_size=spec.batch_size, grad_accum=spec.grad_accum, layout=layout)
     if held:  # in memory: batches are cut on the training device itself
         return TensorLoader(to_device(dataset, device or torch.device("cpu")), sampler, spec.batch_size), sampler
-    workers = default_num_workers(data)
-    on_device = getattr(dataset, "on_device", None)
+    workers = data.num_workers if data.num_workers >= 0 else loader_workers()  # items a loader reads
+    loader_on = getattr(dataset, "loader_on", None)
     loader = DataLoader(dataset if getattr(dataset, "seeded", False) else SeededSample(dataset),
                         batch_size=spec.batch_size, sampler=sampler, drop_last=True, num_workers=workers,
-                        pin_memory=pin_memory and on_device is None, persistent_workers=persistent and workers > 0,
+                        pin_memory=pin_memory and loader_on is None, persistent_workers=persistent and workers > 0,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
-                        prefetch_factor=4 if workers > 0 else None, collate_fn=getattr(dataset, "collate", None),
+                        prefetch_factor=4 if workers > 0 else None,
+                        collate_fn=collate or getattr(dataset, "collate", None),
                         generator=torch.Generator().manual_seed(spec.seed))  # iter() must not draw global RNG
-    return (loader if on_device is None else on_device(loader, device or torch.device("cpu"))), sampler
+    return (loader if loader_on is None else loader_on(loader, device or torch.device("cpu"))), sampler
 
 
 def build_val_loader(dataset, data: Data, batch_size: int, rank: int, world_size: int, pin_memory: bool,
-                     device: torch.device | None = None):
+                     device: torch.device | None = None, collate=None):
     """This rank's validation loader: each rank takes indices rank, rank+W, ... with no padding, every sample counted
-    exactly once; files in batches of twice the run's `batch_size` (no gradients to hold), in-memory sets of 256."""
-    indices = list(range(rank, len(dataset), world_size))
-    if in_memory(dataset) is not None:
+    exactly once, in batches of twice the run's `batch_size` (no gradients to hold); collate as the training
+    loader's."""
+    indices, size = list(range(rank, len(dataset), world_size)), 2 * batch_size
+    if in_memory(dataset) is not None and collate is None:
         tensors = to_device(dataset, device or torch.device("cpu"))
         idx = torch.tensor(indices, dtype=torch.long, device=tensors[0].device)
-        return [tuple(t[idx[i:i + 256]] for t in tensors) for i in range(0, len(idx), 256)]
-    workers = default_num_workers(data)
-    on_device = getattr(dataset, "on_device", None)
-    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=2 * batch_size,
-                        num_workers=workers, pin_memory=pin_memory and on_device is None,
+        return [tuple(t[idx[i:i + size]] for t in tensors) for i in range(0, len(idx), size)]
+    workers = data.num_workers if data.num_workers >= 0 else loader_workers()  # items a loader reads
+    loader_on = getattr(dataset, "loader_on", None)
+    loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=size,
+                        num_workers=workers, pin_memory=pin_memory and loader_on is None,
                         worker_init_fn=ignore_stop_signals if workers > 0 else None,
-                        collate_fn=getattr(dataset, "collate", None))
-    return loader if on_device is None else on_device(loader, device or torch.device("cpu"))
+                        collate_fn=collate or getattr(dataset, "collate", None))
+    return loader if loader_on is None else loader_on(loader, device or torch.device("cpu"))

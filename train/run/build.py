@@ -33,7 +33,7 @@ from train.config.settings import IN_MEMORY, Config
 from train.data import packed_with
 from train.files import checkpoint_io as ckpt
 from train.files import rundir, writable
-from train.loading import build_train_loader, build_val_loader, sampling
+from train.loading import build_train_loader, build_val_loader, in_memory, sampling
 from train.report.hardware import GpuTelemetry
 from train.report.metrics import LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
@@ -130,7 +130,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> P
     saved_plan = rundir.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
     if state is not None:
         check_same_data(cfg, run_dir, plan, names, saved_plan)
-    train_loader, sampler, val_loader = loaders(cfg, plan, layout, train_set, val_set, device)
+    train_loader, sampler, val_loader = loaders(cfg, plan, layout, task, train_set, val_set, device)
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
@@ -172,6 +172,9 @@ def data_then_folder(cfg: Config, task: Task, run_dir: Path) -> tuple:
     data = None if cfg.data.dataset in IN_MEMORY and not own else task.datasets(run_dir)
     if own:
         check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
+        if cfg.data.num_workers > 0 and task.collate is None and in_memory(data[0]) is not None:
+            raise ConfigError(f"--num-workers {cfg.data.num_workers} has no effect with --task {cfg.run.task}: its "
+                              f"datasets are tensors held in memory, cut into batches on the device: drop it")
     check_state_saves(task)
     prepare_run_dir(run_dir)
     return data or task.datasets(run_dir)
@@ -215,13 +218,14 @@ def check_same_data(cfg: Config, run_dir: Path, plan: Plan, names: list[str], sa
                           f"({', '.join(found)}): point --data-dir at that data, or start a new --run-dir")
 
 
-def loaders(cfg: Config, plan: Plan, layout: Layout, train_set, val_set, device: torch.device) -> tuple:
-    """(train loader, its sampler, validation loader) of this rank."""
+def loaders(cfg: Config, plan: Plan, layout: Layout, task: Task, train_set, val_set, device: torch.device) -> tuple:
+    """(train loader, its sampler, validation loader) of this rank, batched by the task's collate (Task.collate)."""
     ident, pin = identity(), device.type == "cuda"
     rank, world = ident.global_rank, ident.world_size
     train_loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, rank, world, pin, device,
-                                               layout=(layout.world_size, layout.grad_accum))
-    val_loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, rank, world, pin, device)
+                                               layout=(layout.world_size, layout.grad_accum), collate=task.collate)
+    val_loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, rank, world, pin, device,
+                                  task.collate)
     if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
         log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
                  "warm-up %d steps", cfg.run.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),

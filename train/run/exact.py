@@ -36,7 +36,7 @@ def settle_buckets(parts, loop, device: torch.device) -> float:
     x, target = parts.task.example(loop.batch_size, device)
     for _ in range(2 if loop.static_graph else 1):  # static_graph: its layout settles a pass later (measured)
         with autocast(device, parts.precision):
-            total, count = loss_of(parts.task, parts.task.loss(parts.model(x), target))
+            total, count = loss_of(parts.task, parts.task.loss(parts.task.forward(parts.model, x, target), target))
         (total / max(count, 1)).backward()  # the example's count: all that matters is that a backward runs
         parts.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():

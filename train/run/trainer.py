@@ -127,7 +127,7 @@ class Trainer:
             last = micro == loop.grad_accum - 1
             with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
                 with autocast(self.device, parts.precision):
-                    total, count = loss_of(task, task.loss(model(x), target))
+                    total, count = loss_of(task, task.loss(task.forward(model, x, target), target))
                 scaler.scale(total * scale).backward()
             statistics.after(micro)  # after the backward, which reads them
             sums.append(total.detach())

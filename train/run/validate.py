@@ -29,7 +29,7 @@ def validate(model, loader, task: Task, device, autocast_dtype, progress=lambda:
     for batch in loader:
         x, target = task.inputs(batch, device)
         with autocast(device, autocast_dtype):
-            output = model(x)
+            output = task.forward(model, x, target)
         task.update(state, output, target)
         progress()
     if dist.is_initialized():

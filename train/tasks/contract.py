@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, default_collate
 
 from train.base.errors import ConfigError
+from train.loading import on_device
 
 TABLE = "docs/tasks.md's table of a task's methods"
 
@@ -79,29 +80,32 @@ def check_task(task, spec, train_set, val_set, batch_size: int) -> None:
         model = task.network(spec)
     check_network(task, model)
     source = train_set if train_set is not None else val_set
-    batch = default_collate([source[i] for i in range(min(batch_size, len(source)))])
+    batch = (task.collate or default_collate)([source[i] for i in range(min(batch_size, len(source)))])
     x, target = task.inputs(batch, torch.device("cpu"))
     example = task.example(batch_size, torch.device("cpu"))
     if not isinstance(example, (tuple, list)) or len(example) != 2:
         raise _refuse(task, f"example({batch_size}, device) returned", _what(example),
                       "it returns (input, target) of a training step's shape")
     for part, made, real in (("input", example[0], x), ("target", example[1], target)):
+        # a batch of a training step's shape: the data's, or (sequences of varying length) its longest
         if isinstance(made, torch.Tensor) and isinstance(real, torch.Tensor) and \
-                (made.shape[1:] != real.shape[1:] or made.dtype != real.dtype):
+                (made.dim() != real.dim() or made.dtype != real.dtype or
+                 any(m < r for m, r in zip(made.shape[1:], real.shape[1:], strict=False))):
             raise ConfigError(f"--task {task.name}: example({batch_size}, device) gives an {part} that is "
                               f"{_what(made)}, and the data's batches (through inputs()) are {_what(real)}: make "
-                              f"example() a batch of a training step's shape and dtype (zeros will do)")
+                              f"example() a batch of a training step's shape and dtype (zeros will do; sequences at "
+                              f"their longest)")
     try:  # the form of the loss, without memory or time; a network that cannot run on meta is checked at step 1
         meta = torch.device("meta")
         with torch.no_grad():
-            result = task.loss(model.train()(_to(x, meta)), _to(target, meta))
+            result = task.loss(task.forward(model.train(), _to(x, meta), _to(target, meta)), _to(target, meta))
     except Exception:  # noqa: BLE001 - only what runs on the meta device is checked here
         return
     loss_of(task, result)
 
 
 def _to(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    return on_device(value, device)
 
 
 def check_state_saves(task) -> None:

@@ -5,6 +5,8 @@ evaluate and make export import a factory only when the command names it again."
 from __future__ import annotations
 
 import inspect
+import json
+import typing
 
 from train.base.errors import ConfigError
 from train.components.models import user_factory
@@ -20,7 +22,9 @@ def build_task(cfg: Config) -> Task:
     """The run's task, built once."""
     name = cfg.run.task
     if name in TASKS:
-        return TASKS[name](cfg)
+        task = TASKS[name](cfg)
+        task.settings = typed_settings(task, cfg.run.task_settings)
+        return task
     if ":" not in name:
         raise ConfigError(f"--task {name!r} is not one of {', '.join(TASKS)} nor package.module:factory: pass one "
                           f"of those")
@@ -37,4 +41,29 @@ def build_task(cfg: Config) -> Task:
         raise ConfigError(f"--task {name} returned a {type(task).__name__}, not a train.tasks.task.Task: make the "
                           f"factory return one (a subclass of it)")
     task.name = name
+    task.settings = typed_settings(task, cfg.run.task_settings)
     return task
+
+
+def typed_settings(task: Task, text: str):
+    """--task-settings (canonical JSON: train/cli.py) as the task's own Settings dataclass, each value of its field's
+    type (an int is taken for a float); a task without one has none to give. Each mistake is one line."""
+    values, kind = json.loads(text) if text else {}, task.Settings
+    if kind is None:
+        if values:
+            raise ConfigError(f"--task-settings {text}: --task {task.name} has no settings of its own (no Settings "
+                              f"dataclass): drop it")
+        return None
+    types = typing.get_type_hints(kind)
+    for key, value in values.items():
+        if key not in types:
+            raise ConfigError(f"--task-settings: --task {task.name} has no setting {key!r}: give one of "
+                              f"{', '.join(types)}")
+        want = types[key]
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = float(value)
+        elif want in (int, float, str, bool) and (not isinstance(value, want) or
+                                                  want is int and isinstance(value, bool)):
+            raise ConfigError(f"--task-settings: {key} of --task {task.name} is a {want.__name__}, got {value!r}: "
+                              f"pass a {want.__name__}")
+    return kind(**values)

@@ -8,7 +8,9 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   network(spec) / model(spec)  the network, adapted to the data; as a run trains it, frozen where --freeze says
   head(model)                  which of its modules is the head (--freeze backbone trains it alone)
   start_from(state, model)     --weights fitted to the model (a head of another class count starts anew)
+  collate(items)               a loader's batch of items (None: torch's default_collate): ragged sequences padded
   inputs(batch, device)        a loader's batch on the device, ready for the model: (input, target)
+  forward(model, x, target)    the model's output (default model(x)): a dict input, several tensors, targets too
   loss(output, target)         (sum, count) over the batch's items, never a mean: the trainer divides by the count
                                summed over the micro-batches of a step and over the ranks, so accumulation and any
                                world size train on the large batch's mean
@@ -18,7 +20,7 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   scores(state)                share, the trainer all-reduces it by SUM once, scores() computes the figures once
   example(batch_size, device)  a batch of a training step's shape, for the pass that settles DDP's buckets
   augment()                    the batch augmentation on the device, or None
-  facts()                      what the task is, for the run's plan (plan.json's task, --dry-run): its name, loss, metric
+  facts()                      what the task is, for the run's plan (plan.json's task, --dry-run): name, loss, metric
   state_dict / load_state_dict what the task keeps between steps, saved in every checkpoint (most keep nothing)
 
 Built in: classification (train/tasks/classification.py). A task of your own: --task package.module:factory, a
@@ -27,6 +29,8 @@ function that takes the Config and returns a Task (train/tasks/factory.py, docs/
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -34,6 +38,7 @@ from train.base.errors import ConfigError
 from train.components.models import freeze, frozen_names
 from train.components.weights import fitted
 from train.config.settings import Config, Model
+from train.loading import on_device
 from train.tasks.contract import check_network
 
 class Task:
@@ -46,6 +51,8 @@ class Task:
     # True: the count depends on the target's values (ignored pixels, say), summed over the step before its backward
     variable_count = False
     classes_from = "its class folders, or its label names"  # where a dataset's classes come from (make evaluate's line)
+    Settings = None  # a dataclass of the task's own settings (--task-settings, [task_settings]); None: none
+    settings = None  # this run's, an instance of it (build_task)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -94,9 +101,17 @@ class Task:
     # ---------------------------------------------------------------- a step
 
     def inputs(self, batch, device: torch.device) -> tuple:
-        """A loader's batch on the device: (input, target)."""
+        """A loader's batch on the device: (input, target), each a tensor, or a dict, list or tuple of them (every
+        tensor moved there)."""
         x, y = batch
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return on_device(x, device), on_device(y, device)
+
+    collate = None  # collate(items) -> a loader's batch of the task's items; None: torch's default_collate
+
+    def forward(self, model: nn.Module, inputs, target):
+        """The model's output for a batch: model(inputs). A task whose model takes a dict (ids and a mask) or several
+        tensors, or its targets in training (as torchvision's detection models do), says how here."""
+        return model(inputs)
 
     def loss(self, output, target) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum, count) of the batch's loss."""
@@ -177,10 +192,11 @@ class Task:
         return ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if isinstance(v, float))
 
     def facts(self) -> dict:
-        """What the task is, for the run's plan (its "task"): its name, its loss, the metric that picks best.pt and which
-        way is better."""
+        """What the task is, for the run's plan (its "task"): its name, its loss, the metric that picks best.pt, which
+        way is better, its own settings."""
         return {"name": self.name, "loss": f"{type(self).__name__}.loss, summed over the items",
-                "metric": self.metric, "better": "higher" if self.higher_is_better else "lower"}
+                "metric": self.metric, "better": "higher" if self.higher_is_better else "lower",
+                **({"settings": dataclasses.asdict(self.settings)} if self.settings is not None else {})}
 
     def state_dict(self) -> dict:
         return {}
