@@ -205,8 +205,9 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
 def record_crash(error: Exception, run_dir: Path | None, trainer: Trainer | None) -> None:
     """status.json "failed" with the error's first line and exit code 1, by rank 0, for an error that is neither the
     user's mistake nor the user's code (those: end_unrecoverable): a crash, or a lost peer. A restart resumes and
-    records its own state; nothing else is touched."""
-    if not is_main() or run_dir is None or not run_dir.is_dir():
+    records its own state; nothing else is touched. A second Ctrl-C (raised as itself, or as the error a library made
+    of it while unwinding) is no failure: the run was stopped, and its status stays as it was."""
+    if not is_main() or run_dir is None or not run_dir.is_dir() or _interrupted(error):
         return
     step = trainer.step if trainer else rundir.read_status(run_dir).get("step", -1)
     with contextlib.suppress(OSError):
