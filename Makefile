@@ -151,8 +151,8 @@ export GPUS MAX_RESTARTS MLFLOW_PORT
 export TRAINBOX_IMAGE := $(IMAGE)
 
 .PHONY: help setup train train-local train-docker test check bench pack evaluate export onnx-setup chaos build image \
-  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup hf-setup env doctor enroot apptainer \
-  lock clean
+  shell tensorboard mlflow mlflow-user mlflow-setup mlflow-image sky-setup wds-setup hf-setup env doctor enroot \
+  apptainer lock clean
 
 help: ## list the targets
 	@grep -hE '^[a-z][a-zA-Z_-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -236,7 +236,7 @@ shell: image $(ENV_FILE) ## a shell in the trainer container (NAS mounted, same 
 	@$(PYTHON) -m train.hostenv --check-writable --file $(ENV_FILE)
 	$(COMPOSE_RUN) run --rm --entrypoint bash trainer
 
-tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (container or local, as RUNTIME; SSH tunnel: docs/containers.md)
+tensorboard: ## TensorBoard over the runs on 127.0.0.1:6006 (in the container or not: RUNTIME; docs/containers.md)
 ifeq ($(RUNTIME),docker)
 	@$(MAKE) --no-print-directory image $(ENV_FILE) && $(PYTHON) -m train.hostenv --service tensorboard --file $(ENV_FILE)
 	TENSORBOARD_PORT=$(TENSORBOARD_PORT) $(COMPOSE_RUN) up tensorboard
@@ -283,7 +283,7 @@ $(SKY_VENV)/.installed: tests/skypilot.lock
 	$(SKY_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/skypilot.lock
 	@touch $@
 
-wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.lock): the tests' writer of other tools' tars
+wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.lock): the tests' writer of others' tars
 
 $(WDS_VENV)/.installed: tests/webdataset.lock
 	@test -x $(WDS_VENV)/bin/python || $(PYTHON) -m venv $(WDS_VENV)

@@ -36,12 +36,12 @@ from train.run.worker import run_worker
 def start(cfg: Config) -> int:
     """python -m train, once the config parsed (--spawn N's launcher: train/__main__.py's spawn_run)."""
     try:
-        preflight(cfg)
+        task = preflight(cfg)
         if cfg.run.dry_run:
             return print_plan(cfg, cfg.launch.spawn or identity().world_size)
     except ConfigError as e:
         return fail(e)
-    return run_worker(cfg)
+    return run_worker(cfg, task)
 
 
 def check(cfg: Config) -> int:
@@ -84,7 +84,7 @@ def launch_main(argv: list[str]) -> int:
         cfg = parse_config(args)
         if cfg.launch.spawn:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
-        preflight(cfg, nprocs)
+        task = preflight(cfg, nprocs)
         if cfg.run.dry_run:
             return print_plan(cfg, nprocs)
     except (ConfigError, JobError) as e:
@@ -95,7 +95,7 @@ def launch_main(argv: list[str]) -> int:
     where = "CPU (gloo)" if cpu_only else "GPU (nccl)"
     if nprocs == 1:
         print(f"trainbox: 1 worker on {where}", file=sys.stderr, flush=True)
-        return run_worker(cfg)
+        return run_worker(cfg, task if cfg.run.run_dir == task.cfg.run.run_dir else None)
     print(f"trainbox: {nprocs} workers on {where} via torchrun", file=sys.stderr, flush=True)
     return run_torchrun(nprocs, ns.max_restarts, args, Path(cfg.run.run_dir))
 

@@ -86,6 +86,12 @@ def test_no_module_of_the_package_is_long_nor_any_function():
         assert not long, (path, long)
 
 
+def test_no_line_of_the_makefile_is_long():
+    """The shell stays thin and readable: every Makefile line within the code's 120 characters."""
+    long = [n for n, line in enumerate((REPO / "Makefile").read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, f"Makefile lines over 120 characters: {long}"
+
+
 def test_the_data_package_holds_one_job_per_module_none_long():
     for path in (REPO / "train" / "data").glob("*.py"):
         assert len(path.read_text().splitlines()) <= 300, path

@@ -7,7 +7,8 @@ from torchvision.transforms import v2
 from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.components.models import build_model, freeze, frozen_names, head_name
-from train.components.weights import IMAGENET, normalisation, normalisation_on
+from train.components.weights import IMAGENET, normalisation
+from train.tasks.factory import build_task
 from train.data import prepare_inputs
 
 
@@ -28,7 +29,7 @@ def test_the_inputs_are_normalised_as_torchvision_normalize_does():
 
     images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
     cfg = parse_config(["--model", "resnet18", "--weights", "ResNet18_Weights.DEFAULT"])
-    ours = prepare_inputs(images, torch.device("cpu"), False, *normalisation_on(cfg, torch.device("cpu")))
+    ours = prepare_inputs(images, torch.device("cpu"), False, *build_task(cfg).normalisation_on(torch.device("cpu")))
     weights = ResNet18_Weights.DEFAULT.transforms()  # the published weights' own preprocessing
     theirs = v2.Normalize(weights.mean, weights.std)(images.float() / 255)
     torch.testing.assert_close(ours, theirs)
@@ -84,7 +85,7 @@ def test_named_weights_bring_their_own_evaluation_transforms():
     assert eval_steps(cfg) == (232, 224, "bilinear")
     image = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8)
     ours = prepare_inputs(image_transforms(cfg, False)(image)[None], torch.device("cpu"), False,
-                          *normalisation_on(cfg, torch.device("cpu")))
+                          *build_task(cfg).normalisation_on(torch.device("cpu")))
     theirs = ResNet50_Weights.IMAGENET1K_V2.transforms()(image)[None]
     level = 1 / 255 / min(IMAGENET[1])
     assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= level + 1e-6

@@ -54,10 +54,12 @@ def user_code_error(error: BaseException, specs) -> UserCodeError | None:
     if not frames and not any(place in str(error) for place in places):
         return None
     where = f"{frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name}" if frames else "a DataLoader worker"
-    message = next((line for line in str(error).splitlines()[::-1] if line.strip()), "") \
-        if "Original Traceback" in str(error) else next(iter(str(error).splitlines()), "")
-    line = (f"{type(error).__name__}{': ' + message.strip() if message.strip() else ''} (raised in your code, {where}: "
-            f"its traceback above): fix it there, then run the same command")
+    if "Original Traceback" in str(error):  # a DataLoader worker's: its last line names the type and the message
+        headline = next((line.strip() for line in str(error).splitlines()[::-1] if line.strip()), type(error).__name__)
+    else:
+        message = next(iter(str(error).splitlines()), "").strip()
+        headline = f"{type(error).__name__}{': ' + message if message else ''}"
+    line = f"{headline} (raised in your code, {where}: its traceback above): fix it there, then run the same command"
     return UserCodeError(line, "".join(traceback.format_exception(error)))
 
 

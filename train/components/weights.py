@@ -55,11 +55,6 @@ def normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return (MEAN,) * 3, (STD,) * 3
 
 
-def normalisation_on(cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """normalisation(cfg) as tensors of shape 1 x 3 x 1 x 1 on the device, for prepare_inputs."""
-    return tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in normalisation(cfg))
-
-
 def cached_file(entry) -> Path:
     """Where the named weights' file lies: TORCH_HOME/hub/checkpoints/<its name>, as torch.hub keeps it."""
     return Path(torch.hub.get_dir()) / "checkpoints" / Path(entry.url).name

@@ -38,7 +38,7 @@ def in_memory(dataset) -> tuple[torch.Tensor, ...] | None:
     moved to the training device once and cut into batches there; None for any other dataset."""
     tensors = getattr(dataset, "tensors", None)
     return tuple(tensors) if isinstance(tensors, (tuple, list)) and tensors and \
-        all(isinstance(t, torch.Tensor) for t in tensors) else None
+        all(isinstance(t, torch.Tensor) and t.dim() and len(t) == len(dataset) for t in tensors) else None
 
 
 def to_device(dataset, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -106,10 +106,11 @@ class Parts:
     resumed: Resumed | None  # where this start resumed from, the Trainer's position among it; None for a fresh start
 
 
-def build(cfg: Config, run_dir: Path, device: torch.device, precision: str) -> Parts:
-    """The run's parts on this rank, on `device` in `precision` (the worker's runtime: train/run/runtime.py)."""
+def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task: Task | None = None) -> Parts:
+    """The run's parts on this rank, on `device` in `precision` (the worker's runtime: train/run/runtime.py), for
+    `task` (the preflight's, where this process ran it; else built here)."""
     world = identity().world_size
-    task = build_task(cfg)
+    task = task if task is not None else build_task(cfg)
     # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
     # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
     state, source = newest_checkpoint(run_dir, device)
@@ -251,15 +252,15 @@ def for_training(model: torch.nn.Module, cfg: Config, device: torch.device, worl
 def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan,
                     names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
                     checkpointer: Checkpointer) -> None:
-    """config.json, classes.json, plan.json (as trained: this start's plan after saved_plan's), manifest.json and
-    status.json ("running"), by rank 0; then the run's opening lines."""
+    """config.json, classes.json, task.json (the task's description), plan.json (as trained: this start's plan after
+    saved_plan's), manifest.json and status.json ("running"), by rank 0; then the run's opening lines."""
     ident = identity()
     hostnames = gather(socket.gethostname())
 
     def write() -> None:
         trained = plan_as_trained(plan.to_dict(), saved_plan, resumed, cfg.to_dict(), ident.world_size,
                                   plan.steps_per_epoch)
-        rundir.write_run_files(run_dir, cfg.to_dict(), names, trained)
+        rundir.write_run_files(run_dir, cfg.to_dict(), names, trained, checkpointer.task.description)
         manifest = build_manifest(cfg.run, ident, device, hostnames, resumed.step if resumed else None)
         rundir.write_manifest(run_dir, {**manifest, **weights})
         checkpointer.record("running", resumed.step if resumed else 0)

@@ -34,15 +34,16 @@ from train.tasks.task import Task
 
 
 
-def preflight(cfg: Config, world: int | None = None) -> None:
+def preflight(cfg: Config, world: int | None = None) -> Task:
     """All checks that need no process group. world: the workers about to start, when the caller knows
     (the launcher); else from the launch environment. An exception raised in the user's own task or model code leaves
-    as a UserCodeError: its traceback, once."""
+    as a UserCodeError: its traceback, once. Returns the run's task, built once (a worker in this process trains
+    with it)."""
     with users_code((cfg.run.task, cfg.model.model)):
-        _preflight(cfg, world)
+        return _preflight(cfg, world)
 
 
-def _preflight(cfg: Config, world: int | None) -> None:
+def _preflight(cfg: Config, world: int | None) -> Task:
     ident = check_launch(cfg.launch.spawn, cfg.run.dry_run)
     if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
         check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
@@ -51,7 +52,7 @@ def _preflight(cfg: Config, world: int | None) -> None:
     task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
     check_weights(cfg, task)
     check_decay_groups(cfg, task)
-    check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size)
+    check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size, world or cfg.launch.spawn or ident.world_size)
     if cfg.data.dataset in IN_MEMORY and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
         check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
     # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
@@ -68,6 +69,7 @@ def _preflight(cfg: Config, world: int | None) -> None:
             raise ConfigError(problem)
     if not cfg.run.dry_run:
         check_tracking(cfg, ident.global_rank)
+    return task
 
 
 def check_weights(cfg: Config, task: Task) -> None:

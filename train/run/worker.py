@@ -36,9 +36,10 @@ from train.run.build import build
 from train.run.memory import is_out_of_memory, out_of_memory
 from train.run.runtime import configure_runtime, device_name, resolve_precision
 from train.run.trainer import Trainer
+from train.tasks.task import Task
 
 
-def run_worker(cfg: Config) -> int:
+def run_worker(cfg: Config, task: Task | None = None) -> int:
     """Train as the rank the environment says this process is; every error becomes an exit code."""
     faulthandler.enable(sys.__stderr__)  # a crash in C (segfault, abort) still prints every thread's stack
     atexit.register(kill_loader_workers)
@@ -46,7 +47,7 @@ def run_worker(cfg: Config) -> int:
         stop_with_launcher()
     rank = identity().global_rank
     try:
-        code = run(cfg)
+        code = run(cfg, task)
         watchdog.pause()  # run()'s objects are freed: the end of the run is over (a notebook lives on unwatched)
     except (Exception, KeyboardInterrupt) as e:
         code = exit_code(e, rank)
@@ -109,8 +110,9 @@ def _report_lost_peer(rank: int, error: Exception) -> None:
     faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
 
 
-def run(cfg: Config) -> int:
-    """Train according to cfg as the rank the environment says this process is. Returns the exit code."""
+def run(cfg: Config, task: Task | None = None) -> int:
+    """Train according to cfg as the rank the environment says this process is (task: the preflight's, built in this
+    process already; else built here). Returns the exit code."""
     ident = identity()
     watchdog.begin(f"rank {ident.global_rank}", limit_s=watch_limit(cfg.launch.timeout_s))
     configure_runtime(cfg)
@@ -125,7 +127,7 @@ def run(cfg: Config) -> int:
             tracker = catch_up_tracking(cfg.tracking, run_dir, cfg.run.max_steps)
             code = EXIT_DONE
         else:
-            parts = build(cfg, run_dir, device, precision)
+            parts = build(cfg, run_dir, device, precision, task)
             tracker = parts.tracker  # held from here: whatever fails next, the finally below ends its MLflow run
             trainer = Trainer(parts, stop)
             code = trainer.train()
@@ -133,6 +135,8 @@ def run(cfg: Config) -> int:
         clean = True
         return code
     except Exception as e:
+        if _interrupted(e):  # a second Ctrl-C that a library made into another error: stopped, not failed
+            raise
         error = unrecoverable(e, trainer, device, cfg, precision, run_dir)
         if error is None:  # a crash or a lost peer, which a restart may mend: its traceback goes on as itself
             record_crash(e, run_dir, trainer)
@@ -191,15 +195,17 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
         return out_of_memory(error, where, device, trainer.parts.cfg if trainer else cfg, precision,
                              newest[0] if newest else None)
-    found = user_code_error(error, (cfg.run.task, cfg.model.model))
-    if found is not None:  # the user's own code raised it: theirs to read, and a restart would meet it again
-        return found
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
         status = rundir.read_status(trainer.run_dir)
         peer = status.get("error") if status.get("state") == "failed" and \
             status.get("exit_code") == EXIT_BAD_INPUT else None
-    return PeerGaveUp(peer) if peer is not None else None
+    if peer is not None:
+        return PeerGaveUp(peer)
+    if lost_peer(error):  # a peer died or hung, whatever code the collective was called from: a restart may mend it
+        return None
+    # the user's own code raised it: theirs to read, and a restart would meet it again
+    return user_code_error(error, (cfg.run.task, cfg.model.model))
 
 
 def record_crash(error: Exception, run_dir: Path | None, trainer: Trainer | None) -> None:

@@ -76,9 +76,13 @@ def check_task(task, spec, train_set, val_set, batch_size: int) -> None:
     example against a real batch of the data, and the form of its loss on that batch (on the meta device: where the
     network cannot run there, the first step checks it)."""
     check_datasets(task, train_set, val_set)
-    with torch.device("meta"):
-        model = task.network(spec)
-    check_network(task, model)
+    try:  # a network that cannot be built on the meta device (an .item() in its init, say) is checked when built
+        with torch.device("meta"):
+            model = task.network(spec)
+    except Exception:  # noqa: BLE001 - only what builds on the meta device is checked here
+        model = None
+    if model is not None:
+        check_network(task, model)
     source = train_set if train_set is not None else val_set
     batch = (task.collate or default_collate)([source[i] for i in range(min(batch_size, len(source)))])
     x, target = task.inputs(batch, torch.device("cpu"))
@@ -95,6 +99,8 @@ def check_task(task, spec, train_set, val_set, batch_size: int) -> None:
                               f"{_what(made)}, and the data's batches (through inputs()) are {_what(real)}: make "
                               f"example() a batch of a training step's shape and dtype (zeros will do; sequences at "
                               f"their longest)")
+    if model is None:
+        return
     try:  # the form of the loss, without memory or time; a network that cannot run on meta is checked at step 1
         meta = torch.device("meta")
         with torch.no_grad():
@@ -119,17 +125,18 @@ def check_state_saves(task) -> None:
                           f"strings and lists or dicts of them") from None
 
 
-def check_batch_of_one(task, spec, batch_size: int) -> None:
+def check_batch_of_one(task, spec, batch_size: int, world: int = 1) -> None:
     """A network with BatchNorm over a single value per channel (after a global pooling, say) cannot train at a
-    per-worker batch of 1: refused before any worker, on the meta device."""
-    if batch_size != 1:
+    per-worker batch of 1: refused before any worker, on the meta device (the model as a run trains it: frozen where
+    --freeze says). Under --sync-bn on several workers their values are normalised together: not refused there."""
+    if batch_size != 1 or spec.sync_bn and world > 1:
         return
     meta = torch.device("meta")
     try:
         with torch.device("meta"):
-            model = task.network(spec)
-        x, _ = task.example(1, meta)
-        model.train()(x)
+            model = task.model(spec)
+        x, target = task.example(1, meta)
+        task.forward(model.train(), x, target)
     except ValueError as e:
         if "Expected more than 1 value per channel" not in str(e):
             return
