@@ -8,6 +8,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m tests.chaos --out runs/chaos-a --seed 7      trial folders, logs and results.json there
   python -m tests.chaos --recipe                         the runs with a published recipe's knobs on
   python -m tests.chaos --task segmentation              the runs of the built-in segmentation task
+  python -m tests.chaos --task lm                        the runs of the built-in language model (gpt-tiny, copy)
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -512,9 +513,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
                         help="comma-separated world sizes, even for slurm (half on each node): default 2,4")
     parser.add_argument("--recipe", action="store_true", help="train with a published recipe's knobs on (EMA, "
                         "Mixup/CutMix, random erasing, label smoothing)")
-    parser.add_argument("--task", default="classification", choices=("classification", "segmentation"),
+    parser.add_argument("--task", default="classification", choices=("classification", "segmentation", "lm"),
                         help="the built-in task the runs train (segmentation: the shapes' masks, torchvision's "
-                             "lraspp_mobilenet_v3_large)")
+                             "lraspp_mobilenet_v3_large; lm: gpt-tiny on the generated copy documents)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
@@ -553,8 +554,8 @@ def main(argv: list[str]) -> int:
         return int(e.code or 0)
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}"
-          f"{' (segmentation)' if ns.task == 'segmentation' else ''}, seed {ns.seed}, in {out}", flush=True)
-    extra = RECIPE if ns.recipe else ["--task", "segmentation"] if ns.task == "segmentation" else []
+          f"{f' ({ns.task})' if ns.task != 'classification' else ''}, seed {ns.seed}, in {out}", flush=True)
+    extra = RECIPE if ns.recipe else ["--task", ns.task] if ns.task != "classification" else []
     references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}

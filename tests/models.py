@@ -210,3 +210,10 @@ def tiny_segmenter_with_batchnorm_in_double(num_classes: int) -> nn.Module:
     """A segmentation network with BatchNorm's running statistics, in float64."""
     return _InDouble(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                                    nn.Conv2d(8, num_classes, 1)))
+
+
+def gpt_tiny_in_double(vocab: int) -> nn.Module:
+    """--task lm's gpt-tiny in float64 (token ids stay integers): runs that sum in another order agree to rounding."""
+    from train.components.gpt import SIZES, Gpt
+
+    return Gpt(SIZES["gpt-tiny"], vocab).double()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
-from train.config.settings import (IMAGENET_FROM, IN_MEMORY, PRESETS, SECTION_OF, SECTIONS, Config,
-                                   augmentation_recipe, flag, settings, unknown_key)
+from train.config.settings import (IMAGENET_FROM, IN_MEMORY, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF, SECTIONS,
+                                   SEGMENTATION_MODEL, Config, augmentation_recipe, flag, settings, unknown_key)
 from train.config.values import check_values
 
 try:
@@ -79,6 +79,9 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
     return [
         (SEGMENTATION_SKIPS, masks, "with --task segmentation (its images and masks take the segmentation reference's "
                                     "joint transforms, its loss no label smoothing, its batches no mixing): drop it"),
+        (tuple(s for s in IMAGE_PIPELINE if s not in ("dataset", "train_samples", "val_samples")),
+         cfg.run.task == "lm", "with --task lm (byte tokens, no images: the image pipeline is classification's): drop "
+                               "it"),
         (IMAGE_PIPELINE, own, f"with --task {cfg.run.task} (a task of your own reads its own data: the built-in "
                               f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
                               f"it, or read the setting in your task (docs/tasks.md)"),
@@ -91,7 +94,7 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
          "with --dataset masks (the loader workers decode each image and its mask and move them together at "
          "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
          "resize and centre crop): drop it"),
-        (("train_samples", "val_samples"), cfg.data.dataset not in IN_MEMORY,
+        (("train_samples", "val_samples"), cfg.data.dataset not in (*IN_MEMORY, "copy"),
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
          cfg.data.dataset not in IN_MEMORY and augmentation_recipe(cfg) == "cifar",
@@ -251,7 +254,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("task_settings"):
         values["task_settings"] = canonical_settings(values["task_settings"])
     if values.get("task") == "segmentation" and "model" not in given:  # the task's own default network
-        values["model"] = "lraspp_mobilenet_v3_large"
+        values["model"] = SEGMENTATION_MODEL
+    if values.get("task") == "lm":  # its own default network and data
+        values.update({k: v for k, v in (("model", LM_MODEL), ("dataset", LM_DATASET)) if k not in given})
     cfg = Config.from_dict(values)
     check_values(cfg)
     cfg = _weights_sizes(cfg, given)

@@ -9,8 +9,9 @@ ONNX Runtime, TensorRT, Triton and the rest.
   python -m train.export runs/exp2 --model mypkg.nets:build   a run of your own model: name its factory again
   make export RUN=runs/exp1 FORMAT=onnx                 -> runs/exp1/model.onnx (installs .venv-onnx on first use)
 
-Writes OUT (the batch dimension dynamic) and OUT.json: image size, resize, crop, interpolation, mean, std and the
-class names. A caller:
+Writes OUT (the dimensions the task names dynamic: the batch, and for --task lm the sequence's length too) and OUT.json:
+what the task says a caller must know (an image task: image size, resize, crop, interpolation, mean, std and the class
+names; lm: its vocabulary and context). A caller:
 
   program = torch.export.load("model.pt2").module()
   logits = program(batch)          # batch: N x 3 x H x W float32, normalised as model.pt2.json says
@@ -38,7 +39,7 @@ import torch
 
 from train.base.errors import ConfigError, end_process, fail
 from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, network_of, renamed
-from train.files.rundir import atomic_file, atomic_write, move_into_place, to_json
+from train.files.rundir import atomic_file, atomic_write, move_into_place, read_description, to_json
 from train.tasks.factory import build_task
 
 MAX_BATCH = 4096
@@ -50,18 +51,20 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
            task_spec: str = "") -> Path:
     cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec, task_spec)
     task = build_task(cfg)
-    task.describe({"classes": classes})
+    task.describe(read_description(run_dir) or {"classes": classes})
     model = network_of(task, cfg, state, source).eval()
     example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    dims = {dim: torch.export.Dim(name, min=1, max=largest or MAX_BATCH)
+            for dim, (name, largest) in task.dynamic_dims().items()}  # the batch, a sequence's length, ...
     try:
-        program = torch.export.export(task.exportable(model), (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(task.exportable(model), (example,), dynamic_shapes=(dims,))
     except Exception as e:  # noqa: BLE001 - torch.export's errors are many; its first line says why
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         raise ConfigError(f"--model {cfg.model.model} cannot be exported with torch.export ({why}): nothing was "
                           f"written") from None
     if fmt == "onnx":
-        save_onnx(to_onnx(program, example, cfg.model.model, names), out)
+        save_onnx(to_onnx(program, example, cfg.model.model, names,
+                          {dim: name for dim, (name, _) in task.dynamic_dims().items()}), out)
         shape = {"format": "onnx", **names}
     else:
         with atomic_file(out, suffix=".pt2") as tmp:  # torch.export.save wants the .pt2 suffix
@@ -72,15 +75,15 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     return out
 
 
-def to_onnx(program, example: torch.Tensor, model: str, names: dict):
-    """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram), the batch dimension named
-    and dynamic. An operator ONNX has no translation for is one line naming it."""
+def to_onnx(program, example: torch.Tensor, model: str, names: dict, dims: dict | None = None):
+    """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram), the dynamic dimensions (dims:
+    {dim: name}, the batch by default) named. An operator ONNX has no translation for is one line naming it."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.onnx's deprecation notes on its own internals
             return torch.onnx.export(program, (example,), dynamo=True, verbose=False,
                                      input_names=[names["input"]], output_names=[names["output"]],
-                                     dynamic_shapes=({0: "batch"},))
+                                     dynamic_shapes=(dims or {0: "batch"},))
     except Exception as e:  # noqa: BLE001 - the exporter wraps its reasons; the innermost one says which operator
         while e.__cause__ is not None:
             e = e.__cause__

@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("name, line", [
-    ("detection", "--task 'detection' is not one of classification, segmentation nor package.module:factory"),
+    ("detection", "--task 'detection' is not one of classification, segmentation, lm nor package.module:factory"),
     ("no_such_module:build", "--task no_such_module:build: cannot import no_such_module"),
     ("tests.tasks:nothing", "--task tests.tasks:nothing: tests.tasks has no attribute 'nothing'"),
     ("tests.tasks:not_a_task", "--task tests.tasks:not_a_task returned a Linear, not a train.tasks.task.Task"),

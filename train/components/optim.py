@@ -38,15 +38,18 @@ def decay_groups(opt: Optimisation, model: torch.nn.Module, model_name: str) -> 
     utils.set_weight_decay): a parameter named `bias` takes --bias-weight-decay and one of EMBEDDING_KEYS
     --transformer-embedding-decay, each only when given; else one of a normalisation layer --norm-weight-decay,
     only when given; every other --weight-decay. Empty groups are left out; the order is the reference's (other,
-    norm, bias, the embedding keys). A decay given for parameters the model does not have is one line."""
+    norm, bias, the embedding keys). A parameter two modules share counts once, under the name named_parameters()
+    gives it. A decay given for parameters the model does not have is one line."""
     custom = {**({"bias": opt.bias_weight_decay} if opt.bias_weight_decay is not None else {}),
               **({key: opt.transformer_embedding_decay for key in EMBEDDING_KEYS}
                  if opt.transformer_embedding_decay is not None else {})}
     decay = {"other": opt.weight_decay, "norm": opt.norm_weight_decay, **custom}
     names: dict[str, list[str]] = {key: [] for key in decay}
+    seen: set[int] = set()  # a parameter shared by two modules (a head tied to an embedding) is in one group, once
     for prefix, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
                 norm = opt.norm_weight_decay is not None and isinstance(module, NORM_CLASSES)
                 key = name if name in custom else "norm" if norm else "other"
                 names[key].append(f"{prefix}.{name}" if prefix else name)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, fields
 
 from train.base.errors import ConfigError
 
+SEGMENTATION_MODEL = "lraspp_mobilenet_v3_large"  # --task segmentation's network where --model is not given
+LM_MODEL, LM_DATASET = "gpt-tiny", "copy"  # --task lm's network and data where --model, --dataset are not given
+
 
 def _field(default, help: str, choices: tuple | None = None):
     """A setting: its default, its help line (--help) and, where it has them, its choices."""
@@ -39,8 +42,8 @@ class Run:
                                   "exit: no run folder, no download, no training")
     deterministic: bool = _field(False, "deterministic kernels, fixed threads, bucket-independent gradient reduction")
     task: str = _field("classification", "what the run trains for: classification (images and class labels), "
-                                         "segmentation (a class per pixel), or package.module:factory, a task of your "
-                                         "own (docs/tasks.md)")
+                                         "segmentation (a class per pixel), lm (a causal language model of byte "
+                                         "tokens), or package.module:factory, a task of your own (docs/tasks.md)")
     task_settings: str = _field("", "a task's own settings (its Settings dataclass), as KEY=VALUE,KEY=VALUE or a "
                                     "JSON object; a config file's [task_settings] table; checked against the task's "
                                     "fields, kept in config.json")
@@ -64,13 +67,15 @@ class Data:
                                     "DATA_DIR/val); csv (label files: DATA_DIR/train.csv and val.csv, or .tsv, "
                                     ".jsonl: a path and a label per row); shards (make pack's, or WebDataset tars of "
                                     "another tool); hf (a Hugging Face dataset: save_to_disk's folder, or Parquet "
-                                    "files); masks (segmentation: DATA_DIR/train/images/<stem>.jpg, .png, ... and "
-                                    "DATA_DIR/train/masks/<stem>.png, the same under val/, each mask's pixels a class "
+                                    "files); masks (segmentation: DATA_DIR/train/images/<path>.jpg, .png, ... and "
+                                    "DATA_DIR/train/masks/<path>.png, the same under val/, each mask's pixels a class "
                                     "index or 255, ignored; class names in DATA_DIR/classes.txt, else the values); "
+                                    "copy (--task lm: copy documents from the seed, their floor exact; the default "
+                                    "there); text (--task lm: DATA_DIR/train/**/*.txt, DATA_DIR/val/**/*.txt, byte tokens); "
                                     "synthetic: random images for benchmarks (learns nothing)",
                                     choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "hf", "masks",
-                                             "synthetic"))
-    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards, hf and masks")
+                                             "copy", "text", "synthetic"))
+    data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards, hf, masks and text")
     path_column: str = _field("", "csv: the label files' column of image paths; empty: the first of path, image, "
                                   "file, filename, filepath")
     label_column: str = _field("", "csv: the label files' column of labels (class names, or indices into "
@@ -133,7 +138,7 @@ class Model:
 
     model: str = _field("cnn", "cnn (small built-in), a torchvision classification model name, or "
                                "package.module:factory; --task segmentation: a torchvision segmentation model name "
-                               "(default lraspp_mobilenet_v3_large)")
+                               f"(default {SEGMENTATION_MODEL})")
     weights: str = _field("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
                               "DEFAULT for --model's default; fetched once per node into TORCH_HOME) or a file "
                               "(model.pt, best.pt, a checkpoint, a state_dict); a head of another class count is "

@@ -181,11 +181,20 @@ def write_manifest(run_dir: Path, manifest: dict) -> None:
     atomic_write(path, (to_json({**manifest, "previous": previous}, indent=2) + "\n").encode())
 
 
-def write_run_files(run_dir: Path, config: dict, classes: list[str], plan: dict) -> None:
-    """config.json (the config as given), classes.json (label i is name i) and plan.json (what the run derived)."""
+def write_run_files(run_dir: Path, config: dict, classes: list[str], plan: dict, description: dict | None = None) -> None:
+    """config.json (the config as given), classes.json (label i is name i), task.json (what the task says its data is,
+    whole: classes, a vocabulary, a context, ...) and plan.json (what the run derived)."""
     atomic_write(run_dir / "config.json", (to_json(config, indent=2) + "\n").encode())
     atomic_write(run_dir / "classes.json", (to_json(classes) + "\n").encode())
+    atomic_write(run_dir / "task.json", (to_json(description or {"classes": classes}, indent=1) + "\n").encode())
     atomic_write(run_dir / "plan.json", (to_json(plan, indent=1) + "\n").encode())
+
+
+def read_description(run_dir: Path) -> dict | None:
+    """task.json (the task's description of its data, for make evaluate and make export), or None for a run from
+    before it (its classes.json says the classes alone)."""
+    description = read_json(run_dir / "task.json")
+    return description or None
 
 
 def read_config(run_dir: Path) -> dict:

@@ -223,13 +223,16 @@ class Trainer:
                   **{k: window[k] for k in ("samples_per_s", "step_time_s", "data_wait_frac")},
                   "epoch": self.epoch - (self.step_in_epoch == 0),  # the epoch of the step just taken
                   **({"empty_batches": window["empty_batches"]} if window["empty_batches"] else {})}
+        rate, unit = parts.task.throughput(values["samples_per_s"])  # a sequence task counts its tokens
+        if unit != "samples":
+            values[f"{unit}_per_s"] = rate
         for r, reading in enumerate(gather(parts.telemetry.read()) if self.device.type == "cuda" else []):
             # A rank without NVML reads {}: it adds nothing; a MIG slice has no utilisation.
             values.update({f"gpu{r}_{k}": v for k, v in reading.items()})
         shown = "-" if values["loss"] is None else f"{values['loss']:.4f}"
         empty = f"  ({values['empty_batches']} micro-batches counted nothing)" if "empty_batches" in values else ""
-        log.info("step %d/%d  loss %s  lr %.2e  %.0f samples/s  data wait %.1f%%%s", self.step, self.plan.max_steps,
-                 shown, values["lr"], values["samples_per_s"], 100 * values["data_wait_frac"], empty)
+        log.info("step %d/%d  loss %s  lr %.2e  %.0f %s/s  data wait %.1f%%%s", self.step, self.plan.max_steps,
+                 shown, values["lr"], rate, unit, 100 * values["data_wait_frac"], empty)
         parts.metrics.write(self.step, "train", values)
         self.checkpointer.record("running", self.step)  # alive: the step and the time, at every log line
 

@@ -64,6 +64,9 @@ class Classification(ImageTask):
         if data.dataset == "masks":
             raise ConfigError("--dataset masks holds pixel masks, not class labels: pass --task segmentation, or a "
                               "dataset of labelled images")
+        if data.dataset in ("copy", "text"):
+            raise ConfigError(f"--dataset {data.dataset} holds text, not labelled images: pass --task lm, or a dataset "
+                              f"of labelled images")
         check_model_spec(self.cfg.model)
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:

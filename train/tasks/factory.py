@@ -12,10 +12,11 @@ from train.base.errors import ConfigError
 from train.components.models import user_factory
 from train.config.settings import Config
 from train.tasks.classification import Classification
+from train.tasks.lm import LanguageModel
 from train.tasks.segmentation import Segmentation
 from train.tasks.task import Task
 
-TASKS = {"classification": Classification, "segmentation": Segmentation}
+TASKS = {"classification": Classification, "segmentation": Segmentation, "lm": LanguageModel}
 
 
 def build_task(cfg: Config) -> Task:
@@ -66,4 +67,8 @@ def typed_settings(task: Task, text: str):
                                                   want is int and isinstance(value, bool)):
             raise ConfigError(f"--task-settings: {key} of --task {task.name} is a {want.__name__}, got {value!r}: "
                               f"pass a {want.__name__}")
-    return kind(**values)
+    try:
+        return kind(**values)
+    except TypeError as e:  # a field without a default that the command did not give
+        raise ConfigError(f"--task-settings: --task {task.name}'s settings cannot be made ({e}): give every setting "
+                          f"that has no default") from None

@@ -39,14 +39,14 @@ from train.base import vision
 from train.base.errors import ConfigError
 from train.components.models import user_model
 from train.components.weights import fitted
-from train.config.settings import Model
+from train.config.settings import SEGMENTATION_MODEL, Model
 from train.data.masks import SPLITS, check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
 from train.tasks.images import ImageTask
 
 log = logging.getLogger("train")
 IGNORE = 255  # a pixel of this value counts for nothing: torchvision's references/segmentation
-DEFAULT_MODEL = "lraspp_mobilenet_v3_large"
+DEFAULT_MODEL = SEGMENTATION_MODEL
 WITH_AUX = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "deeplabv3_resnet101", "fcn_resnet50",
             "fcn_resnet101")  # an auxiliary head, trained at 0.5 as the reference trains it
 

@@ -126,6 +126,11 @@ class Task:
         """A batch of a training step's shape (zeros), for the pass that settles DDP's buckets."""
         raise NotImplementedError
 
+    def throughput(self, samples_per_s: float) -> tuple[float, str]:
+        """What the log line's speed counts, from the samples a second: (samples/s, "samples"), or a sequence task's
+        tokens."""
+        return samples_per_s, "samples"
+
     def augment(self):
         """The batch augmentation on the device, called as augment(x, target, seed) -> (x, target); None: none."""
         return None
@@ -177,6 +182,10 @@ class Task:
         the input: its shape, its preprocessing), for the exported program and its JSON beside it."""
         example = self.example(2, torch.device("cpu"))[0]
         return example, {"input": "inputs", "output": "outputs"}, {"input_shape": ["N", *example.shape[1:]]}
+
+    def dynamic_dims(self) -> dict:
+        """make export's dimensions of the example input that may vary: {dim: (name, largest or None)}; the batch."""
+        return {0: ("batch", None)}
 
     def source(self, train_set, val_set) -> dict:
         """What the run reads, for the plan: the kind of source and the order of its samples."""

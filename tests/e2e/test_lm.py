@@ -1,0 +1,102 @@
+"""--task lm end to end: gpt-tiny on the copy documents under --spawn, its evaluation at another world size with the
+report's continuations, its export (token ids in, logits out, the batch and the sequence's length dynamic) as a
+torch-only program and an ONNX model; and accumulation and workers training on the large batch's mean of labelled
+tokens (a float64 network)."""
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+from tests.helpers import PY, REPO, load_model, make, metrics, python_cmd, run
+from train.components.gpt import SIZES, Gpt
+
+LM = ["--task", "lm", "--train-samples", 512, "--val-samples", 60, "--max-steps", 30, "--eval-every", 15,
+      "--log-every", 5, "--batch-size", 16]
+SHAPES = [(9, 20), (2, 20), (9, 7), (2, 7)]  # two batch sizes, two lengths
+
+TORCH_ONLY = """
+import sys
+sys.modules["torchvision"] = None
+sys.modules["train"] = None
+import torch
+program = torch.export.load(sys.argv[1]).module()
+ids = torch.load(sys.argv[2])
+torch.save([program(ids[:n, :t]) for n, t in %r], sys.argv[3])
+""" % (SHAPES,)
+
+ONNX_RUNTIME_ONLY = """
+import json, sys
+for name in ("torch", "train", "torchvision"):
+    sys.modules[name] = None
+import numpy as np, onnxruntime
+session = onnxruntime.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+ids = np.load(sys.argv[2])
+(given,), (logits,) = session.get_inputs(), session.get_outputs()
+np.savez(sys.argv[3], *[session.run(None, {given.name: ids[:n, :t]})[0] for n, t in %r])
+print(json.dumps({"input": [given.name, given.shape], "output": [logits.name, logits.shape]}))
+""" % (SHAPES,)
+
+
+def test_a_language_model_trains_evaluates_with_continuations_and_exports_with_both_dimensions_dynamic(tmp_path,
+                                                                                                        tool_setup):
+    run_dir = tmp_path / "run"
+    trained = run(python_cmd(*LM, "--spawn", 2, "--run-dir", run_dir))
+    assert " tokens/s " in trained.stderr and all(m["tokens_per_s"] == m["samples_per_s"] * 64
+                                                  for m in metrics(run_dir, "train"))
+    evals = metrics(run_dir, "eval")
+    assert [e["samples"] for e in evals] == [60, 60] and evals[-1]["loss"] < evals[0]["loss"] < 5.0  # ln 257: 5.55
+    assert evals[-1]["excess"] == evals[-1]["loss"] - evals[-1]["floor"] > 0
+    described = json.loads((run_dir / "task.json").read_text())
+    assert described["context"] == 64 and described["floor"] == evals[-1]["floor"] and described["vocab_size"] == 257
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["task"]["context"] == 64 and plan["source"]["kind"] == "copy" and plan["val_samples"] == 60
+    # make evaluate on 3 workers (60 windows: 20 each): the same tokens, the loss to float32's rounding; its report
+    scored = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", "3"])
+    report = json.loads((run_dir / "eval-model.json").read_text())
+    assert (report["tokens"], report["samples"]) == (evals[-1]["tokens"], 60)
+    assert abs(report["loss"] - evals[-1]["loss"]) <= 1e-6 * evals[-1]["loss"]
+    assert len(report["continuations"]) == 3 and all(len(c["prompt"]) >= 1 for c in report["continuations"])
+    assert "greedy" in scored.stdout and "over the floor" in scored.stdout
+    # make export: token ids N x T in, logits out, both dynamic, in a process with torch alone and in ONNX Runtime
+    make("export", f"RUN={run_dir}")
+    shipped = json.loads((run_dir / "model.pt2.json").read_text())
+    assert shipped["task"] == "lm" and shipped["input_shape"] == ["N", "T"] and shipped["context"] == 64
+    ids = torch.randint(0, 257, (9, 20))
+    torch.save(ids, tmp_path / "ids.pt")
+    run([sys.executable, "-I", "-c", TORCH_ONLY, str(run_dir / "model.pt2"), str(tmp_path / "ids.pt"),
+         str(tmp_path / "out.pt")])
+    model = Gpt(SIZES["gpt-tiny"], 257)
+    model.load_state_dict(load_model(run_dir))
+    with torch.no_grad():
+        expected = [model.eval()(ids[:n, :t]) for n, t in SHAPES]
+    for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
+    tool_setup("onnx-setup")
+    make("export", f"RUN={run_dir}", "FORMAT=onnx")
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    served = run([str(REPO / ".venv-onnx" / "bin" / "python"), "-I", "-c", ONNX_RUNTIME_ONLY,
+                  str(run_dir / "model.onnx"), str(tmp_path / "ids.npy"), str(tmp_path / "out.npz")])
+    assert json.loads(served.stdout) == {"input": ["ids", ["batch", "sequence"]],
+                                         "output": ["logits", ["batch", "sequence", 257]]}
+    with np.load(tmp_path / "out.npz") as saved:
+        for i, want in enumerate(expected):
+            torch.testing.assert_close(torch.from_numpy(saved[f"arr_{i}"]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_accumulation_and_workers_train_on_the_large_batchs_mean_of_labelled_tokens(tmp_path):
+    """Each copy window pads its end by its own amount: --grad-accum 4 at batch 8, batch 32 and 2 workers at batch 16
+    train on the same mean (the labelled tokens of the whole step), in float64 to rounding (1e-9), where a mean per
+    micro-batch is off by far more."""
+    flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
+             20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0]
+    layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
+               "workers": ["--batch-size", 16, "--spawn", 2]}
+    for name, layout in layouts.items():
+        run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name))
+    losses = {name: [m["loss"] for m in metrics(tmp_path / name, "train")] for name in layouts}
+    weights = {name: load_model(tmp_path / name) for name in layouts}
+    for name in ("accumulated", "workers"):
+        assert all(abs(a - b) < 1e-9 for a, b in zip(losses[name], losses["large"], strict=True)), losses
+        assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
