@@ -201,7 +201,8 @@ def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
     over (5 s by default: tests/unit/test_progress.py). On a terminal: the same line redrawn in place. With 2
     workers, rank 0 alone shows its share."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--val-samples", 4096, "--run-dir", run_dir))
+    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--val-samples", 4096, "--batch-size", 128,
+                   "--run-dir", run_dir))  # its validation batches are twice --batch-size: 16 of 256
     every_batch = env_for_tests(TRAINBOX_PROGRESS_EVERY="0")
     logged = run([PY, "-m", "train.evaluate", str(run_dir)], env=every_batch).stderr
     lines = _progress_lines(logged)
