@@ -14,8 +14,9 @@ from pathlib import Path
 
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
-from train.config.settings import (IMAGENET_FROM, IN_MEMORY, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF, SECTIONS,
-                                   SEGMENTATION_MODEL, Config, augmentation_recipe, flag, settings, unknown_key)
+from train.config.settings import (IMAGENET_FROM, IN_MEMORY, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
+                                   SECTIONS, SEGMENTATION_MODEL, Config, augmentation_recipe, flag, settings,
+                                   unknown_key)
 from train.config.values import check_values
 
 try:
@@ -255,8 +256,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
         values["task_settings"] = canonical_settings(values["task_settings"])
     if values.get("task") == "segmentation" and "model" not in given:  # the task's own default network
         values["model"] = SEGMENTATION_MODEL
-    if values.get("task") == "lm":  # its own default network and data
-        values.update({k: v for k, v in (("model", LM_MODEL), ("dataset", LM_DATASET)) if k not in given})
+    if values.get("task") == "lm":  # its own default network, data and batch (nanoGPT's CPU batch of 64-token windows)
+        values.update({k: v for k, v in (("model", LM_MODEL), ("dataset", LM_DATASET), ("batch_size", LM_BATCH))
+                       if k not in given and k not in PRESETS.get(preset, {})})
     cfg = Config.from_dict(values)
     check_values(cfg)
     cfg = _weights_sizes(cfg, given)

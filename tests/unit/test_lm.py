@@ -129,4 +129,5 @@ def test_the_image_pipelines_settings_are_refused_with_the_language_model():
     with pytest.raises(ConfigError, match=r"--image-size 32 has no effect with --task lm \(byte tokens, no images"):
         parse_config(["--task", "lm", "--image-size", "32"])
     cfg = parse_config(["--task", "lm"])
-    assert (cfg.model.model, cfg.data.dataset) == ("gpt-tiny", "copy")
+    assert (cfg.model.model, cfg.data.dataset, cfg.optimisation.batch_size) == ("gpt-tiny", "copy", 32)
+    assert parse_config(["--task", "lm", "--preset", "debug"]).optimisation.batch_size == 16  # a preset's own wins

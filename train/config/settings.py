@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields
 from train.base.errors import ConfigError
 
 SEGMENTATION_MODEL = "lraspp_mobilenet_v3_large"  # --task segmentation's network where --model is not given
-LM_MODEL, LM_DATASET = "gpt-tiny", "copy"  # --task lm's network and data where --model, --dataset are not given
+# --task lm's network, data and batch where --model, --dataset, --batch-size are not given
+LM_MODEL, LM_DATASET, LM_BATCH = "gpt-tiny", "copy", 32
 
 
 def _field(default, help: str, choices: tuple | None = None):
