@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
         cfg = parse_config(argv)
     except ConfigError as e:
         return fail(e)
-    if failed_in_this_launch(Path(launch_run_dir(cfg)), os.environ):  # torchrun restarting what cannot mend
+    # torchrun restarting what cannot mend
+    if failed_in_this_launch(Path(launch_run_dir(cfg.run.run_dir)), os.environ):
         return EXIT_BAD_INPUT  # its line was said by the attempt that met it; torchrun ends non-zero
     if cfg.launch.spawn > 0 and not cfg.run.dry_run:
         # --spawn N: the fork server imports torch and the trainer, once; this launcher never does

@@ -15,8 +15,8 @@ from pathlib import Path
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
 from train.config.settings import (IMAGENET_FROM, IN_MEMORY, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
-                                   SECTIONS, SEGMENTATION_MODEL, Config, augmentation_recipe, flag, settings,
-                                   unknown_key)
+                                   SECTIONS, SEGMENTATION_MODEL, Config, Schedule, augmentation_recipe, flag,
+                                   settings, unknown_key)
 from train.config.values import check_values
 
 try:
@@ -64,7 +64,9 @@ def inert(cfg: Config) -> dict[str, str]:
     """The settings this config never reads, each with why and the fix: given by a user, they are refused
     (parse_config), never ignored. The first rule that names a setting gives its reason."""
     found: dict[str, str] = {}
-    for names, applies, why in (*_data_rules(cfg), *_training_rules(cfg)):
+    rules = (*_data_rules(cfg), *_training_rules(cfg.model.model, cfg.optimisation.optimizer, cfg.schedule,
+                                                  cfg.regularisation.model_ema))
+    for names, applies, why in rules:
         for name in names if applies else ():
             found.setdefault(name, why)
     return found
@@ -98,7 +100,7 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
         (("train_samples", "val_samples"), cfg.data.dataset not in (*IN_MEMORY, "copy"),
          f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
-         cfg.data.dataset not in IN_MEMORY and augmentation_recipe(cfg) == "cifar",
+         cfg.data.dataset not in IN_MEMORY and augmentation_recipe(cfg.data, cfg.augmentation) == "cifar",
          f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
          f"--augment imagenet"),
         (("ra_magnitude",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "ra",
@@ -121,30 +123,33 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
     ]
 
 
-def _training_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
-    """The same for the model, the optimiser, the schedule and the EMA."""
+def _training_rules(model: str, optimizer: str, schedule: Schedule,
+                    model_ema: bool) -> list[tuple[tuple[str, ...], bool, str]]:
+    """The same for the model (--model), the optimiser (--optimizer), the schedule and the EMA (--model-ema)."""
+    scheduler = schedule.lr_scheduler
     return [
-        (("width",), cfg.model.model != "cnn", f"with --model {cfg.model.model} (it sizes the built-in cnn): drop it"),
-        (("momentum", "nesterov"), cfg.optimisation.optimizer != "sgd",
-         f"with --optimizer {cfg.optimisation.optimizer}: drop it, or pass --optimizer sgd"),
-        (("lr_step_size",), cfg.schedule.lr_scheduler != "step",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step"),
-        (("lr_gamma",), cfg.schedule.lr_scheduler not in ("step", "multistep"),
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler step or multistep"),
-        (("lr_milestones",), cfg.schedule.lr_scheduler != "multistep",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler multistep"),
-        (("min_lr_ratio",), cfg.schedule.lr_scheduler != "cosine",
-         f"with --lr-scheduler {cfg.schedule.lr_scheduler}: drop it, or pass --lr-scheduler cosine"),
-        (("warmup_method", "warmup_decay"), not (cfg.schedule.warmup_epochs or cfg.schedule.warmup_steps),
+        (("width",), model != "cnn", f"with --model {model} (it sizes the built-in cnn): drop it"),
+        (("momentum", "nesterov"), optimizer != "sgd",
+         f"with --optimizer {optimizer}: drop it, or pass --optimizer sgd"),
+        (("lr_step_size",), scheduler != "step",
+         f"with --lr-scheduler {scheduler}: drop it, or pass --lr-scheduler step"),
+        (("lr_gamma",), scheduler not in ("step", "multistep"),
+         f"with --lr-scheduler {scheduler}: drop it, or pass --lr-scheduler step or multistep"),
+        (("lr_milestones",), scheduler != "multistep",
+         f"with --lr-scheduler {scheduler}: drop it, or pass --lr-scheduler multistep"),
+        (("min_lr_ratio",), scheduler != "cosine",
+         f"with --lr-scheduler {scheduler}: drop it, or pass --lr-scheduler cosine"),
+        (("warmup_method", "warmup_decay"), not (schedule.warmup_epochs or schedule.warmup_steps),
          "without a warm-up (--warmup-steps 0): drop it, or give the warm-up a length"),
-        (("model_ema_steps", "model_ema_decay"), not cfg.regularisation.model_ema,
+        (("model_ema_steps", "model_ema_decay"), not model_ema,
          "without --model-ema: drop it, or pass --model-ema"),
     ]
 
 
-def check_no_effect(cfg: Config, given: dict[str, str]) -> None:
-    """A setting the user gave (given: name -> where) that this config never reads is one line, not ignored."""
-    for name, why in inert(cfg).items():
+def check_no_effect(unread: dict[str, str], given: dict[str, str]) -> None:
+    """A setting the user gave (given: name -> where) that the config never reads (unread: inert's) is one line, not
+    ignored."""
+    for name, why in unread.items():
         if name in given:
             raise ConfigError(f"{given[name]} has no effect {why}")
 
@@ -265,7 +270,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
              **{k: f"--{'no-' if v is False else ''}{flag(k)}{'' if isinstance(v, bool) else f' {v}'}"
                 for k, v in args.items()}}
-    check_no_effect(cfg, where)
+    check_no_effect(inert(cfg), where)
     return cfg
 
 

@@ -38,7 +38,7 @@ from train.cluster.distributed import init, teardown
 from train.cluster.forkserver import start_fork_server
 from train.cluster.identity import PeersNeverCame, identity, is_main
 from train.cluster.spawn import spawn_workers, workers_for
-from train.config.settings import Config
+from train.config.settings import Config, Data, Model
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.loading import build_val_loader
 from train.run.preflight import check_launch
@@ -104,14 +104,14 @@ def check_finite(state, path: Path, run_dir: Path) -> None:
                               f"again with a lower --lr")
 
 
-def network_of(task: Task, cfg: Config, state: dict, source: Path) -> torch.nn.Module:
+def network_of(task: Task, spec: Model, state: dict, source: Path) -> torch.nn.Module:
     """The run's network (its task's) with the weights `state` read from `source`: weights of another network are one
     line."""
-    model = task.network(cfg.model)
+    model = task.network(spec)
     try:
         model.load_state_dict(state)
     except (RuntimeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{source} does not fit the run's --model {cfg.model.model} "
+        raise ConfigError(f"{source} does not fit the run's --model {spec.model} "
                           f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
     return model
 
@@ -131,7 +131,7 @@ def evaluate_run(job: Job) -> int:
     """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
     cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model, job.task)
     cfg = cfg.replace(**{name: value for name, value in (("data_dir", job.data_dir), ("device", job.device)) if value})
-    configure_runtime(cfg)
+    configure_runtime(cfg.launch.threads, cfg.run.deterministic)
     ident = identity()
     device = torch.device(device_name(cfg.launch.device, ident))
     init(device, cfg.launch.timeout_s)
@@ -145,7 +145,7 @@ def evaluate_run(job: Job) -> int:
                               f"validation set of the run's classes ({task.classes_from})")
         loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, ident.global_rank, ident.world_size,
                                   device.type == "cuda", device, task.collate)
-        model = network_of(task, cfg, state, source)
+        model = network_of(task, cfg.model, state, source)
         model.to(device)
         if cfg.model.channels_last:
             model.to(memory_format=torch.channels_last)
@@ -153,24 +153,24 @@ def evaluate_run(job: Job) -> int:
         progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
                             quiet=not is_main()).start()  # rank 0 alone says how far it got
         try:
-            result = checked_scores(task, validate(model, loader, task, device, DTYPES[resolve_precision(cfg, device)],
-                                                   progress.update, detail=True))
+            dtype = DTYPES[resolve_precision(cfg.model, cfg.data, device)]
+            result = checked_scores(task, validate(model, loader, task, device, dtype, progress.update, detail=True))
         finally:
             progress.close()
         if is_main():
-            report(job, cfg, task, source, result, task.pictures(model, val_set, device))
+            report(job, cfg.data, task, source, result, task.pictures(model, val_set, device))
         clean = True
         return 0
     finally:
         teardown(clean, cfg.launch.timeout_s)
 
 
-def report(job: Job, cfg: Config, task: Task, source: Path, result: dict, pictures: list) -> None:
+def report(job: Job, data: Data, task: Task, source: Path, result: dict, pictures: list) -> None:
     """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary. What
     the record holds beyond the scores, the picture and the summary's lines are the task's (task.report)."""
     scores = {k: v for k, v in result.items() if isinstance(v, (int, float))}
-    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": cfg.data.data_dir,
-              "dataset": cfg.data.dataset, "world_size": identity().world_size, "task": task.name, **scores}
+    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": data.data_dir,
+              "dataset": data.dataset, "world_size": identity().world_size, "task": task.name, **scores}
     figure, lines = task.report(record, result, pictures)
     atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())
     picture = job.out.with_suffix(".png")

@@ -52,7 +52,7 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec, task_spec)
     task = build_task(cfg)
     task.describe(read_description(run_dir) or {"classes": classes})
-    model = network_of(task, cfg, state, source).eval()
+    model = network_of(task, cfg.model, state, source).eval()
     example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
     dims = {dim: torch.export.Dim(name, min=1, max=largest or MAX_BATCH)
             for dim, (name, largest) in task.dynamic_dims().items()}  # the batch, a sequence's length, ...

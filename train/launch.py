@@ -28,7 +28,7 @@ from train.cluster.spawn import workers_for
 from train.config.settings import Config
 from train.files.rundir import default_run_dir
 from train.files.rundir import read_status, to_json
-from train.run.plan import dry_run
+from train.run.plan import Plan, dry_run
 from train.run.preflight import preflight
 from train.run.worker import run_worker
 
@@ -38,7 +38,7 @@ def start(cfg: Config) -> int:
     try:
         task = preflight(cfg)
         if cfg.run.dry_run:
-            return print_plan(cfg, cfg.launch.spawn or identity().world_size)
+            return print_plan(dry_run(cfg, cfg.launch.spawn or identity().world_size))
     except ConfigError as e:
         return fail(e)
     return run_worker(cfg, task)
@@ -53,10 +53,9 @@ def check(cfg: Config) -> int:
     return 0
 
 
-def print_plan(cfg: Config, world: int) -> int:
-    """--dry-run: the plan of `world` workers as JSON on stdout (global rank 0's; every worker of a launch has
-    the same), and nothing else."""
-    plan = dry_run(cfg, world)
+def print_plan(plan: Plan) -> int:
+    """--dry-run: the plan (dry_run's) as JSON on stdout (global rank 0's; every worker of a launch has the same), and
+    nothing else."""
     if is_main():
         print(to_json(plan.to_dict(), indent=1), flush=True)
     return 0
@@ -86,7 +85,7 @@ def launch_main(argv: list[str]) -> int:
             raise ConfigError("--spawn is for python -m train; with make use GPUS=N")
         task = preflight(cfg, nprocs)
         if cfg.run.dry_run:
-            return print_plan(cfg, nprocs)
+            return print_plan(dry_run(cfg, nprocs))
     except (ConfigError, JobError) as e:
         return fail(e)
     if not cfg.run.run_dir:

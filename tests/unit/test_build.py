@@ -85,15 +85,15 @@ def test_the_run_and_its_dry_run_decide_the_precision_in_one_place(tmp_path):
     """--precision auto is decided once (runtime.precision_of): the plan a dry run prints and the one the run trains
     from name the same precision, and the parts autocast to its dtype."""
     cfg = _cfg(tmp_path, "--device", "cpu")
-    parts = build(cfg, tmp_path, CPU, resolve_precision(cfg, CPU))
+    parts = build(cfg, tmp_path, CPU, resolve_precision(cfg.model, cfg.data, CPU))
     parts.metrics.close()
-    assert parts.plan.precision == dry_run(cfg, 1).precision == resolve_precision(cfg, CPU) == "fp32"
+    assert parts.plan.precision == dry_run(cfg, 1).precision == resolve_precision(cfg.model, cfg.data, CPU) == "fp32"
     assert parts.precision is DTYPES[parts.plan.precision] is None
     for given in ("fp32", "bf16", "fp16"):  # what is given is what a run trains in, on any device
         spec = cfg.model.__class__(**{**vars(cfg.model), "precision": given})
         assert precision_of(spec, "cpu") == precision_of(spec, "cuda") == given
     if not torch.cuda.is_available():  # a plan for GPUs made on a machine without one says what they decide
-        assert planned_precision(cfg, "cuda").startswith("bf16 on a GPU with bf16")
+        assert planned_precision(cfg.model, "cuda").startswith("bf16 on a GPU with bf16")
 
 
 def test_a_build_that_fails_leaves_no_mlflow_run_running(tmp_path, monkeypatch):

@@ -13,17 +13,17 @@ from train.run.preflight import check_steps
                                                        (4, 2, 7), (4, 4, 3)])
 def test_epochs_become_steps_for_every_layout(workers, accum, per_epoch):
     cfg = parse_config(["--epochs", "90", "--warmup-epochs", "5", "--batch-size", "16", "--grad-accum", str(accum)])
-    assert check_steps(1000, workers, cfg) == per_epoch
-    assert steps_for_epochs(cfg, per_epoch) == (90 * per_epoch, 5 * per_epoch)
+    assert check_steps(1000, workers, cfg.optimisation, cfg.augmentation.ra_reps) == per_epoch
+    assert steps_for_epochs(cfg.run, cfg.schedule, per_epoch) == (90 * per_epoch, 5 * per_epoch)
     fractional = parse_config(["--epochs", "3", "--warmup-epochs", "0.5", "--batch-size", "16"])
-    assert steps_for_epochs(fractional, per_epoch) == (3 * per_epoch, round(per_epoch / 2))
+    assert steps_for_epochs(fractional.run, fractional.schedule, per_epoch) == (3 * per_epoch, round(per_epoch / 2))
     kept = parse_config(["--epochs", "3", "--warmup-steps", "7"])  # a warm-up given in steps stays in steps
-    assert steps_for_epochs(kept, per_epoch) == (3 * per_epoch, 7)
+    assert steps_for_epochs(kept.run, kept.schedule, per_epoch) == (3 * per_epoch, 7)
 
 
 def test_without_epochs_the_steps_are_as_given():
     cfg = parse_config(["--max-steps", "123", "--warmup-steps", "4"])
-    assert steps_for_epochs(cfg, 62) == (123, 4)
+    assert steps_for_epochs(cfg.run, cfg.schedule, 62) == (123, 4)
 
 
 def test_a_preset_length_gives_way_to_epochs():

@@ -133,7 +133,7 @@ def test_the_evaluations_set_decodes_every_kind_as_pil_converts_it(kinds, tmp_pa
         cfg = parse_config(["--dataset", "imagefolder", "--data-dir", str(tmp_path), "--image-size", "16",
                             "--decode", where, "--num-workers", "0"])
         _, val_set, classes = build_datasets(cfg, train=False)
-        steps = image_transforms(cfg, False)
+        steps = image_transforms(cfg.data, cfg.augmentation, False)
         source = val_set.source if where == "gpu" else val_set
         assert classes == 2 and len(source.samples) == len(KINDS)
         for index, (path, _) in enumerate(source.samples):

@@ -163,7 +163,7 @@ def test_a_mask_folder_lists_decodes_and_names_its_classes(tmp_path):
     Image.fromarray(image[0].numpy()).convert("P").save(grey)
     Image.fromarray(mask.numpy()).save(tmp_path / "val" / "masks" / "w.png")
     check_mask_folder(tmp_path)
-    train, val = mask_datasets(masks_config(tmp_path))
+    train, val = mask_datasets(masks_config(tmp_path).data)
     assert [p.name for p, _ in train.samples] == ["a.jpg", "z.png"] and len(val) == 2
     largest = int(mask.max()) + 1
     assert train.classes == val.classes == [str(v) for v in range(largest + 1)]
@@ -176,7 +176,7 @@ def test_a_mask_folder_lists_decodes_and_names_its_classes(tmp_path):
         assert values.dtype == torch.uint8 and values.shape == (16, 24)
     assert torch.equal(raw[0][1], mask + 1) and torch.equal(read_mask(raw.samples[0][1]), mask + 1)  # the P indices
     (tmp_path / "classes.txt").write_text("".join(f"c{v}\n" for v in range(20)))
-    train, val = mask_datasets(masks_config(tmp_path), train=False)
+    train, val = mask_datasets(masks_config(tmp_path).data, train=False)
     assert train is None and val.classes == [f"c{v}" for v in range(20)] and val.describe()["kind"] == "masks"
     image, mask = val[0]
     assert image.shape == (3, 32, 32) and mask.shape == (32, 32) and image.dtype == mask.dtype == torch.uint8
@@ -197,7 +197,7 @@ def test_the_image_and_its_mask_move_together(tmp_path):
     """After the training transforms (random resize, flip, crop, padding) of many seeds, each mask still encodes its
     image: inside a region the image shows the mask's value exactly; the padding is 255 in the mask where the image
     is 0; the mask holds source values alone (nearest neighbour); any draw the two did not share breaks it."""
-    train, val = mask_datasets(masks_config(block_folder(tmp_path, count=1)))
+    train, val = mask_datasets(masks_config(block_folder(tmp_path, count=1)).data)
     sample = SeededSample(train)
     source_values = set(block_pair(40, 48)[1].unique().tolist())
     padded = flipped = inside_count = shown = 0
@@ -222,12 +222,12 @@ def test_the_image_and_its_mask_move_together(tmp_path):
 
 def test_the_transforms_are_the_per_sample_seeds_and_a_resume_sees_the_same_batches(tmp_path):
     cfg = masks_config(block_folder(tmp_path, count=8)).replace(num_workers=0)
-    train, _ = mask_datasets(cfg)
+    train, _ = mask_datasets(cfg.data)
     sample = SeededSample(train)
     a, b, c = sample[(3, 11)], sample[(3, 11)], sample[(3, 12)]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[1], c[1]) or not torch.equal(a[0], c[0])
-    assert [str(t) for t in mask_transforms(cfg, True).transforms] == [
+    assert [str(t) for t in mask_transforms(cfg.data.image_size, True).transforms] == [
         "RandomResize(min_size=16, max_size=65, interpolation=bilinear, antialias=True)",
         "RandomHorizontalFlip(p=0.5)", "RandomCrop(size=(32, 32), pad_if_needed=True, padding_mode=constant)"]
     loader, sampler = build_train_loader(train, sampling(cfg.replace(batch_size=2)), cfg.data, rank=0, world_size=1,
@@ -384,7 +384,7 @@ def test_subfolders_are_read_by_the_same_path_and_by_cityscapes_names(tmp_path):
     (tmp_path / "train" / "masks" / "more").mkdir()
     save_pair(tmp_path, "train", "more/deep", image, mask)
     check_mask_folder(tmp_path)
-    train, val = mask_datasets(masks_config(tmp_path))
+    train, val = mask_datasets(masks_config(tmp_path).data)
     listed = [str(p.relative_to(tmp_path / "train" / "images")) for p, _ in train.samples]
     assert listed == ["plain.png", "aachen/aachen_000000_000019_leftImg8bit.png",
                       "aachen/aachen_000001_000019_leftImg8bit.png", "bremen/bremen_000000_000019_leftImg8bit.png",

@@ -239,18 +239,19 @@ def test_the_train_transforms_are_the_reference_presets(policy, made):
         torch.manual_seed(seed)
         expected = reference(image)
         torch.manual_seed(seed)
-        assert torch.equal(image_transforms(cfg, train=True)(image), expected)
+        assert torch.equal(image_transforms(cfg.data, cfg.augmentation, train=True)(image), expected)
 
 
 def test_the_evaluation_sizes_follow_the_crop_flags():
     cfg = parse_config(["--dataset", "imagefolder", "--image-size", "176", "--val-crop-size", "224",
                         "--val-resize-size", "232", "--interpolation", "bicubic"])
-    assert eval_steps(cfg) == (232, 224, "bicubic")
+    assert eval_steps(cfg.data, cfg.augmentation) == (232, 224, "bicubic")
     image = torch.randint(0, 256, (3, 300, 400), dtype=torch.uint8)
     expected = v2.Compose([v2.Resize(232, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
                            v2.CenterCrop(224)])(image)
-    assert torch.equal(image_transforms(cfg, train=False)(image), expected)
-    assert eval_steps(parse_config(["--dataset", "imagefolder", "--image-size", "224"])) == (256, 224, "bilinear")
+    assert torch.equal(image_transforms(cfg.data, cfg.augmentation, train=False)(image), expected)
+    plain = parse_config(["--dataset", "imagefolder", "--image-size", "224"])
+    assert eval_steps(plain.data, plain.augmentation) == (256, 224, "bilinear")
 
 
 def test_a_warm_up_as_long_as_the_run_is_a_schedule_too():

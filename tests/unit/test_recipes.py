@@ -24,16 +24,22 @@ def cfg(*args):
     return parse_config(["--dataset", "imagefolder", *map(str, args)])
 
 
+def sections(*args):
+    """The data and augmentation sections of cfg(*args): what the recipe and the transforms read."""
+    config = cfg(*args)
+    return config.data, config.augmentation
+
+
 @pytest.mark.parametrize("size, expected", [(16, "cifar"), (32, "cifar"), (96, "cifar"), (128, "imagenet"),
                                             (224, "imagenet")])
 def test_auto_picks_the_recipe_by_image_size_and_the_flag_overrides_it(size, expected):
-    assert augmentation_recipe(cfg("--image-size", size)) == expected
+    assert augmentation_recipe(*sections("--image-size", size)) == expected
     other = "cifar" if expected == "imagenet" else "imagenet"
-    assert augmentation_recipe(cfg("--image-size", size, "--augment", other)) == other
+    assert augmentation_recipe(*sections("--image-size", size, "--augment", other)) == other
 
 
 def test_imagenet_training_is_the_reference_random_resized_crop_and_flip():
-    ours = image_transforms(cfg("--image-size", 224), train=True)
+    ours = image_transforms(*sections("--image-size", 224), train=True)
     crop = next(t for t in ours.reference.transforms if isinstance(t, v2.RandomResizedCrop))
     defaults = inspect.signature(v1.RandomResizedCrop).parameters  # the reference recipe keeps them
     assert (crop.scale, crop.ratio) == (defaults["scale"].default, defaults["ratio"].default) == \
@@ -59,7 +65,7 @@ def test_the_training_transform_draws_and_computes_as_torchvisions_objects(shape
     where theirs does, so whatever comes next (the loader's next image, an --auto-augment policy) is the same."""
     from PIL import Image
 
-    ours = image_transforms(cfg("--image-size", 160, "--interpolation", interpolation), train=True)
+    ours = image_transforms(*sections("--image-size", 160, "--interpolation", interpolation), train=True)
     mode = v2.InterpolationMode(interpolation)
     theirs = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(160, interpolation=mode, antialias=True),
                          v2.RandomHorizontalFlip(), v2.ToDtype(torch.uint8, scale=True)])
@@ -81,7 +87,7 @@ def test_imagenet_evaluation_equals_torchvisions_packaged_preset():
     preset = models.ResNet50_Weights.IMAGENET1K_V1.transforms()
     assert (preset.resize_size, preset.crop_size) == ([eval_resize(224)], [224]) == ([256], [224])
     image = photo(375, 500)
-    ours = image_transforms(cfg("--image-size", 224), train=False)(image)
+    ours = image_transforms(*sections("--image-size", 224), train=False)(image)
     mean, std = torch.tensor(preset.mean).view(3, 1, 1), torch.tensor(preset.std).view(3, 1, 1)
     theirs = ((preset(image) * std + mean) * 255).round()  # back to the uint8 levels it started from
     # The same geometry; the uint8 kernel (ours) and the float one (theirs) may round one level apart.
@@ -90,12 +96,12 @@ def test_imagenet_evaluation_equals_torchvisions_packaged_preset():
 
 
 def test_cifar_sizes_keep_the_padded_crop_recipe():
-    ours = image_transforms(cfg("--image-size", 32), train=True)
+    ours = image_transforms(*sections("--image-size", 32), train=True)
     kinds = [type(t) for t in ours.transforms]
     assert v2.RandomResizedCrop not in kinds and v2.RandomCrop in kinds and v2.RandomHorizontalFlip in kinds
     crop = next(t for t in ours.transforms if isinstance(t, v2.RandomCrop))
     assert crop.padding == [4, 4, 4, 4]
     out = ours(photo(40, 48))
     assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
-    evaluation = image_transforms(cfg("--image-size", 32), train=False)(photo(40, 48))
+    evaluation = image_transforms(*sections("--image-size", 32), train=False)(photo(40, 48))
     assert torch.equal(evaluation, v2.functional.center_crop(v2.functional.resize(photo(40, 48), 32), 32))

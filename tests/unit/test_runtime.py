@@ -34,7 +34,7 @@ def test_two_identical_runs_at_a_batch_of_one_on_two_threads_are_bit_identical()
     for flags in (["--task", "segmentation", "--image-size", "32"], ["--image-size", "32"]):
         cfg = parse_config([*flags, "--threads", "2", "--batch-size", "1"])
         torch.backends.mkldnn.deterministic = False
-        configure_runtime(cfg)
+        configure_runtime(cfg.launch.threads, cfg.run.deterministic)
         assert torch.backends.mkldnn.deterministic and torch.get_num_threads() == 2
         task = build_task(cfg)
         first, second = _steps(task, 1), _steps(task, 1)

@@ -21,7 +21,8 @@ from train.data import prepare_inputs
     (["--model", "resnet18", "--weights", "DEFAULT", "--normalize", "trainbox"], ((0.5,) * 3, (0.25,) * 3)),
 ])
 def test_the_normalisation_follows_the_weights_unless_set(argv, expected):
-    assert normalisation(parse_config(argv)) == expected
+    cfg = parse_config(argv)
+    assert normalisation(cfg.data.normalize, cfg.model) == expected
 
 
 def test_the_inputs_are_normalised_as_torchvision_normalize_does():
@@ -82,16 +83,18 @@ def test_named_weights_bring_their_own_evaluation_transforms():
 
     cfg = parse_config(["--dataset", "imagefolder", "--image-size", "224", "--model", "resnet50",
                         "--weights", "ResNet50_Weights.IMAGENET1K_V2"])
-    assert eval_steps(cfg) == (232, 224, "bilinear")
+    assert eval_steps(cfg.data, cfg.augmentation) == (232, 224, "bilinear")
     image = torch.randint(0, 256, (3, 300, 260), dtype=torch.uint8)
-    ours = prepare_inputs(image_transforms(cfg, False)(image)[None], torch.device("cpu"), False,
+    ours = prepare_inputs(image_transforms(cfg.data, cfg.augmentation, False)(image)[None], torch.device("cpu"),
+                          False,
                           *build_task(cfg).normalisation_on(torch.device("cpu")))
     theirs = ResNet50_Weights.IMAGENET1K_V2.transforms()(image)[None]
     level = 1 / 255 / min(IMAGENET[1])
     assert ours.shape == theirs.shape and (ours - theirs).abs().max() <= level + 1e-6
     assert (ours - theirs).abs().mean() < level / 4
     plain = parse_config(["--dataset", "imagefolder", "--image-size", "224"])
-    assert eval_steps(plain) == (256, 224, "bilinear")  # without them: the recipe's size / 0.875
+    # without them: the recipe's size / 0.875
+    assert eval_steps(plain.data, plain.augmentation) == (256, 224, "bilinear")
 
 
 def every_classification_weight() -> list[tuple[str, str]]:
@@ -123,10 +126,12 @@ def test_named_weights_bring_their_own_statistics_and_sizes(model, weights):
 
     preset = models.get_weight(weights).transforms()
     cfg = parse_config(["--dataset", "imagefolder", "--model", model, "--weights", weights])
-    assert normalisation(cfg) == (tuple(preset.mean), tuple(preset.std))
+    assert normalisation(cfg.data.normalize, cfg.model) == (tuple(preset.mean), tuple(preset.std))
     assert cfg.data.image_size == preset.crop_size[0]
-    assert eval_steps(cfg) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value)
-    exported = preprocessing(cfg, ["a"], *normalisation(cfg))  # what model.pt2.json tells a caller
+    data, aug = cfg.data, cfg.augmentation
+    assert eval_steps(data, aug) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value)
+    # what model.pt2.json tells a caller
+    exported = preprocessing(data, aug, ["a"], *normalisation(data.normalize, cfg.model))
     assert (exported["resize"], exported["center_crop"], exported["interpolation"], exported["mean"],
             exported["std"]) == (preset.resize_size[0], preset.crop_size[0], preset.interpolation.value,
                                  list(preset.mean), list(preset.std))
@@ -145,7 +150,7 @@ def test_sizes_the_user_gives_win_over_the_weights_defaults(argv, expected):
 
     dataset = [] if "--dataset" in argv else ["--dataset", "imagefolder"]
     cfg = parse_config([*dataset, "--model", "resnet50", "--weights", "ResNet50_Weights.IMAGENET1K_V2", *argv])
-    resize, crop, interpolation = eval_steps(cfg)
+    resize, crop, interpolation = eval_steps(cfg.data, cfg.augmentation)
     if cfg.data.dataset == "shapes":
         assert (cfg.data.image_size, crop) == (expected[0], expected[2])
         return
@@ -160,8 +165,10 @@ def test_a_cifar_run_from_named_weights_trains_and_evaluates_at_one_size():
     image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
     for argv, size in (([], 224), (["--image-size", "32"], 32)):
         cfg = parse_config(["--dataset", "cifar10", "--model", "resnet50", "--weights", "DEFAULT", *argv])
-        assert image_transforms(cfg, True)(image).shape[-1] == image_transforms(cfg, False)(image).shape[-1] == size
-        assert eval_steps(cfg)[1] == size
+        data, aug = cfg.data, cfg.augmentation
+        assert image_transforms(data, aug, True)(image).shape[-1] == \
+            image_transforms(data, aug, False)(image).shape[-1] == size
+        assert eval_steps(data, aug)[1] == size
 
 
 def _subclasses(cls: type) -> set[type]:

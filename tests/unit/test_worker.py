@@ -110,8 +110,9 @@ def test_out_of_memory_names_the_flags_that_size_what_ran_out(flags, where, lowe
     the run trains in fp32 on a GPU (lower: bf16 where the GPU has it, else fp16), never the one auto already
     chose."""
     cfg = parse_config(["--preset", "debug", *flags])
-    assert advice(cfg, where, None, lower).endswith(f"{fixes} run the same command")
-    assert ("--precision" in advice(cfg, where, None, lower)) == (lower is not None)
+    sizes = (cfg.data, cfg.augmentation, cfg.optimisation)
+    assert advice(*sizes, where, None, lower).endswith(f"{fixes} run the same command")
+    assert ("--precision" in advice(*sizes, where, None, lower)) == (lower is not None)
 
 
 def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains_in():
@@ -122,4 +123,5 @@ def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains
         assert lower_precision(gpu, "fp32") == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
     cfg = parse_config(["--preset", "debug"])
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes")
-    assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg, "fp32", None))
+    assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg.data, cfg.augmentation,
+                                                  cfg.optimisation, "fp32", None))

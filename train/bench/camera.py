@@ -58,7 +58,8 @@ def camera_rows(out: Path, size: dict, rounds: int) -> list[dict]:
             pack(src, dst, workers=workers, max_side=MAX_SIDE)
             packed[workers].append((len(paths) + 2) / (time.perf_counter() - start))
     shards = ShardSplit(out / f"camera-{MAX_SIDE}-1", "train")
-    transform = image_transforms(parse_config(["--dataset", "imagefolder", "--image-size", "224"]), True)
+    cfg = parse_config(["--dataset", "imagefolder", "--image-size", "224"])
+    transform = image_transforms(cfg.data, cfg.augmentation, True)
 
     def loose(path):
         return transform(load_image(str(path)))

@@ -92,7 +92,8 @@ def examples_pipeline(train: bool, size: int = 224):
 
 
 def trainbox_pipeline(train: bool, size: int = 224):
-    transform = image_transforms(parse_config(["--dataset", "imagefolder", "--image-size", str(size)]), train)
+    cfg = parse_config(["--dataset", "imagefolder", "--image-size", str(size)])
+    transform = image_transforms(cfg.data, cfg.augmentation, train)
     return lambda path: transform(load_image(str(path)))
 
 

@@ -27,7 +27,7 @@ from train.base.progress import Progress
 from train.base.vision import named_weights
 from train.cluster.distributed import gather
 from train.cluster.identity import identity
-from train.config.settings import Config, Model
+from train.config.settings import Model
 from train.data.transforms import MEAN, STD
 from train.files.downloads import private_name, publish
 from train.files.rundir import file_digest
@@ -43,12 +43,12 @@ def resolve(spec: Model):
     return named_weights(spec.model, spec.weights)
 
 
-def normalisation(cfg: Config) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def normalisation(normalize: str, spec: Model) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The input's mean and std (--normalize): auto takes the named --weights' own (their transforms(): ImageNet's
     for most, 0.5 for EfficientNet-V2-L, ...), else trainbox's (0.5, 0.25); imagenet forces ImageNet's."""
-    if cfg.data.normalize == "imagenet":
+    if normalize == "imagenet":
         return IMAGENET
-    entry = resolve(cfg.model) if cfg.data.normalize == "auto" else None
+    entry = resolve(spec) if normalize == "auto" else None
     if entry is not None:
         preset = entry.transforms()
         return tuple(preset.mean), tuple(preset.std)

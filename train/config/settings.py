@@ -308,11 +308,11 @@ IN_MEMORY = ("shapes", "synthetic")  # the built-in datasets: in memory, made at
 IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
 
 
-def augmentation_recipe(cfg: Config) -> str:
-    """The augmentation recipe of a file dataset: cfg.augment, or by image size when it is auto."""
-    if cfg.augmentation.augment != "auto":
-        return cfg.augmentation.augment
-    return "imagenet" if cfg.data.image_size >= IMAGENET_FROM else "cifar"
+def augmentation_recipe(data: Data, aug: Augmentation) -> str:
+    """The augmentation recipe of a file dataset: --augment, or by --image-size when it is auto."""
+    if aug.augment != "auto":
+        return aug.augment
+    return "imagenet" if data.image_size >= IMAGENET_FROM else "cifar"
 
 
 def flag(name: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from train.config.settings import IN_MEMORY, Config
+from train.config.settings import IN_MEMORY, Augmentation, Config, Data
 from train.data.decode import Decoded, FileBytes, load_image, read_bytes
 from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
                                 is_pack, path_of)
@@ -30,70 +30,71 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
     train=False: the validation set alone (train is None; an ImageFolder needs no train/ then). run_dir: where the
     index of another tool's tars (train/data/tars.py), or the Arrow files made of a Hugging Face dataset's Parquet
     files (train/data/hfcache.py), go when their folder cannot be written."""
-    root = Path(cfg.data.data_dir)
+    data, aug, images = cfg.data, cfg.augmentation, not cfg.run.dry_run
+    root = Path(data.data_dir)
     if not train:
-        val = validation_set(cfg, root, run_dir)
+        val = validation_set(data, aug, root, run_dir, cfg.run.seed, images)
         return None, val, len(class_names(val))
-    if cfg.data.dataset in IN_MEMORY:
-        kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
-        train_set = kind(cfg.data.train_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 1)
-    elif cfg.data.dataset == "cifar10":
-        train_set = cifar_split(root, True, image_transforms(cfg, True), cfg.data.download)
-    elif cfg.data.dataset in ("shards", "csv", "hf"):
-        splits = source_splits(cfg, root, ("train", "val"), run_dir)
-        return *(decoded(cfg, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
+    if data.dataset in IN_MEMORY:
+        kind = ShapesDataset if data.dataset == "shapes" else SyntheticDataset
+        train_set = kind(data.train_samples, data.image_size, seed=cfg.run.seed * 2 + 1)
+    elif data.dataset == "cifar10":
+        train_set = cifar_split(root, True, image_transforms(data, aug, True), data.download)
+    elif data.dataset in ("shards", "csv", "hf"):
+        splits = source_splits(data, root, ("train", "val"), run_dir, images)
+        return *(decoded(data, aug, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
         check_imagefolder(root)
-        splits = imagefolder_splits(root, loader=read_bytes if cfg.data.decode == "gpu" else load_image)
-        train_set, val_set = (transformed(cfg, splits[s], s == "train") for s in ("train", "val"))
+        splits = imagefolder_splits(root, loader=read_bytes if data.decode == "gpu" else load_image)
+        train_set, val_set = (transformed(data, aug, splits[s], s == "train") for s in ("train", "val"))
         return train_set, val_set, len(class_names(train_set))
-    return train_set, validation_set(cfg, root, run_dir), len(class_names(train_set))
+    return train_set, validation_set(data, aug, root, run_dir, cfg.run.seed, images), len(class_names(train_set))
 
 
-def source_splits(cfg: Config, root: Path, splits: tuple[str, ...], run_dir: Path | None = None) -> dict:
+def source_splits(data: Data, root: Path, splits: tuple[str, ...], run_dir: Path | None, images: bool) -> dict:
     """The splits of a file source that gives (bytes, label): a pack's, another tool's tars, a label file's, a
-    Hugging Face dataset's (a dry run reads its labels alone)."""
-    data = cfg.data
+    Hugging Face dataset's (images False, a dry run: its labels alone)."""
     if data.dataset == "hf":
         return hf_splits(root, data.image_column, data.label_column, data.train_split, data.val_split, splits, run_dir,
-                         images=not cfg.run.dry_run)
-    if cfg.data.dataset == "csv":
-        listings = read_labelfiles(root, cfg.data.path_column, cfg.data.label_column, splits)
+                         images=images)
+    if data.dataset == "csv":
+        listings = read_labelfiles(root, data.path_column, data.label_column, splits)
         return {split: LabelFileSplit(listing) for split, listing in listings.items()}
     if is_pack(root):
         return {split: ShardSplit(root, split) for split in splits}
-    return tar_splits(root, splits, cfg.data.label_key, run_dir)
+    return tar_splits(root, splits, data.label_key, run_dir)
 
 
-def decoded(cfg: Config, split, train: bool):
+def decoded(data: Data, aug: Augmentation, split, train: bool):
     """A source of (bytes, label), decoded and transformed: in the loader workers, or on the device (--decode gpu)."""
-    return (FileBytes if cfg.data.decode == "gpu" else Decoded)(split, image_transforms(cfg, train), split.name)
+    return (FileBytes if data.decode == "gpu" else Decoded)(split, image_transforms(data, aug, train), split.name)
 
 
-def validation_set(cfg: Config, root: Path, run_dir: Path | None = None):
-    """The validation set, with the evaluation's transforms."""
-    if cfg.data.dataset in IN_MEMORY:
-        kind = ShapesDataset if cfg.data.dataset == "shapes" else SyntheticDataset
-        return kind(cfg.data.val_samples, cfg.data.image_size, seed=cfg.run.seed * 2 + 2)
-    if cfg.data.dataset == "cifar10":
-        return cifar_split(root, False, image_transforms(cfg, False))
-    if cfg.data.dataset in ("shards", "csv", "hf"):
-        return decoded(cfg, source_splits(cfg, root, ("val",), run_dir)["val"], False)
+def validation_set(data: Data, aug: Augmentation, root: Path, run_dir: Path | None, seed: int, images: bool):
+    """The validation set, with the evaluation's transforms (seed: the run's, of the built-in sets; images: as
+    source_splits)."""
+    if data.dataset in IN_MEMORY:
+        kind = ShapesDataset if data.dataset == "shapes" else SyntheticDataset
+        return kind(data.val_samples, data.image_size, seed=seed * 2 + 2)
+    if data.dataset == "cifar10":
+        return cifar_split(root, False, image_transforms(data, aug, False))
+    if data.dataset in ("shards", "csv", "hf"):
+        return decoded(data, aug, source_splits(data, root, ("val",), run_dir, images)["val"], False)
     check_imagefolder(root, ("val",))
-    split = imagefolder_split(root, "val", loader=read_bytes if cfg.data.decode == "gpu" else load_image)
-    return transformed(cfg, split, False)
+    split = imagefolder_split(root, "val", loader=read_bytes if data.decode == "gpu" else load_image)
+    return transformed(data, aug, split, False)
 
 
-def transformed(cfg: Config, split, train: bool):
+def transformed(data: Data, aug: Augmentation, split, train: bool):
     """An ImageFolder's split with its transforms: in the loader workers, or (--decode gpu: the workers read bytes)
     on the device, the training process decoding (DeviceDecoder)."""
-    if cfg.data.decode == "gpu":
-        return FileBytes(split, image_transforms(cfg, train), partial(path_of, split))
-    split.transform = image_transforms(cfg, train)
+    if data.decode == "gpu":
+        return FileBytes(split, image_transforms(data, aug, train), partial(path_of, split))
+    split.transform = image_transforms(data, aug, train)
     return split
 
 
-def source_of(cfg: Config, train_set, val_set) -> dict:
+def source_of(data: Data, train_set, val_set) -> dict:
     """What the run reads, for the plan: the kind of source, each split's files, the order of its samples and where
     its class names come from."""
     def described(dataset) -> dict | None:
@@ -103,9 +104,9 @@ def source_of(cfg: Config, train_set, val_set) -> dict:
 
     val = described(val_set)
     if val is None:  # built in, or CIFAR-10
-        where = "made in memory from the seed" if cfg.data.dataset in IN_MEMORY else \
-            f"torchvision's CIFAR10 in {cfg.data.data_dir}: its batches' order"
-        return {"kind": cfg.data.dataset, "order": where, "classes_from": "the dataset's own names"}
+        where = "made in memory from the seed" if data.dataset in IN_MEMORY else \
+            f"torchvision's CIFAR10 in {data.data_dir}: its batches' order"
+        return {"kind": data.dataset, "order": where, "classes_from": "the dataset's own names"}
     train = described(train_set) if train_set is not None else None
     return {"kind": val["kind"], **({"train": train["from"]} if train else {}), "val": val["from"],
             "order": val["order"], "classes_from": (train or val)["classes_from"]}

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from train.base import vision
 from train.base.errors import ConfigError, DataError, first_few
-from train.config.settings import Config
+from train.config.settings import Data
 from train.data.decode import load_image
 from train.data.labelfiles import class_list
 from train.data.maskpairs import pair_up, scan_folder, split_pairs
@@ -226,7 +226,7 @@ class MaskSplit(Dataset):
                 "classes_from": self.classes_from}
 
 
-def mask_transforms(cfg: Config, train: bool):
+def mask_transforms(image_size: int, train: bool):
     """The image and its mask moved together (torchvision's v2 on a tv_tensors.Image and a tv_tensors.Mask: one draw
     of each random parameter for both; a mask resampled by nearest neighbour, v2's rule for masks), uint8 in and out,
     as torchvision's references/segmentation presets with --image-size as their base and crop size. Training: a random
@@ -236,7 +236,7 @@ def mask_transforms(cfg: Config, train: bool):
     v2.RandomCrop's pad_if_needed places it at a random offset. Evaluation: the shorter side resized to --image-size,
     then the centre crop of --image-size, so that the images of a batch stack (the reference evaluates whole images
     one at a time)."""
-    v2, size = vision.v2, cfg.data.image_size
+    v2, size = vision.v2, image_size
     if train:
         return v2.Compose([v2.RandomResize(int(0.5 * size), int(2.0 * size) + 1, antialias=True),  # both ends in
                            v2.RandomHorizontalFlip(),
@@ -244,10 +244,11 @@ def mask_transforms(cfg: Config, train: bool):
     return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
 
 
-def mask_datasets(cfg: Config, train: bool = True) -> tuple[MaskSplit | None, MaskSplit]:
+def mask_datasets(data: Data, train: bool = True) -> tuple[MaskSplit | None, MaskSplit]:
     """(the training split or None when train is False, the validation split) of --data-dir, with their transforms;
     the class names from mask_classes (without classes.txt, every training mask's pixels are read once here)."""
-    root = Path(cfg.data.data_dir)
+    root = Path(data.data_dir)
     classes, classes_from = mask_classes(root)
-    val = MaskSplit(root, "val", classes, classes_from, mask_transforms(cfg, False))
-    return (MaskSplit(root, "train", classes, classes_from, mask_transforms(cfg, True)) if train else None), val
+    size = data.image_size
+    val = MaskSplit(root, "val", classes, classes_from, mask_transforms(size, False))
+    return (MaskSplit(root, "train", classes, classes_from, mask_transforms(size, True)) if train else None), val

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from train.base import vision
-from train.config.settings import IN_MEMORY, Augmentation, Config, augmentation_recipe
+from train.config.settings import IN_MEMORY, Augmentation, Data, augmentation_recipe
 
 # trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (prepare_inputs), where the weights
 # bring none of their own (components/weights.py: normalisation)
@@ -20,30 +20,30 @@ def eval_resize(size: int) -> int:
     return int(size / 0.875)
 
 
-def train_size(cfg: Config) -> int:
+def train_size(data: Data, aug: Augmentation) -> int:
     """The side of a training image in pixels: the imagenet recipe's --train-crop-size (refused where it has no
     effect), else --image-size."""
-    return cfg.augmentation.train_crop_size or cfg.data.image_size
+    return aug.train_crop_size or data.image_size
 
 
-def image_transforms(cfg: Config, train: bool):
+def image_transforms(data: Data, aug: Augmentation, train: bool):
     """uint8 tensors (or PIL images) in, uint8 tensors out: normalisation happens on the training device.
     imagenet: torchvision's reference classification presets (RandomResizedCrop to --train-crop-size, flip,
     --auto-augment; eval: resize to --val-resize-size, centre crop to --val-crop-size, --interpolation);
     cifar: resize, padded random crop, flip, --auto-augment. --random-erase follows the normalisation, on the
     training device (train/components/augment.py), as the reference's preset has it after Normalize."""
     v2 = vision.v2
-    size, mode = cfg.data.image_size, v2.InterpolationMode(cfg.augmentation.interpolation)
-    if augmentation_recipe(cfg) == "imagenet" and train:
-        return CropFlip(train_size(cfg), mode, auto_augment(cfg.augmentation))
-    elif augmentation_recipe(cfg) == "imagenet":
-        resize, crop, _ = eval_steps(cfg)
+    size, mode = data.image_size, v2.InterpolationMode(aug.interpolation)
+    if augmentation_recipe(data, aug) == "imagenet" and train:
+        return CropFlip(train_size(data, aug), mode, auto_augment(aug))
+    elif augmentation_recipe(data, aug) == "imagenet":
+        resize, crop, _ = eval_steps(data, aug)
         steps = [v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop)]
     else:
         steps = [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
         if train:
             steps += [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip(),
-                      *auto_augment(cfg.augmentation)]
+                      *auto_augment(aug)]
     return v2.Compose([v2.ToImage(), *steps, v2.ToDtype(torch.uint8, scale=True)])
 
 
@@ -87,20 +87,20 @@ def auto_augment(aug: Augmentation) -> list:
             "imagenet": [v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)]}[aug.auto_augment]
 
 
-def eval_steps(cfg: Config) -> tuple[int, int, str]:
+def eval_steps(data: Data, aug: Augmentation) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
     / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
     (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
-    files = cfg.data.dataset not in IN_MEMORY
-    if not files or augmentation_recipe(cfg) != "imagenet":
-        return cfg.data.image_size, cfg.data.image_size, "bilinear"
-    crop = cfg.augmentation.val_crop_size or cfg.data.image_size
-    return cfg.augmentation.val_resize_size or eval_resize(crop), crop, cfg.augmentation.interpolation
+    files = data.dataset not in IN_MEMORY
+    if not files or augmentation_recipe(data, aug) != "imagenet":
+        return data.image_size, data.image_size, "bilinear"
+    crop = aug.val_crop_size or data.image_size
+    return aug.val_resize_size or eval_resize(crop), crop, aug.interpolation
 
 
-def preprocessing(cfg: Config, classes: list[str], mean: tuple, std: tuple) -> dict:
+def preprocessing(data: Data, aug: Augmentation, classes: list[str], mean: tuple, std: tuple) -> dict:
     """What a caller of the trained model does to an RGB image before it: the evaluation's own steps."""
-    resize, crop, interpolation = eval_steps(cfg)
+    resize, crop, interpolation = eval_steps(data, aug)
     return {"resize": resize, "resize_of": "the shorter side", "interpolation": interpolation, "antialias": True,
             "center_crop": crop, "scale": 1 / 255, "mean": list(mean), "std": list(std), "channels": "RGB",
             "layout": "N x 3 x H x W float32", "classes": classes}

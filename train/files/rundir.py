@@ -263,11 +263,11 @@ def default_run_dir(started: float | None = None) -> str:
     return time.strftime("runs/%Y%m%d-%H%M%S", time.localtime(started))
 
 
-def launch_run_dir(cfg) -> str:
-    """--run-dir, else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
+def launch_run_dir(given: str) -> str:
+    """--run-dir (given), else runs/<start time>. Under torchrun that is the start of torchrun itself (this worker's
     parent), so the attempts it restarts after a failure resume the same run instead of starting new ones."""
-    if cfg.run.run_dir:
-        return cfg.run.run_dir
+    if given:
+        return given
     return default_run_dir(process_start_time(os.getppid()) if "TORCHELASTIC_RUN_ID" in os.environ else None)
 
 

@@ -29,11 +29,11 @@ from train.components.ema import ModelEma
 from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.config.settings import IN_MEMORY, Config
+from train.config.settings import IN_MEMORY, Config, Data, Model
 from train.data import packed_with
 from train.files import checkpoint_io as ckpt
 from train.files import rundir, writable
-from train.loading import build_train_loader, build_val_loader, in_memory, sampling
+from train.loading import Sampling, build_train_loader, build_val_loader, in_memory, sampling
 from train.report.hardware import GpuTelemetry
 from train.report.metrics import LogWindow, MetricsWriter, build_manifest, setup_logging
 from train.report.tracker import Tracker, start_tracking
@@ -121,17 +121,19 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     initial = read_weights(cfg.model) if cfg.model.weights and state is None else None
     # Data and model: identical on every rank (the seed drives both); DDP also broadcasts rank 0's weights.
     torch.manual_seed(cfg.run.seed)
-    train_set, val_set = data_then_folder(cfg, task, run_dir)
+    train_set, val_set = data_then_folder(task, run_dir, cfg.run.task, cfg.data, cfg.model,
+                                          cfg.optimisation.batch_size)
     names = task.classes
-    raw_model = model_on(cfg, task, device, world)
+    raw_model = model_on(cfg.model, task, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
     plan = make_plan(cfg, world, device.type, precision, train_set, val_set, task, raw_model, str(run_dir),
                      layout=layout)
     # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
     saved_plan = rundir.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
     if state is not None:
-        check_same_data(cfg, run_dir, plan, names, saved_plan)
-    train_loader, sampler, val_loader = loaders(cfg, plan, layout, task, train_set, val_set, device)
+        check_same_data(cfg.data.data_dir, run_dir, plan, names, saved_plan)
+    train_loader, sampler, val_loader = loaders(sampling(cfg), cfg.data, cfg.run.epochs, plan, layout, task, train_set,
+                                                val_set, device)
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
@@ -147,7 +149,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     resumed = checkpointer.restore(state, source)
     if relaid:
         log.info("%s", relaid)
-    model = for_training(raw_model, cfg, device, world)
+    model = for_training(raw_model, cfg.model, cfg.run.deterministic, device, world)
     step = resumed.step if resumed else 0
     write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
@@ -164,21 +166,21 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
                  telemetry=telemetry, window=window, resumed=resumed)
 
 
-def data_then_folder(cfg: Config, task: Task, run_dir: Path) -> tuple:
+def data_then_folder(task: Task, run_dir: Path, task_name: str, data: Data, spec: Model, batch_size: int) -> tuple:
     """(training set, validation set), and the run folder made between: a dataset of files, and a task of the user's
-    with its answers (train/tasks/contract.py), are listed and checked before the folder is made, so that a refused one
-    leaves no folder behind. The built-in sets, made in memory, can meet only a lack of memory, which the run folder
-    then records (restarts refuse at once)."""
-    own = ":" in cfg.run.task
-    data = None if cfg.data.dataset in IN_MEMORY and not own else task.datasets(run_dir)
+    (task_name: --task) with its answers (train/tasks/contract.py), are listed and checked before the folder is made, so
+    that a refused one leaves no folder behind. The built-in sets, made in memory, can meet only a lack of memory,
+    which the run folder then records (restarts refuse at once)."""
+    own = ":" in task_name
+    sets = None if data.dataset in IN_MEMORY and not own else task.datasets(run_dir)
     if own:
-        check_task(task, cfg.model, *data, cfg.optimisation.batch_size)
-        if cfg.data.num_workers > 0 and task.collate is None and in_memory(data[0]) is not None:
-            raise ConfigError(f"--num-workers {cfg.data.num_workers} has no effect with --task {cfg.run.task}: its "
+        check_task(task, spec, *sets, batch_size)
+        if data.num_workers > 0 and task.collate is None and in_memory(sets[0]) is not None:
+            raise ConfigError(f"--num-workers {data.num_workers} has no effect with --task {task_name}: its "
                               f"datasets are tensors held in memory, cut into batches on the device: drop it")
     check_state_saves(task)
     prepare_run_dir(run_dir)
-    return data or task.datasets(run_dir)
+    return sets or task.datasets(run_dir)
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -198,53 +200,56 @@ def prepare_run_dir(run_dir: Path) -> None:
     setup_logging(run_dir if is_main() else None)
 
 
-def model_on(cfg: Config, task: Task, device: torch.device, world: int) -> torch.nn.Module:
+def model_on(spec: Model, task: Task, device: torch.device, world: int) -> torch.nn.Module:
     """The task's model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
-    model = task.model(cfg.model)  # frozen before the optimizer: no state for those parameters
-    if cfg.model.sync_bn and world > 1:
+    model = task.model(spec)  # frozen before the optimizer: no state for those parameters
+    if spec.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
-    if cfg.model.channels_last:
+    if spec.channels_last:
         model.to(memory_format=torch.channels_last)
     return model
 
 
-def check_same_data(cfg: Config, run_dir: Path, plan: Plan, names: list[str], saved_plan: dict) -> None:
-    """A resume trains on the data the run trained on, wherever --data-dir now points: the same number of images in each
-    split and the same classes as plan.json (saved_plan) and classes.json say (rank 0 reads them; all learn)."""
+def check_same_data(data_dir: str, run_dir: Path, plan: Plan, names: list[str], saved_plan: dict) -> None:
+    """A resume trains on the data the run trained on, wherever --data-dir (data_dir) now points: the same number of
+    images in each split and the same classes as plan.json (saved_plan) and classes.json say (rank 0 reads them; all
+    learn)."""
     found = broadcast_from_main(data_differences(saved_plan, rundir.read_classes(run_dir), plan, names)
                                 if is_main() else None)
     if found:
-        raise ConfigError(f"{cfg.data.data_dir} is not the data {run_dir} trained on "
+        raise ConfigError(f"{data_dir} is not the data {run_dir} trained on "
                           f"({', '.join(found)}): point --data-dir at that data, or start a new --run-dir")
 
 
-def loaders(cfg: Config, plan: Plan, layout: Layout, task: Task, train_set, val_set, device: torch.device) -> tuple:
-    """(train loader, its sampler, validation loader) of this rank, batched by the task's collate (Task.collate)."""
+def loaders(spec: Sampling, data: Data, epochs: int, plan: Plan, layout: Layout, task: Task, train_set, val_set,
+            device: torch.device) -> tuple:
+    """(train loader, its sampler, validation loader) of this rank, as `spec` deals the samples and `data` loads them,
+    batched by the task's collate (Task.collate); epochs: --epochs, for the line that says the run's steps."""
     ident, pin = identity(), device.type == "cuda"
     rank, world = ident.global_rank, ident.world_size
-    train_loader, sampler = build_train_loader(train_set, sampling(cfg), cfg.data, rank, world, pin, device,
+    train_loader, sampler = build_train_loader(train_set, spec, data, rank, world, pin, device,
                                                layout=(layout.world_size, layout.grad_accum), collate=task.collate)
-    val_loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, rank, world, pin, device,
-                                  task.collate)
-    if is_main() and cfg.run.epochs:  # the run's length in steps, from its length in epochs on this layout
+    val_loader = build_val_loader(val_set, data, spec.batch_size, rank, world, pin, device, task.collate)
+    if is_main() and epochs:  # the run's length in steps, from its length in epochs on this layout
         log.info("--epochs %d: %d steps (%d per epoch: %d images / (%d workers x batch %d x accumulation %d)), "
-                 "warm-up %d steps", cfg.run.epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
-                 world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum, plan.warmup_steps)
-    if is_main() and cfg.augmentation.ra_reps and world == 1:
+                 "warm-up %d steps", epochs, plan.max_steps, plan.steps_per_epoch, len(train_set),
+                 world, spec.batch_size, spec.grad_accum, plan.warmup_steps)
+    if is_main() and spec.reps and world == 1:
         log.info("sampler: %s", plan.sampler)
     return train_loader, sampler, val_loader
 
 
-def for_training(model: torch.nn.Module, cfg: Config, device: torch.device, world: int) -> torch.nn.Module:
+def for_training(model: torch.nn.Module, spec: Model, deterministic: bool, device: torch.device,
+                 world: int) -> torch.nn.Module:
     """What trains: the model compiled (--compile) and, in a process group, DDP-wrapped (with the rank-ordered
     reduction under --deterministic)."""
-    if cfg.model.compile:
+    if spec.compile:
         model = torch.compile(model)
     if dist.is_initialized():
-        model = wrap(model, device, gradient_as_bucket_view=True, bucket_cap_mb=cfg.model.bucket_cap_mb,
-                     static_graph=cfg.model.static_graph)
-        if cfg.run.deterministic and world > 1:
+        model = wrap(model, device, gradient_as_bucket_view=True, bucket_cap_mb=spec.bucket_cap_mb,
+                     static_graph=spec.static_graph)
+        if deterministic and world > 1:
             model.register_comm_hook(None, ordered_allreduce_hook)
     return model
 

@@ -24,7 +24,7 @@ from train.components.ema import adjusted_decay
 from train.components.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.components.weights import cached_file, resolve
 from train.config.resume import Layout
-from train.config.settings import Config
+from train.config.settings import Config, Data, Model, Optimisation, Regularisation, Run, Schedule
 from train.data import check_cifar
 from train.files.rundir import launch_run_dir
 from train.loading import describe_sampler
@@ -82,8 +82,9 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
     trains; a setting that has no effect on them is one line (ConfigError). layout: the one a resumed run's samples
     are laid out for, else this start's."""
     layout = layout or Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum)
-    steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg, layout.grad_accum)
-    max_steps, warmup_steps = steps_for_epochs(cfg, steps_per_epoch)
+    steps_per_epoch = check_steps(len(train_set), layout.world_size, cfg.optimisation, cfg.augmentation.ra_reps,
+                                  layout.grad_accum)
+    max_steps, warmup_steps = steps_for_epochs(cfg.run, cfg.schedule, steps_per_epoch)
     epochs = cfg.run.epochs or max_steps / steps_per_epoch
     batch, described = task.augment(), task.facts()
     global_batch = world * cfg.optimisation.batch_size * cfg.optimisation.grad_accum
@@ -95,10 +96,11 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         sampler=describe_sampler(cfg.augmentation.ra_reps, layout.world_size),
         running_statistics=running_statistics(model, cfg.model.sync_bn), **task.input_steps(train_set, val_set),
         batch_transform=repr(batch) if batch else "none",
-        loss=described["loss"], optimizer=_optimizer(cfg),
+        loss=described["loss"], optimizer=_optimizer(cfg.optimisation),
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
-        lr=learning_rates(cfg, max_steps, warmup_steps, steps_per_epoch),
-        ema=_ema(cfg, global_batch, epochs, warmup_steps), weights=_weights(cfg), layout=layout.to_dict(), resumes=[])
+        lr=learning_rates(cfg.optimisation, cfg.schedule, cfg.run.epochs, max_steps, warmup_steps, steps_per_epoch),
+        ema=_ema(cfg.regularisation, cfg.schedule, global_batch, epochs, warmup_steps), weights=_weights(cfg.model),
+        layout=layout.to_dict(), resumes=[])
 
 
 def running_statistics(model: torch.nn.Module, sync_bn: bool) -> str | None:
@@ -113,18 +115,16 @@ def running_statistics(model: torch.nn.Module, sync_bn: bool) -> str | None:
             f"trains it: the same at any world size and accumulation{together}")
 
 
-def steps_for_epochs(cfg: Config, steps_per_epoch: int) -> tuple[int, int]:
+def steps_for_epochs(run: Run, schedule: Schedule, steps_per_epoch: int) -> tuple[int, int]:
     """(max_steps, warmup_steps) of a run given in --epochs (and --warmup-epochs), or as given."""
-    if not cfg.run.epochs:
-        return cfg.run.max_steps, cfg.schedule.warmup_steps
-    schedule = cfg.schedule
+    if not run.epochs:
+        return run.max_steps, schedule.warmup_steps
     warmup = round(schedule.warmup_epochs * steps_per_epoch) if schedule.warmup_epochs else schedule.warmup_steps
-    return cfg.run.epochs * steps_per_epoch, warmup
+    return run.epochs * steps_per_epoch, warmup
 
 
-def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:
+def _ema(reg: Regularisation, schedule: Schedule, global_batch: int, epochs: float, warmup_steps: int) -> dict | None:
     """--model-ema's adjusted decay, its period and when it restarts from the weights; None without it."""
-    reg, schedule = cfg.regularisation, cfg.schedule
     if not reg.model_ema:
         return None
     warmup = (f"{schedule.warmup_epochs:g} epochs" if schedule.schedule_unit == "epoch"
@@ -133,13 +133,15 @@ def _ema(cfg: Config, global_batch: int, epochs: float, warmup_steps: int) -> di
             "every_steps": reg.model_ema_steps, "restarted_during": f"the warm-up ({warmup})"}
 
 
-def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epoch: int) -> dict:
+def learning_rates(opt: Optimisation, schedule: Schedule, epochs: int, max_steps: int, warmup_steps: int,
+                   steps_per_epoch: int) -> dict:
     """The learning rate of each epoch's optimizer steps, or of each step for runs of up to LR_EVERY_STEP steps
-    that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it."""
-    optimizer = _probe_optimizer(cfg)
-    lengths = schedule_lengths(cfg.schedule, cfg.run.epochs, max_steps, warmup_steps)
-    scheduler = build_scheduler(cfg.schedule, optimizer, *lengths)
-    every_step = cfg.schedule.schedule_unit == "step"
+    that step their schedule every optimizer step: the trainer's own scheduler, stepped as the trainer steps it.
+    epochs: --epochs (0: the run is max_steps long)."""
+    optimizer = _probe_optimizer(opt)
+    lengths = schedule_lengths(schedule, epochs, max_steps, warmup_steps)
+    scheduler = build_scheduler(schedule, optimizer, *lengths)
+    every_step = schedule.schedule_unit == "step"
     per_step = every_step and max_steps <= LR_EVERY_STEP
     values = []
     with warnings.catch_warnings():  # the scheduler steps without an optimizer step: there is nothing to train
@@ -151,46 +153,45 @@ def learning_rates(cfg: Config, max_steps: int, warmup_steps: int, steps_per_epo
     return {"per": "step" if per_step else "epoch", "values": values}
 
 
-def _probe_optimizer(cfg: Config) -> torch.optim.Optimizer:
+def _probe_optimizer(opt: Optimisation) -> torch.optim.Optimizer:
     """The trainer's optimizer (build_optimizer) over one parameter of its own: its class and settings."""
     probe = torch.nn.Linear(1, 1, bias=False)
-    opt = cfg.optimisation
     return build_optimizer(opt, probe, [{"weight_decay": opt.weight_decay, "params": ["weight"]}])
 
 
-def _optimizer(cfg: Config) -> dict:
-    optimizer = _probe_optimizer(cfg)
+def _optimizer(opt: Optimisation) -> dict:
+    optimizer = _probe_optimizer(opt)
     keys = ("momentum", "dampening", "nesterov") if isinstance(optimizer, torch.optim.SGD) else ("betas", "eps")
     return {"name": type(optimizer).__name__, **{k: optimizer.defaults[k] for k in keys},
-            "grad_clip": cfg.optimisation.grad_clip or None}
+            "grad_clip": opt.grad_clip or None}
 
 
-def _weights(cfg: Config) -> dict | None:
-    if not cfg.model.weights:
+def _weights(spec: Model) -> dict | None:
+    if not spec.weights:
         return None
-    entry = resolve(cfg.model)
+    entry = resolve(spec)
     if entry is None:
-        return {"weights": cfg.model.weights, "file": str(Path(cfg.model.weights))}
-    backbone = {"for": "the backbone"} if type(entry) is backbone_weights(cfg.model.model) else {}
-    return {"weights": cfg.model.weights, "torchvision": f"{type(entry).__name__}.{entry.name}", **backbone,
+        return {"weights": spec.weights, "file": str(Path(spec.weights))}
+    backbone = {"for": "the backbone"} if type(entry) is backbone_weights(spec.model) else {}
+    return {"weights": spec.weights, "torchvision": f"{type(entry).__name__}.{entry.name}", **backbone,
             "file": str(cached_file(entry)), "transforms": repr(entry.transforms())}
 
 
-def planned_device(cfg: Config) -> str:
-    """The device a dry run plans for: --device, else CUDA where it is here or where the config needs it
+def planned_device(requested: str, spec: Model, data: Data) -> str:
+    """The device a dry run plans for: --device (requested), else CUDA where it is here or where the config needs it
     (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs), else the CPU."""
-    if cfg.launch.device != "auto":
-        return cfg.launch.device
-    needs_gpu = cfg.model.precision in ("bf16", "fp16") or cfg.data.decode == "gpu" or cfg.model.sync_bn
+    if requested != "auto":
+        return requested
+    needs_gpu = spec.precision in ("bf16", "fp16") or data.decode == "gpu" or spec.sync_bn
     return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
 
 
-def planned_precision(cfg: Config, device: str) -> str:
+def planned_precision(spec: Model, device: str) -> str:
     """The precision a dry run plans for: the run's own (runtime.precision_of), or where it plans for a GPU this
     machine lacks with --precision auto, what that GPU decides."""
-    if cfg.model.precision == "auto" and device == "cuda" and not torch.cuda.is_available():
+    if spec.precision == "auto" and device == "cuda" and not torch.cuda.is_available():
         return "bf16 on a GPU with bf16 (Ampere and newer), else fp32"
-    return precision_of(cfg.model, device)
+    return precision_of(spec, device)
 
 
 def dry_run(cfg: Config, world: int) -> Plan:
@@ -205,6 +206,6 @@ def dry_run(cfg: Config, world: int) -> Plan:
     train_set, val_set = task.datasets()
     with torch.device("meta"):
         model = task.model(cfg.model)
-    device = planned_device(cfg)
-    return make_plan(cfg, world, device, planned_precision(cfg, device), train_set, val_set, task, model,
-                     launch_run_dir(cfg))
+    device = planned_device(cfg.launch.device, cfg.model, cfg.data)
+    return make_plan(cfg, world, device, planned_precision(cfg.model, device), train_set, val_set, task, model,
+                     launch_run_dir(cfg.run.run_dir))

@@ -20,7 +20,7 @@ from train.components.models import frozen_names
 from train.components.optim import decay_groups
 from train.components.weights import read_weights, resolve
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
-from train.config.settings import IN_MEMORY, Config
+from train.config.settings import IN_MEMORY, Config, Data, Model, Optimisation, Tracking
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json
@@ -39,88 +39,91 @@ def preflight(cfg: Config, world: int | None = None) -> Task:
     (the launcher); else from the launch environment. An exception raised in the user's own task or model code leaves
     as a UserCodeError: its traceback, once. Returns the run's task, built once (a worker in this process trains
     with it)."""
-    with users_code((cfg.run.task, cfg.model.model)):
-        return _preflight(cfg, world)
+    run, dry = cfg.run, cfg.run.dry_run
+    with users_code((run.task, cfg.model.model)):
+        ident = check_launch(cfg.launch.spawn, dry)
+        if not dry:  # a dry run plans for the devices the config asks for, present here or not
+            check_devices(cfg.launch.device, cfg.model, cfg.data, world or cfg.launch.spawn or ident.local_world_size)
+        workers = world or cfg.launch.spawn or ident.world_size
+        task = build_task(cfg)
+        # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
+        task.check(Path(run.run_dir) if run.run_dir and not dry else None)
+        check_weights(cfg.model, run.run_dir, task)
+        check_decay_groups(cfg.optimisation, cfg.model, task)
+        check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size, workers)
+        if cfg.data.dataset in IN_MEMORY and ":" not in run.task:  # files: counted by the workers, once loaded
+            check_steps(cfg.data.train_samples, workers, cfg.optimisation, cfg.augmentation.ra_reps)
+        # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
+        port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \
+            str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
+        if port is not None and not dry:
+            check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.launch.spawn else
+                       "set MASTER_PORT to a free port")
+        if run.run_dir:
+            check_run_dir(Path(run.run_dir))
+            check_resume(cfg, Path(run.run_dir), workers)
+            check_room(Path(run.run_dir))
+        elif not dry:  # runs/<start time>, a new folder: the one it is made in must take it
+            problem = run_dir_problem(Path(launch_run_dir(run.run_dir)))
+            if problem:
+                raise ConfigError(problem)
+        if not dry:
+            check_tracking(cfg.tracking, run.run_dir, ident.global_rank)
+        return task
 
 
-def _preflight(cfg: Config, world: int | None) -> Task:
-    ident = check_launch(cfg.launch.spawn, cfg.run.dry_run)
-    if not cfg.run.dry_run:  # a dry run plans for the devices the config asks for, present here or not
-        check_devices(cfg, local_workers=world or cfg.launch.spawn or ident.local_world_size)
-    task = build_task(cfg)
-    # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
-    task.check(Path(cfg.run.run_dir) if cfg.run.run_dir and not cfg.run.dry_run else None)
-    check_weights(cfg, task)
-    check_decay_groups(cfg, task)
-    check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size, world or cfg.launch.spawn or ident.world_size)
-    if cfg.data.dataset in IN_MEMORY and ":" not in cfg.run.task:  # files: counted by the workers, once loaded
-        check_steps(cfg.data.train_samples, world or cfg.launch.spawn or ident.world_size, cfg)
-    # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
-    port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \
-        str(ident.master_port) if ident.launcher == "slurm" and ident.global_rank == 0 else None
-    if port is not None and not cfg.run.dry_run:
-        check_port(port, fix="unset MASTER_PORT so a free one is picked" if cfg.launch.spawn else
-                   "set MASTER_PORT to a free port")
-    if cfg.run.run_dir:
-        check_run_dir(cfg, Path(cfg.run.run_dir), world or cfg.launch.spawn or ident.world_size)
-    elif not cfg.run.dry_run:  # runs/<start time>, a new folder: the one it is made in must take it
-        problem = run_dir_problem(Path(launch_run_dir(cfg)))
-        if problem:
-            raise ConfigError(problem)
-    if not cfg.run.dry_run:
-        check_tracking(cfg, ident.global_rank)
-    return task
-
-
-def check_weights(cfg: Config, task: Task) -> None:
+def check_weights(spec: Model, run_dir: str, task: Task) -> None:
     """--weights that name nothing or no file, and --freeze prefixes that match no parameter (the names, on a
-    model built on the meta device: no memory, no time), answered before any worker starts."""
-    if not cfg.model.weights and not cfg.model.freeze:
+    model built on the meta device: no memory, no time), answered before any worker starts. run_dir: --run-dir (a
+    resume ignores --weights)."""
+    if not spec.weights and not spec.freeze:
         return
     with torch.device("meta"):
-        model = task.network(cfg.model)  # before the data is read: a classifier of a stand-in class count
-    run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
-    resuming = run_dir is not None and run_dir.is_dir() and bool(checkpoint_io.list_checkpoints(run_dir))
-    if cfg.model.weights and resolve(cfg.model) is None and not resuming:  # a file (named weights: the workers fetch)
-        task.start_from(read_weights(cfg.model, fetched=False)[0], model, sized=False)
-    frozen_names(cfg.model, model, lambda: task.head(model))
+        model = task.network(spec)  # before the data is read: a classifier of a stand-in class count
+    folder = Path(run_dir) if run_dir else None
+    resuming = folder is not None and folder.is_dir() and bool(checkpoint_io.list_checkpoints(folder))
+    if spec.weights and resolve(spec) is None and not resuming:  # a file (named weights: the workers fetch)
+        task.start_from(read_weights(spec, fetched=False)[0], model, sized=False)
+    frozen_names(spec, model, lambda: task.head(model))
 
 
-def check_decay_groups(cfg: Config, task: Task) -> None:
+def check_decay_groups(opt: Optimisation, spec: Model, task: Task) -> None:
     """A weight decay given for parameters the model has none of (--transformer-embedding-decay on a ResNet, a
     --norm-weight-decay whose layers are all frozen): one line before any worker starts, on the meta device."""
-    opt = cfg.optimisation
     if opt.norm_weight_decay is None and opt.bias_weight_decay is None and opt.transformer_embedding_decay is None:
         return
     with torch.device("meta"):
-        model = task.model(cfg.model)
-    decay_groups(cfg.optimisation, model, cfg.model.model)
+        model = task.model(spec)
+    decay_groups(opt, model, spec.model)
 
 
-def check_tracking(cfg: Config, rank: int) -> None:
+def check_tracking(tracking: Tracking, run_dir: str, rank: int) -> None:
     """A tracked run names a server it can reach. Asked once per launch (the launcher and global rank 0),
-    and only for a new run: a restart or resume of a tracked run trains on while the server is down."""
-    uri = tracking_uri(cfg.tracking)
+    and only for a new run (run_dir: --run-dir): a restart or resume of a tracked run trains on while the server is
+    down."""
+    uri = tracking_uri(tracking)
     if not uri:
         return
     check_uri(uri)
-    if rank == 0 and not continues_a_tracked_run(cfg.run.run_dir):
+    if rank == 0 and not continues_a_tracked_run(run_dir):
         probe_server(uri)
 
 
-def check_devices(cfg: Config, local_workers: int) -> None:
+def check_devices(requested: str, spec: Model, data: Data, local_workers: int) -> None:
+    """--device (requested) and the GPUs this node shows, for its local workers; the precision and the rest that need
+    a GPU (check_precision)."""
     problem = visible_devices_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), host_gpu_count())
     if problem:
         raise ConfigError(problem)
     cuda = torch.cuda.is_available()
-    if cfg.launch.device == "cuda" and not cuda:
+    if requested == "cuda" and not cuda:
         shown = f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})" \
             if "CUDA_VISIBLE_DEVICES" in os.environ else ""
         raise ConfigError(f"--device cuda but no CUDA GPU is visible{shown}: use --device cpu, or check the driver "
                           f"and CUDA_VISIBLE_DEVICES")
-    if cuda and cfg.launch.device != "cpu":
+    if cuda and requested != "cpu":
         check_gpu_per_worker(local_workers, torch.cuda.device_count())
-    check_precision(cfg, on_cpu=cfg.launch.device == "cpu" or not cuda)
+    check_precision(spec, data, on_cpu=requested == "cpu" or not cuda)
 
 
 def check_gpu_per_worker(local_workers: int, visible: int) -> None:
@@ -130,27 +133,28 @@ def check_gpu_per_worker(local_workers: int, visible: int) -> None:
                           f"{visible} (torchrun --nproc-per-node, --spawn, NPROC_PER_NODE) or set CUDA_VISIBLE_DEVICES")
 
 
-def check_precision(cfg: Config, on_cpu: bool) -> None:
-    if on_cpu and cfg.model.precision in ("fp16", "bf16"):
-        raise ConfigError(f"--precision {cfg.model.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
-    if on_cpu and cfg.model.sync_bn:
+def check_precision(spec: Model, data: Data, on_cpu: bool) -> None:
+    """What needs a CUDA GPU (--precision fp16/bf16, --sync-bn, --decode gpu), refused where there is none."""
+    if on_cpu and spec.precision in ("fp16", "bf16"):
+        raise ConfigError(f"--precision {spec.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
+    if on_cpu and spec.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if cfg.data.decode == "gpu" and cfg.data.dataset not in ("imagefolder", "csv", "shards", "hf"):
-        raise ConfigError(f"--decode gpu decodes image files, and --dataset {cfg.data.dataset} has none: use it with "
+    if data.decode == "gpu" and data.dataset not in ("imagefolder", "csv", "shards", "hf"):
+        raise ConfigError(f"--decode gpu decodes image files, and --dataset {data.dataset} has none: use it with "
                           f"--dataset imagefolder, csv, shards or hf, or drop it")
-    if cfg.data.decode == "gpu" and on_cpu:
+    if data.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 
 
-def check_steps(train_samples: int, world: int, cfg: Config, grad_accum: int | None = None) -> int:
+def check_steps(train_samples: int, world: int, opt: Optimisation, ra_reps: int, grad_accum: int | None = None) -> int:
     """The optimizer steps in one epoch, which must be at least one; world and grad_accum (default --grad-accum): the
-    layout the samples are laid out for."""
-    opt, accum = cfg.optimisation, grad_accum or cfg.optimisation.grad_accum
-    steps = samples_per_rank(train_samples, world, cfg.augmentation.ra_reps) // opt.batch_size // accum
+    layout the samples are laid out for; ra_reps: --ra-reps."""
+    accum = grad_accum or opt.grad_accum
+    steps = samples_per_rank(train_samples, world, ra_reps) // opt.batch_size // accum
     if steps == 0:
-        cut = " (--ra-reps takes a multiple of 256 of them)" if cfg.augmentation.ra_reps else ""
+        cut = " (--ra-reps takes a multiple of 256 of them)" if ra_reps else ""
         raise ConfigError(f"{train_samples} training samples{cut} are fewer than one step needs "
-                          f"({world} workers x {cfg.optimisation.batch_size} x {accum}): "
+                          f"({world} workers x {opt.batch_size} x {accum}): "
                           f"lower --batch-size or --grad-accum")
     return steps
 
@@ -216,15 +220,20 @@ def port_free(port: int) -> bool:
     return True
 
 
-def check_run_dir(cfg: Config, run_dir: Path, world: int = 1) -> None:
+def check_run_dir(run_dir: Path) -> None:
+    """--run-dir can be used: its parent exists, and no file, read-only file system or other user's folder is in the
+    way (the room it needs: check_room, once check_resume has said whether it resumes)."""
     if run_dir.is_absolute() and not run_dir.parent.exists():
         raise ConfigError(f"{run_dir.parent} does not exist (is the NAS mounted?): create it, or pass a "
                           f"--run-dir inside an existing folder")
     problem = run_dir_problem(run_dir, room=False)  # a file in the way, a read-only file system, another's folder
     if problem:
         raise ConfigError(problem)
-    check_resume(cfg, run_dir, world)
-    problem = checkpoint_io.space_problem(run_dir) or run_dir_problem(run_dir)  # room for its checkpoint, or to start
+
+
+def check_room(run_dir: Path) -> None:
+    """--run-dir has room for its next checkpoint, or to start."""
+    problem = checkpoint_io.space_problem(run_dir) or run_dir_problem(run_dir)
     if problem:
         raise ConfigError(problem)
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from train.cluster.identity import Identity, identity, usable_cores
-from train.config.settings import Config, Model
+from train.config.settings import Data, Model
 from train.run.preflight import check_precision
 
 log = logging.getLogger("train")
@@ -23,17 +23,16 @@ def device_name(requested: str, ident: Identity) -> str:
     return f"cuda:{ident.local_rank}"
 
 
-def configure_runtime(cfg: Config) -> None:
-    """Threads and determinism, before any tensor work."""
-    threads = cfg.launch.threads
+def configure_runtime(threads: int, deterministic: bool) -> None:
+    """Threads (--threads; 0: a share of the cores) and determinism (--deterministic), before any tensor work."""
     if threads == 0:
-        threads = 1 if cfg.run.deterministic else max(1, usable_cores() // identity().local_world_size)
+        threads = 1 if deterministic else max(1, usable_cores() // identity().local_world_size)
     torch.set_num_threads(threads)
     # oneDNN (the CPU's convolutions and matmuls) may otherwise pick kernels that reduce with atomics: on some CPUs
     # a backward at a per-worker batch of 1 then sums in an order that depends on thread timing, and two identical
     # runs differ. Its deterministic attribute keeps the kernels that sum in a fixed order for a given thread count.
     torch.backends.mkldnn.deterministic = True
-    if cfg.run.deterministic:
+    if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
@@ -55,10 +54,10 @@ def precision_of(spec: Model, device_type: str) -> str:
     return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def resolve_precision(cfg: Config, device: torch.device) -> str:
+def resolve_precision(spec: Model, data: Data, device: torch.device) -> str:
     """The precision this process trains or evaluates in on `device` (DTYPES[it]: autocast's dtype), checked."""
-    check_precision(cfg, on_cpu=device.type != "cuda")
-    return precision_of(cfg.model, device.type)
+    check_precision(spec, data, on_cpu=device.type != "cuda")
+    return precision_of(spec, device.type)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

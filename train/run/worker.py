@@ -115,15 +115,17 @@ def run(cfg: Config, task: Task | None = None) -> int:
     process already; else built here). Returns the exit code."""
     ident = identity()
     watchdog.begin(f"rank {ident.global_rank}", limit_s=watch_limit(cfg.launch.timeout_s))
-    configure_runtime(cfg)
+    configure_runtime(cfg.launch.threads, cfg.run.deterministic)
     device = torch.device(device_name(cfg.launch.device, ident))
-    precision = resolve_precision(cfg, device)  # a mistake (fp16 on a CPU) is refused before the group starts
+    # a mistake (fp16 on a CPU) is refused before the group starts
+    precision = resolve_precision(cfg.model, cfg.data, device)
     init(device, cfg.launch.timeout_s)
     stop = StopSignal()
     clean, code, tracker, trainer, run_dir = False, None, None, None, None
     try:
-        run_dir = Path(broadcast_from_main(launch_run_dir(cfg) if is_main() else None))  # rank 0's: nodes start apart
-        if already_finished(run_dir, cfg):
+        # rank 0's: nodes start apart
+        run_dir = Path(broadcast_from_main(launch_run_dir(cfg.run.run_dir) if is_main() else None))
+        if already_finished(run_dir, cfg.run.max_steps, cfg.run.epochs):
             tracker = catch_up_tracking(cfg.tracking, run_dir, cfg.run.max_steps)
             code = EXIT_DONE
         else:
@@ -162,14 +164,15 @@ def run(cfg: Config, task: Task | None = None) -> int:
                                      "left) did not end")
 
 
-def already_finished(run_dir: Path, cfg: Config) -> bool:
+def already_finished(run_dir: Path, max_steps: int, epochs: int) -> bool:
     """A restart after the run ended (a worker lost during shutdown), or the same command again: the run's
-    figures stand, and nothing is evaluated or written again (rank 0 decides for all)."""
+    figures stand, and nothing is evaluated or written again (rank 0 decides for all). max_steps, epochs: the run's
+    length as given (--max-steps, --epochs)."""
     status = rundir.read_status(run_dir) if is_main() else {}
-    finished = is_main() and ckpt.finished(status, cfg.run.max_steps, (run_dir / "model.pt").is_file(), cfg.run.epochs)
+    finished = is_main() and ckpt.finished(status, max_steps, (run_dir / "model.pt").is_file(), epochs)
     done = broadcast_from_main(finished if is_main() else None)
     if done and is_main():
-        longer = "--epochs" if cfg.run.epochs else "--max-steps"
+        longer = "--epochs" if epochs else "--max-steps"
         print(f"trainbox: {run_dir} already finished at step {status['step']} (model.pt written): nothing to "
               f"do; pass a larger {longer} to train on, or a new --run-dir", file=sys.stderr)
     return done
@@ -193,7 +196,8 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         else:
             where = watchdog.phase if watchdog.phase != "start-up" else "start-up (the data and the model)"
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
-        return out_of_memory(error, where, device, trainer.parts.cfg if trainer else cfg, precision,
+        ran = trainer.parts.cfg if trainer else cfg  # as the run continued its checkpoint (resume.continued)
+        return out_of_memory(error, where, device, ran.data, ran.augmentation, ran.optimisation, precision,
                              newest[0] if newest else None)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why

@@ -23,7 +23,7 @@ from train.base.errors import ConfigError
 from train.components.augment import BatchAugment
 from train.components.models import build_model, check_model_spec, head_name
 from train.components.weights import fitted
-from train.config.settings import Config, Model
+from train.config.settings import Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
                         class_names, eval_steps, preprocessing, source_of, train_size)
 from train.tasks.images import ImageTask
@@ -38,9 +38,9 @@ class Classification(ImageTask):
     metric = "accuracy"
     higher_is_better = True
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.label_smoothing = cfg.regularisation.label_smoothing
+    @property
+    def label_smoothing(self) -> float:
+        return self.cfg.regularisation.label_smoothing
 
     # ---------------------------------------------------------------- data and model
 
@@ -98,7 +98,7 @@ class Classification(ImageTask):
         return target.shape[0]
 
     def example(self, batch_size: int, device: torch.device) -> tuple:
-        size = train_size(self.cfg)
+        size = train_size(self.cfg.data, self.cfg.augmentation)
         x = torch.zeros(batch_size, 3, size, size, device=device)
         x = x.contiguous(memory_format=torch.channels_last) if self.cfg.model.channels_last else x
         return x, torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -170,26 +170,28 @@ class Classification(ImageTask):
 
     def export_io(self) -> tuple:
         """An input of the evaluation's centre crop; images in, logits out; the preprocessing and the classes."""
-        size = eval_steps(self.cfg)[1]
+        data, aug = self.cfg.data, self.cfg.augmentation
+        size = eval_steps(data, aug)[1]
         return torch.zeros(2, 3, size, size), {"input": "images", "output": "logits"}, \
-            {"image_size": size, **preprocessing(self.cfg, self.classes, *self.norm)}
+            {"image_size": size, **preprocessing(data, aug, self.classes, *self.norm)}
 
     def source(self, train_set, val_set) -> dict:
-        return source_of(self.cfg, train_set, val_set)
+        return source_of(self.cfg.data, train_set, val_set)
 
     def input_steps(self, train_set, val_set) -> dict:
         mean, std = self.norm
-        return {"normalize": {"mean": list(mean), "std": list(std)}, "train_size": train_size(self.cfg),
-                "train_transform": _transform_of(train_set, self.cfg),
-                "eval_transform": _transform_of(val_set, self.cfg)}
+        size = self.cfg.data.image_size
+        return {"normalize": {"mean": list(mean), "std": list(std)},
+                "train_size": train_size(self.cfg.data, self.cfg.augmentation),
+                "train_transform": _transform_of(train_set, size), "eval_transform": _transform_of(val_set, size)}
 
 
-def _transform_of(dataset, cfg: Config) -> str:
+def _transform_of(dataset, image_size: int) -> str:
     """The repr of the transform the dataset applies to each image (through its wrappers)."""
     while dataset is not None:
         transform = getattr(dataset, "transform", None)
         if transform is not None:
             return repr(transform)
         dataset = getattr(dataset, "source", None)
-    return f"none: images made in memory at {cfg.data.image_size} px"
+    return f"none: images made in memory at {image_size} px"
 

@@ -18,7 +18,7 @@ class ImageTask(Task):
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self.norm = normalisation(cfg)
+        self.norm = normalisation(cfg.data.normalize, cfg.model)
         self._norm_on: dict = {}
 
     @property

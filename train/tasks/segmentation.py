@@ -89,7 +89,7 @@ class Segmentation(ImageTask):
             train_set = ShapeMasks(cfg.data.train_samples, size, seed * 2 + 1) if train else None
             val_set = ShapeMasks(cfg.data.val_samples, size, seed * 2 + 2)
         else:
-            train_set, val_set = mask_datasets(cfg, train)
+            train_set, val_set = mask_datasets(cfg.data, train)
         self.description = {"classes": list((train_set if train_set is not None else val_set).classes)}
         return train_set, val_set
 
