@@ -86,6 +86,22 @@ def test_no_module_of_the_package_is_long_nor_any_function():
         assert not long, (path, long)
 
 
+def _takes_the_config(node) -> bool:
+    args = node.args
+    named = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    return any(a.arg == "cfg" or (a.annotation is not None and ast.unparse(a.annotation).split(" |")[0].strip("'\"")
+                                  .rsplit(".", 1)[-1] == "Config") for a in named)
+
+
+def test_at_most_25_functions_take_the_whole_config():
+    """A component takes the section it reads (or a small object made once); the whole Config goes only to what
+    combines it (docs/development.md names them)."""
+    takers = [f"{path.relative_to(REPO)}:{node.name}" for path in (REPO / "train").rglob("*.py")
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _takes_the_config(node)]
+    assert 20 <= len(takers) <= 25, sorted(takers)  # fewer than 20: the counting missed the entry points
+
+
 def test_no_line_of_the_makefile_is_long():
     """The shell stays thin and readable: every Makefile line within the code's 120 characters."""
     long = [n for n, line in enumerate((REPO / "Makefile").read_text().splitlines(), 1) if len(line) > 120]
