@@ -1,7 +1,7 @@
 """--task lm end to end: gpt-tiny on the copy documents under --spawn, its evaluation at another world size with the
 report's continuations, its export (token ids in, logits out, the batch and the sequence's length dynamic) as a
-torch-only program and an ONNX model; and accumulation and workers training on the large batch's mean of labelled
-tokens (a float64 network)."""
+torch-only program and an ONNX model; and accumulation, workers and a resume on half of them training on the large
+batch's mean of labelled tokens (a float64 network)."""
 
 import json
 import sys
@@ -85,18 +85,23 @@ def test_a_language_model_trains_evaluates_with_continuations_and_exports_with_b
             torch.testing.assert_close(torch.from_numpy(saved[f"arr_{i}"]), want, rtol=1e-4, atol=1e-4)
 
 
-def test_accumulation_and_workers_train_on_the_large_batchs_mean_of_labelled_tokens(tmp_path):
-    """Each copy window pads its end by its own amount: --grad-accum 4 at batch 8, batch 32 and 2 workers at batch 16
-    train on the same mean (the labelled tokens of the whole step), in float64 to rounding (1e-9), where a mean per
-    micro-batch is off by far more."""
+def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_batchs_mean_of_labelled_tokens(tmp_path):
+    """Each copy window pads its end by its own amount: --grad-accum 4 at batch 8, batch 32, and 4 workers at batch 8
+    stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch) train on the same mean (the labelled
+    tokens of the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch
+    is off by far more."""
     flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
              20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0]
     layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
-               "workers": ["--batch-size", 16, "--spawn", 2]}
+               "halved": ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]}
     for name, layout in layouts.items():
-        run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name))
-    losses = {name: [m["loss"] for m in metrics(tmp_path / name, "train")] for name in layouts}
+        run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name), expect=75 if name == "halved" else 0)
+    resumed = run(python_cmd(*flags, "--batch-size", 8, "--spawn", 2, "--run-dir", tmp_path / "halved"))
+    assert "on 2 workers: accumulation 2 keeps the global batch of 32" in resumed.stderr, resumed.stderr[-2000:]
+    logged = {name: metrics(tmp_path / name, "train") for name in layouts}
     weights = {name: load_model(tmp_path / name) for name in layouts}
-    for name in ("accumulated", "workers"):
-        assert all(abs(a - b) < 1e-9 for a, b in zip(losses[name], losses["large"], strict=True)), losses
+    for name in ("accumulated", "halved"):
+        assert [m["step"] for m in logged[name]] == [1, 2, 3, 4]
+        assert [m["lr"] for m in logged[name]] == [m["lr"] for m in logged["large"]]
+        assert all(abs(a["loss"] - b["loss"]) < 1e-9 for a, b in zip(logged[name], logged["large"], strict=True))
         assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
