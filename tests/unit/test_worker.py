@@ -13,6 +13,7 @@ from train.cli import parse_config
 from train.cluster.identity import PeersNeverCame
 from train.run.memory import advice, lower_precision, out_of_memory
 from train.run.worker import exit_code, unrecoverable
+from train.tasks.factory import build_task
 
 
 def _interrupted_while_saving() -> RuntimeError:
@@ -67,7 +68,7 @@ def test_what_a_restart_cannot_mend():
                              cpu, cfg, "fp32", None)) == "why"
     watchdog.enter("training", 60)
     try:
-        trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=cfg))
+        trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=cfg, task=build_task(cfg)))
         oom = unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, cpu, cfg, "fp32", None)
     finally:
         watchdog.pause()
@@ -83,7 +84,7 @@ def test_out_of_memory_in_a_run_with_a_checkpoint_advises_what_its_next_start_ta
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"")
     # the Trainer's parts hold the config as train/config/resume.py continued it
-    trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=given.replace(grad_accum=2)))
+    trainer = SimpleNamespace(step=4, parts=SimpleNamespace(cfg=given.replace(grad_accum=2), task=build_task(given)))
     watchdog.enter("training", 60)
     try:
         oom = str(unrecoverable(torch.OutOfMemoryError("Tried to allocate 2.00 GiB"), trainer, torch.device("cpu"),
@@ -104,15 +105,28 @@ def test_out_of_memory_in_a_run_with_a_checkpoint_advises_what_its_next_start_ta
      "training step 1", "fp16", "a smaller --train-crop-size (now 176) or --precision fp16, then"),
     (["--dataset", "imagefolder", "--train-crop-size", "176", "--val-crop-size", "224", "--image-size", "224"],
      "evaluation at step 10", None, "or a smaller --val-crop-size (now 224), then"),
+    (["--task", "lm"], "training step 1", None, "or a smaller --task-settings context (now 64), then"),
+    (["--task", "lm", "--task-settings", "context=32"], "evaluation at step 10", "bf16",
+     "a smaller --task-settings context (now 32) or --precision bf16, then"),
 ])
 def test_out_of_memory_names_the_flags_that_size_what_ran_out(flags, where, lower, fixes):
-    """The size a step trains at (the recipe's training crop) or an evaluation scores at; a lower precision only where
-    the run trains in fp32 on a GPU (lower: bf16 where the GPU has it, else fp16), never the one auto already
-    chose."""
+    """The size a step trains at (the recipe's training crop, a language model's context) or an evaluation scores at,
+    as the task says (Task.sizes); a lower precision only where the run trains in fp32 on a GPU (lower: bf16 where the
+    GPU has it, else fp16), never the one auto already chose."""
     cfg = parse_config(["--preset", "debug", *flags])
-    sizes = (cfg.data, cfg.augmentation, cfg.optimisation)
-    assert advice(*sizes, where, None, lower).endswith(f"{fixes} run the same command")
-    assert ("--precision" in advice(*sizes, where, None, lower)) == (lower is not None)
+    sizes = build_task(cfg).sizes(where)
+    assert advice(cfg.optimisation, sizes, None, lower).endswith(f"{fixes} run the same command")
+    assert ("--precision" in advice(cfg.optimisation, sizes, None, lower)) == (lower is not None)
+
+
+def test_out_of_memory_of_a_task_that_names_no_size_advises_the_batch_alone(tmp_path):
+    """A task of one's own names no size by default (Task.sizes): the batch, and the precision where there is one."""
+    opt = parse_config(["--preset", "debug"]).optimisation
+    assert advice(opt, [], None, None) == ("use a smaller --batch-size (now 16; a larger --grad-accum, now 1, keeps "
+                                           "the global batch), then run the same command")
+    assert advice(opt, [], tmp_path / "step_4.pt", "fp16").startswith(
+        "the run's checkpoint fixes its --batch-size and --precision: run the same command on a device with more "
+        "memory, or start a new --run-dir from its weights")
 
 
 def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains_in():
@@ -123,5 +137,4 @@ def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains
         assert lower_precision(gpu, "fp32") == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
     cfg = parse_config(["--preset", "debug"])
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes")
-    assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg.data, cfg.augmentation,
-                                                  cfg.optimisation, "fp32", None))
+    assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg.optimisation, [], "fp32", None))

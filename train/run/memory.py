@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train.base.errors import OutOfMemory
-from train.config.settings import Augmentation, Data, Optimisation
+from train.config.settings import Optimisation
 
 _CPU = "can't allocate memory"
 
@@ -23,17 +23,18 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and _CPU in str(error))
 
 
-def out_of_memory(error: BaseException, where: str, device: torch.device, data: Data, aug: Augmentation,
-                  opt: Optimisation, precision: str, checkpoint: Path | None) -> OutOfMemory:
+def out_of_memory(error: BaseException, where: str, device: torch.device, opt: Optimisation, sizes: list,
+                  precision: str, checkpoint: Path | None) -> OutOfMemory:
     """The one-line error for an allocation that failed `where` (e.g. "training step 1") on `device`, in the run's
-    `precision` (as resolved: what --precision auto chose), with the run's sizes (data, aug) and batch (opt);
-    checkpoint: the run's newest, whose settings a resume keeps (None: the next start may change them)."""
+    `precision` (as resolved: what --precision auto chose), with the run's batch (opt) and what its task says sizes a
+    sample there (sizes: Task.sizes(where)); checkpoint: the run's newest, whose settings a resume keeps (None: the
+    next start may change them)."""
     text = str(error)
     cpu = re.search(r"tried to allocate (\d+) bytes", text)  # the CPU allocator's words
     cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     asked = f"tried to allocate {_gib(int(cpu.group(1))) if cpu else cuda.group(1)}, " if cpu or cuda else ""
     return OutOfMemory(f"out of memory during {where} on {_device_memory(device, asked)}: "
-                       + advice(data, aug, opt, where, checkpoint, lower_precision(device, precision)))
+                       + advice(opt, sizes, checkpoint, lower_precision(device, precision)))
 
 
 def lower_precision(device: torch.device, precision: str) -> str | None:
@@ -44,26 +45,22 @@ def lower_precision(device: torch.device, precision: str) -> str | None:
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
-def advice(data: Data, aug: Augmentation, opt: Optimisation, where: str, checkpoint: Path | None,
-           lower_precision: str | None) -> str:
+def advice(opt: Optimisation, sizes: list, checkpoint: Path | None, lower_precision: str | None) -> str:
     """What lowers the memory a step (or an evaluation) needs, as the run's next start can take it: the batch, the
-    images' size where it was spent (the training crop, or the evaluation's), a lower precision (lower_precision:
-    the one this GPU takes, None where the run already trains below fp32 or on a CPU). A run with a checkpoint
-    keeps its batch, sizes and precision on a resume (train/config/resume.py): those go to a new run from its
-    weights."""
-    if where.startswith("evaluation"):
-        size = ("--val-crop-size", aug.val_crop_size) if aug.val_crop_size else ("--image-size", data.image_size)
-    else:
-        size = ("--train-crop-size", aug.train_crop_size) if aug.train_crop_size else ("--image-size", data.image_size)
+    settings its task says size a sample where memory ran out (the images' training crop or the evaluation's, a
+    language model's context), a lower precision (lower_precision: the one this GPU takes, None where the run already
+    trains below fp32 or on a CPU). A run with a checkpoint keeps its batch, sizes and precision on a resume
+    (train/config/resume.py): those go to a new run from its weights."""
     accum = f", now {opt.grad_accum}," if checkpoint is None else ""  # a resume may have changed it: a new run sets it
     fixes = [f"a smaller --batch-size (now {opt.batch_size}; a larger --grad-accum{accum} keeps the global batch)",
-             f"a smaller {size[0]} (now {size[1]})"]
+             *(f"a smaller {flag} (now {value})" for flag, value in sizes)]
     if lower_precision:
         fixes.append(f"--precision {lower_precision}")
-    listed = ", ".join(fixes[:-1]) + " or " + fixes[-1]
+    listed = " or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
     if checkpoint is None:
         return f"use {listed}, then run the same command"
-    return (f"the run's checkpoint fixes its --batch-size, {size[0]} and --precision: run the same command on a "
+    fixed = ["--batch-size", *(flag for flag, _ in sizes)]
+    return (f"the run's checkpoint fixes its {', '.join(fixed)} and --precision: run the same command on a "
             f"device with more memory, or start a new --run-dir from its weights (--weights {checkpoint}) with "
             f"{listed}")
 

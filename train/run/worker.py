@@ -36,6 +36,7 @@ from train.run.build import build
 from train.run.memory import is_out_of_memory, out_of_memory
 from train.run.runtime import configure_runtime, device_name, resolve_precision
 from train.run.trainer import Trainer
+from train.tasks.factory import build_task
 from train.tasks.task import Task
 
 
@@ -139,7 +140,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
     except Exception as e:
         if _interrupted(e):  # a second Ctrl-C that a library made into another error: stopped, not failed
             raise
-        error = unrecoverable(e, trainer, device, cfg, precision, run_dir)
+        error = unrecoverable(e, trainer, device, cfg, precision, run_dir, task)
         if error is None:  # a crash or a lost peer, which a restart may mend: its traceback goes on as itself
             record_crash(e, run_dir, trainer)
             raise
@@ -179,7 +180,7 @@ def already_finished(run_dir: Path, max_steps: int, epochs: int) -> bool:
 
 
 def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.device, cfg: Config, precision: str,
-                  run_dir: Path | None) -> ConfigError | None:
+                  run_dir: Path | None, task: Task | None = None) -> ConfigError | None:
     """The error as one a restart cannot mend (a user's mistake, a bad file, out of memory, a full disk under
     run_dir, or a peer's such error), or None: a crash or a lost peer, which a restart may mend. One that a DataLoader
     worker re-raised (a bad image) carries the worker's traceback in its message: its line alone goes on, to the peers
@@ -197,7 +198,8 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
             where = watchdog.phase if watchdog.phase != "start-up" else "start-up (the data and the model)"
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
         ran = trainer.parts.cfg if trainer else cfg  # as the run continued its checkpoint (resume.continued)
-        return out_of_memory(error, where, device, ran.data, ran.augmentation, ran.optimisation, precision,
+        task = trainer.parts.task if trainer else task or build_task(ran)
+        return out_of_memory(error, where, device, ran.optimisation, task.sizes(where), precision,
                              newest[0] if newest else None)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why

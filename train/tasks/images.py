@@ -31,6 +31,13 @@ class ImageTask(Task):
             self._norm_on[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in self.norm)
         return self._norm_on[device]
 
+    def sizes(self, where: str) -> list[tuple[str, object]]:
+        """The images' size where it was spent: the training crop, or the evaluation's."""
+        aug, size = self.cfg.augmentation, self.cfg.data.image_size
+        if where.startswith("evaluation"):
+            return [("--val-crop-size", aug.val_crop_size) if aug.val_crop_size else ("--image-size", size)]
+        return [("--train-crop-size", aug.train_crop_size) if aug.train_crop_size else ("--image-size", size)]
+
     def images(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A batch of uint8 images on the device, normalised, in the model's memory format."""
         return prepare_inputs(x, device, self.cfg.model.channels_last, *self.normalisation_on(device))

@@ -50,6 +50,10 @@ class LanguageModel(Task):
     variable_count = True  # the labelled tokens of a batch
     Settings = Settings
 
+    def sizes(self, where: str) -> list[tuple[str, object]]:
+        """A window's tokens: the context."""
+        return [("--task-settings context", self.context)]
+
     @property
     def context(self) -> int:
         given = self.settings.context if self.settings is not None else 0
@@ -158,9 +162,9 @@ class LanguageModel(Task):
         with torch.inference_mode():
             for i in range(min(SHOWN, len(val_set))):
                 prompt = val_set[i][0][:PROMPT]
-                shown.append({"prompt": decoded(prompt), **{kind: decoded(continued(model, prompt, self.context,
-                                                                                     device, temperature, g))
-                                                            for kind, temperature in (("greedy", 0), ("sampled", 0.8))}})
+                made = {kind: decoded(continued(model, prompt, self.context, device, temperature, g))
+                        for kind, temperature in (("greedy", 0), ("sampled", 0.8))}
+                shown.append({"prompt": decoded(prompt), **made})
         return shown
 
     def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:

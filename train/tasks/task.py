@@ -131,6 +131,12 @@ class Task:
         tokens."""
         return samples_per_s, "samples"
 
+    def sizes(self, where: str) -> list[tuple[str, object]]:
+        """The settings that make a sample large where memory ran out (`where`: "training step N", "evaluation at step
+        N", ...), as (the flag, its value now): what the out-of-memory line advises beside a smaller --batch-size.
+        None known by default."""
+        return []
+
     def augment(self):
         """The batch augmentation on the device, called as augment(x, target, seed) -> (x, target); None: none."""
         return None
