@@ -14,7 +14,7 @@ from train.cli import parse_config
 from train.data import (SHAPE_CLASSES, ShapeMasks, check_mask_folder, make_shape_masks, make_shapes, mask_datasets,
                         mask_transforms)
 from train.data.masks import DEFECTS, MaskSplit, read_mask
-from train.loading import SeededSample, build_train_loader, in_memory, sampling
+from train.loading import SeededSample, build_train_loader, build_val_loader, in_memory, sampling
 
 
 def make_shapes_before(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,3 +446,50 @@ def test_the_settings_masks_reads_are_taken():
     cfg = parse_config(["--dataset", "masks", "--model", "lraspp_mobilenet_v3_large",
                         "--weights", "LRASPP_MobileNet_V3_Large_Weights.DEFAULT"])
     assert (cfg.data.image_size, cfg.augmentation.val_resize_size) == (32, 0)
+
+
+def test_whole_image_evaluation_scores_every_pixel_of_each_image_at_its_own_size(tmp_path):
+    """--task-settings evaluation=whole: each validation image's shorter side resized to --image-size and every pixel
+    scored, the image at its own size, one at a time, as torchvision's references/segmentation evaluates: the confusion
+    matrix equals the reference's ConfusionMatrix over the same model's predictions, image by image; the plan says
+    which protocol. The default crops; the built-in shapes and an unknown protocol are refused in one line."""
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
+    from train.run.validate import validate
+    from train.tasks.factory import build_task
+
+    shapes = [(40, 48), (30, 20), (52, 36)]
+    for i, shape in enumerate(shapes):
+        for split in ("train", "val"):
+            save_pair(tmp_path, split, f"b{i}", *block_pair(*shape, offset=i))
+    flags = ["--task", "segmentation", "--dataset", "masks", "--data-dir", str(tmp_path), "--image-size", "16",
+             "--batch-size", "1"]
+    task = build_task(parse_config([*flags, "--task-settings", "evaluation=whole"]))
+    task.check()
+    _, val_set = task.datasets(train=False)
+    n, cpu = task.num_classes, torch.device("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(3, n, 3, padding=1)
+    loader = build_val_loader(val_set, task.cfg.data, 1, 0, 1, False, cpu, task.collate)  # batches of 2, then 1
+    scores = validate(model, loader, task, cpu, None, detail=True)
+    reference = torch.zeros(n, n, dtype=torch.int64)
+    with torch.inference_mode():
+        for image_path, mask_path in val_set.samples:  # the reference's eval preset: RandomResize(base, base)
+            image = TF.pil_to_tensor(Image.open(image_path).convert("RGB"))
+            image = TF.resize(image, 16, antialias=True)
+            mask = TF.resize(read_mask(mask_path)[None], 16, interpolation=InterpolationMode.NEAREST)[0].long()
+            predicted = model(task.images(image[None], cpu)).argmax(1)[0]
+            k = (mask >= 0) & (mask < n)  # references/segmentation/utils.py ConfusionMatrix.update
+            reference += torch.bincount(n * mask[k] + predicted[k], minlength=n ** 2).reshape(n, n)
+    assert scores["confusion"] == reference.tolist() and scores["samples"] == 3
+    assert reference.sum() == sum(16 * round(16 * max(s) / min(s)) for s in shapes) != 3 * 16 * 16  # not crops
+    assert task.facts()["evaluation"].startswith("whole images: the shorter side resized to 16, every pixel scored")
+    cropped = build_task(parse_config(flags))
+    assert cropped.settings.evaluation == "crop" and cropped.facts()["evaluation"].startswith("the shorter side "
+                                                                                              "resized to 16, then")
+    with pytest.raises(ConfigError, match="^--task-settings evaluation=whole scores images at their own sizes, and "
+                                          "the built-in shapes are all --image-size: drop it"):
+        build_task(parse_config(["--task", "segmentation", "--task-settings", "evaluation=whole"])).check()
+    with pytest.raises(ConfigError, match="evaluation is crop or whole, not 'tiles'"):
+        build_task(parse_config([*flags, "--task-settings", "evaluation=tiles"]))

@@ -226,7 +226,12 @@ class MaskSplit(Dataset):
                 "classes_from": self.classes_from}
 
 
-def mask_transforms(image_size: int, train: bool):
+def whole_images(items: list) -> tuple[list, list]:
+    """A validation batch of images of their own sizes: (the images, their masks) as lists, scored one at a time."""
+    return [image for image, _ in items], [mask for _, mask in items]
+
+
+def mask_transforms(image_size: int, train: bool, whole: bool = False):
     """The image and its mask moved together (torchvision's v2 on a tv_tensors.Image and a tv_tensors.Mask: one draw
     of each random parameter for both; a mask resampled by nearest neighbour, v2's rule for masks), uint8 in and out,
     as torchvision's references/segmentation presets with --image-size as their base and crop size. Training: a random
@@ -234,21 +239,26 @@ def mask_transforms(image_size: int, train: bool):
     --image-size, padded where the image is smaller (the image with 0, the mask with 255: ignored). Where the reference
     pads the right and bottom alone (its PadIfSmaller) and so puts such an image in the crop's top left corner,
     v2.RandomCrop's pad_if_needed places it at a random offset. Evaluation: the shorter side resized to --image-size,
-    then the centre crop of --image-size, so that the images of a batch stack (the reference evaluates whole images
-    one at a time)."""
+    then the centre crop of --image-size, so that the images of a batch stack; whole: the shorter side resized alone,
+    every pixel of the image scored at its own size, as the reference evaluates (one at a time)."""
     v2, size = vision.v2, image_size
     if train:
         return v2.Compose([v2.RandomResize(int(0.5 * size), int(2.0 * size) + 1, antialias=True),  # both ends in
                            v2.RandomHorizontalFlip(),
                            v2.RandomCrop(size, pad_if_needed=True, fill={vision.tv_tensors.Mask: IGNORE, "others": 0})])
+    if whole:
+        return v2.Compose([v2.Resize(size, antialias=True)])
     return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
 
 
-def mask_datasets(data: Data, train: bool = True) -> tuple[MaskSplit | None, MaskSplit]:
+def mask_datasets(data: Data, train: bool = True, whole: bool = False) -> tuple[MaskSplit | None, MaskSplit]:
     """(the training split or None when train is False, the validation split) of --data-dir, with their transforms;
-    the class names from mask_classes (without classes.txt, every training mask's pixels are read once here)."""
+    the class names from mask_classes (without classes.txt, every training mask's pixels are read once here). whole:
+    the validation images at their own sizes, batched as lists (whole_images)."""
     root = Path(data.data_dir)
     classes, classes_from = mask_classes(root)
     size = data.image_size
-    val = MaskSplit(root, "val", classes, classes_from, mask_transforms(size, False))
+    val = MaskSplit(root, "val", classes, classes_from, mask_transforms(size, False, whole))
+    if whole:
+        val.collate = whole_images
     return (MaskSplit(root, "train", classes, classes_from, mask_transforms(size, True)) if train else None), val

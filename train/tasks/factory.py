@@ -72,3 +72,5 @@ def typed_settings(task: Task, text: str):
     except TypeError as e:  # a field without a default that the command did not give
         raise ConfigError(f"--task-settings: --task {task.name}'s settings cannot be made ({e}): give every setting "
                           f"that has no default") from None
+    except ValueError as e:  # the dataclass's own check of a value (its __post_init__): its message is the line
+        raise ConfigError(f"--task-settings: --task {task.name}: {e}") from None

@@ -20,6 +20,9 @@
             mean are computed as the reference's ConfusionMatrix does, but for one thing: a class absent from both the
             truth and the predictions of the whole validation set has no IoU and stays out of the mean (the
             reference's mean is then NaN)
+  settings  --task-settings evaluation=whole: a masks folder's validation images scored whole, at their own sizes,
+            the shorter side resized to --image-size (torchvision's reference protocol, its base size), one at a
+            time; crop (the default): resized, then the centre --image-size crop, in batches
   CUDA      the models' upsampling and pooling have no deterministic CUDA backward (pytorch #149130): --deterministic
             on a GPU is refused, and a resumed run on CUDA equals an uninterrupted one to rounding, not bit for bit;
             on the CPU it is exact
@@ -27,6 +30,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -51,6 +55,21 @@ WITH_AUX = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "deeplabv3_res
             "fcn_resnet101")  # an auxiliary head, trained at 0.5 as the reference trains it
 
 
+@dataclasses.dataclass
+class Settings:
+    evaluation: str = "crop"  # crop: the centre --image-size crop; whole: every pixel, the image at its own size
+
+    def __post_init__(self):
+        if self.evaluation not in PROTOCOLS:
+            raise ValueError(f"evaluation is crop or whole, not {self.evaluation!r}: pass evaluation=whole for "
+                             f"torchvision's reference protocol")
+
+
+PROTOCOLS = {"crop": "the shorter side resized to {size}, then the centre {size} x {size} crop scored, in batches",
+             "whole": "whole images: the shorter side resized to {size}, every pixel scored, each image at its own "
+                      "size, one at a time (torchvision's references/segmentation)"}
+
+
 def models() -> list[str]:
     """torchvision's segmentation models by name."""
     return vision.models.list_models(module=vision.models.segmentation)
@@ -63,6 +82,11 @@ class Segmentation(ImageTask):
     variable_count = True  # the labelled pixels of a batch
     stand_in_classes = 21  # before the data is read: VOC's count
     classes_from = "DATA_DIR/classes.txt, one name per line, or masks whose largest value is the run's"
+    Settings = Settings
+
+    @property
+    def whole(self) -> bool:
+        return self.settings is not None and self.settings.evaluation == "whole"
 
     # ---------------------------------------------------------------- data and model
 
@@ -81,6 +105,9 @@ class Segmentation(ImageTask):
                               "on CUDA then equals an uninterrupted run to rounding), or train on --device cpu")
         if cfg.data.dataset == "masks":
             check_mask_folder(Path(cfg.data.data_dir), SPLITS if train else ("val",))
+        elif self.whole:
+            raise ConfigError("--task-settings evaluation=whole scores images at their own sizes, and the built-in "
+                              "shapes are all --image-size: drop it, or train on --dataset masks")
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:
         cfg = self.cfg
@@ -89,7 +116,7 @@ class Segmentation(ImageTask):
             train_set = ShapeMasks(cfg.data.train_samples, size, seed * 2 + 1) if train else None
             val_set = ShapeMasks(cfg.data.val_samples, size, seed * 2 + 2)
         else:
-            train_set, val_set = mask_datasets(cfg.data, train)
+            train_set, val_set = mask_datasets(cfg.data, train, self.whole)
         self.description = {"classes": list((train_set if train_set is not None else val_set).classes)}
         return train_set, val_set
 
@@ -121,7 +148,13 @@ class Segmentation(ImageTask):
 
     def inputs(self, batch, device: torch.device) -> tuple:
         x, mask = batch
+        if isinstance(x, list):  # whole images of their own sizes (evaluation=whole): each a batch of one
+            return ([self.images(image[None], device) for image in x],
+                    [m[None].to(device, non_blocking=True).long() for m in mask])
         return self.images(x, device), mask.to(device, non_blocking=True).long()
+
+    def forward(self, model: nn.Module, inputs, target):
+        return [model(x) for x in inputs] if isinstance(inputs, list) else model(inputs)
 
     def loss(self, output: dict | torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output = heads(output)
@@ -154,6 +187,10 @@ class Segmentation(ImageTask):
         return torch.zeros(3 + self.num_classes ** 2, dtype=torch.float64, device=device)
 
     def update(self, state: torch.Tensor, output: dict, target: torch.Tensor) -> None:
+        if isinstance(output, list):  # whole images, one at a time
+            for one, mask in zip(output, target, strict=True):
+                self.update(state, one, mask)
+            return
         output = {k: v.float() for k, v in heads(output).items()}
         total, count = self.loss(output, target)
         n = self.num_classes
@@ -195,7 +232,8 @@ class Segmentation(ImageTask):
         return {**super().facts(), "loss": f"CrossEntropyLoss(ignore_index={IGNORE}){aux}, summed over the labelled "
                                           f"pixels, divided by those of the step",
                 "bit_exact_resume": "on the CPU; on CUDA to rounding only (upsampling and pooling have no "
-                                    "deterministic CUDA backward)"}
+                                    "deterministic CUDA backward)",
+                "evaluation": PROTOCOLS["whole" if self.whole else "crop"].format(size=self.cfg.data.image_size)}
 
     def source(self, train_set, val_set) -> dict:
         if self.cfg.data.dataset == "shapes":
