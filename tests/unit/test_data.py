@@ -65,6 +65,15 @@ def test_per_sample_augmentation_seed_is_independent_of_who_loads_it():
     data = SeededSample(Noise())
     assert torch.equal(data[(4, 99)], data[(4, 99)])
     assert not torch.equal(data[(4, 99)], data[(4, 100)])
+    # the draws are the seed's own on the CPU generator, and loading in the trainer leaves the trainer's alone
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    assert torch.equal(data[(4, 99)], torch.rand(3, generator=torch.Generator().manual_seed(99)))
+    assert torch.equal(torch.get_rng_state(), state)
+    # and in a loader worker, the same draws
+    loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=[(4, 99), (2, 100)], num_workers=1)
+    assert all(torch.equal(got, torch.rand(3, generator=torch.Generator().manual_seed(seed)))
+               for got, seed in zip(loader, (99, 100), strict=True))
 
 
 def test_validation_counts_every_sample_once_across_ranks():

@@ -131,7 +131,7 @@ def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], t
     out = []
     for image, seed in zip(images, seeds, strict=True):
         with torch.random.fork_rng(devices=[]):  # the draws come from the CPU generator, as in a worker
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # it alone: the GPU's generator is the trainer's
             out.append(transform(image))
     return torch.stack(out)
 
