@@ -18,6 +18,7 @@ from train.bench.pipeline import pipeline_rows, shard_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.pixels import segmentation_rows
+from train.bench.tokens import lm_rows
 from train.bench.sources import source_rows
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
@@ -60,11 +61,11 @@ SIZES = {
     "full": {"steps": 100, "window": 10, "warmup": 2, "samples": 4096, "width": 32, "batch": 64, "blocks": 8,
              "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80,
              "photos": 600, "many_files": 50_000, "gpu_photos": 5120, "camera_photos": 40,
-             "quick": False},
+             "lm_samples": 2048, "lm_batch": 32, "quick": False},
     "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
               "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
               "photos": 24, "many_files": 600, "gpu_photos": 64, "camera_photos": 4,
-              "quick": True},
+              "lm_samples": 64, "lm_batch": 4, "quick": True},
 }
 
 
@@ -108,6 +109,7 @@ def row_groups(ns: argparse.Namespace, out: Path, size: dict, bars: dict) -> lis
             return [*loop, *comm_rows(out, size), *exactness, *recipe]
 
         groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
+                   lambda: lm_rows(out, size, ns.rounds),
                    lambda: pipeline_rows(out, size, ns.rounds),
                    lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
                    lambda: shard_rows(out, size, ns.rounds),

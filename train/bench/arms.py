@@ -20,9 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
+from train.components.gpt import SIZES as GPT_SIZES
+from train.components.gpt import Gpt
 from train.components.models import SmallCNN
 from train.data import make_shape_masks, make_shapes, prepare_inputs
 from train.files.rundir import read_metrics
+from train.tasks.text import IGNORE, VOCAB, CopyWindows
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +54,12 @@ def _bare_worker(rank: int, spec: dict) -> None:
 
         def loss_fn(output, target):
             return cross_entropy(output["out"], target)
+    elif spec.get("task") == "lm":  # nanoGPT's loop on the built-in GPT and the copy windows' tokens
+        images, labels = copy_tokens(spec["samples"], spec["context"])
+        model = DDP(Gpt(GPT_SIZES[spec["model"]], VOCAB))
+
+        def loss_fn(logits, targets):  # nanoGPT's: the mean over the labelled tokens
+            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     else:
         images, labels = make_shapes(spec["samples"], spec["image_size"], seed=1)
         model = DDP(SmallCNN(10, spec["width"]))
@@ -61,7 +70,9 @@ def _bare_worker(rank: int, spec: dict) -> None:
     times, first, window = [], None, time.perf_counter()
     for step in range(spec["steps"]):
         idx = order[(step % per_step) * spec["batch"]:(step % per_step + 1) * spec["batch"]]
-        x, y = images[idx].float().div_(255).sub_(0.5).div_(0.25), labels[idx]
+        x, y = images[idx], labels[idx]
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255).sub_(0.5).div_(0.25)
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -111,6 +122,13 @@ def _bare_gpu(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
     del model, optimizer  # the reducer goes while the group is still there (Trainer.release)
     destroy_and_leave_together()  # a rank exiting while a peer's gloo group lives can abort that peer
+
+
+def copy_tokens(samples: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training windows --task lm draws from --dataset copy (seed 0, as the trainer's arm), stacked: ids, targets."""
+    windows = CopyWindows(samples, context, 0, 1)
+    ids, targets = zip(*(windows[i] for i in range(samples)), strict=True)
+    return torch.stack(ids), torch.stack(targets)
 
 
 def bare_main(spec_json: str) -> None:
