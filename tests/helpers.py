@@ -409,3 +409,17 @@ class MlflowServer:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def byte_level_tokenizer(texts: list[str], path: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer.json trained here on `texts` (tokenizers' own trainer: no download), as a team's
+    would be: its merges, a byte-level pre-tokenizer and decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path))
+    return path

@@ -107,6 +107,9 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment ra"),
         (("augmix_severity",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "augmix",
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
+        (("tokenizer",), cfg.run.task != "lm" or cfg.data.dataset != "text",
+         f"with --task {cfg.run.task} --dataset {cfg.data.dataset} (a tokenizer.json turns a text folder's files into "
+         f"tokens for a language model): drop it, or pass --task lm --dataset text"),
         (("download",), cfg.data.dataset != "cifar10",
          f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
         (("path_column",), cfg.data.dataset != "csv",

@@ -1,15 +1,18 @@
 """--task lm end to end: gpt-tiny on the copy documents under --spawn, its evaluation at another world size with the
 report's continuations, its export (token ids in, logits out, the batch and the sequence's length dynamic) as a
-torch-only program and an ONNX model; and accumulation, workers and a resume on half of them training on the large
-batch's mean of labelled tokens (a float64 network)."""
+torch-only program and an ONNX model; a text folder through a tokenizer.json, stopped and resumed, another tokenizer
+refused; and accumulation, workers and a resume on half of them training on the large batch's mean of labelled tokens
+(a float64 network)."""
 
+import hashlib
 import json
+import random
 import sys
 
 import numpy as np
 import torch
 
-from tests.helpers import PY, REPO, load_model, make, metrics, python_cmd, run
+from tests.helpers import PY, REPO, byte_level_tokenizer, load_model, make, metrics, python_cmd, run, status
 from train.components.gpt import SIZES, Gpt
 
 LM = ["--task", "lm", "--train-samples", 512, "--val-samples", 60, "--max-steps", 30, "--eval-every", 15,
@@ -105,3 +108,48 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
         assert [m["lr"] for m in logged[name]] == [m["lr"] for m in logged["large"]]
         assert all(abs(a["loss"] - b["loss"]) < 1e-9 for a, b in zip(logged[name], logged["large"], strict=True))
         assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
+
+
+def test_a_text_folder_through_a_tokenizer_json_trains_resumes_evaluates_and_refuses_another_tokenizer(tmp_path):
+    """docs/tasks.md's --dataset text with --tokenizer: a byte-level BPE tokenizer.json trained here on the folder's own
+    text; its sha256 in task.json; stopped, a resume with a changed file refused in one line and nothing written, with
+    the file back it finishes; make evaluate continues the prompts in the tokenizer's words."""
+    rng, words = random.Random(0), ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "to", "café", "über"]
+    data = tmp_path / "corpus"
+    texts = []
+    for split, files in (("train", 6), ("val", 2)):
+        (data / split).mkdir(parents=True)
+        for i in range(files):
+            texts.append(" ".join(rng.choice(words) for _ in range(150)) + "\n")
+            (data / split / f"{i}.txt").write_text(texts[-1], encoding="utf-8")
+    tokenizer = byte_level_tokenizer(texts, tmp_path / "tokenizer.json")
+    run_dir = tmp_path / "run"
+    flags = ["--task", "lm", "--dataset", "text", "--data-dir", data, "--tokenizer", tokenizer, "--max-steps", 8,
+             "--batch-size", 8, "--eval-every", 4, "--log-every", 2, "--run-dir", run_dir]
+    run(python_cmd(*flags, "--stop-at", 4), expect=75)
+    described = json.loads((run_dir / "task.json").read_text())
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    assert (described["vocab_size"], described["end_token"]) == (vocab + 1, vocab)
+    assert described["tokenizer_sha256"] == hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    original, written = tokenizer.read_bytes(), sorted(p.name for p in run_dir.rglob("*"))
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    changed = Tokenizer.from_file(str(tokenizer))
+    changed.add_tokens(["<extra>"])
+    changed.save(str(tokenizer))
+    refused = run(python_cmd(*flags), expect=2)
+    assert refused.stderr.strip().splitlines() == [
+        f"error: --tokenizer {tokenizer} is not the file {run_dir} was trained with (sha256 "
+        f"{hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:12]}..., the run's "
+        f"{described['tokenizer_sha256'][:12]}...): give that file back, or start a new --run-dir"]
+    assert status(run_dir)["state"] == "stopped" and (run_dir / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in run_dir.rglob("*")) == written
+    tokenizer.write_bytes(original)
+    resumed = run(python_cmd(*flags))
+    assert "resumed from" in resumed.stderr and [m["step"] for m in metrics(run_dir, "eval")] == [4, 8]
+    run([PY, "-m", "train.evaluate", str(run_dir)])
+    report = json.loads((run_dir / "eval-model.json").read_text())
+    assert "bits_per_byte" not in report and report["loss"] == metrics(run_dir, "eval")[-1]["loss"]
+    prompts = [c["prompt"] for c in report["continuations"]]
+    assert prompts and all(set(p.split()) <= set(words) for p in prompts), prompts  # the tokenizer's words, decoded

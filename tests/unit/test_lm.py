@@ -2,18 +2,20 @@
 probabilities scores it), the windows of a text folder (every token predicted once), the data's checks, and the
 evaluation's state summed over ranks' shares as at any world size."""
 
+import hashlib
 import math
 
 import pytest
 import torch
 from torch import nn
 
+from tests.helpers import byte_level_tokenizer
 from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.loading import build_val_loader
 from train.run.validate import validate
 from train.tasks.factory import build_task
-from train.tasks.text import COPY, END, IGNORE, LETTERS, VOCAB, CopyChain, CopyWindows, TextWindows
+from train.tasks.text import COPY, END, IGNORE, LETTERS, VOCAB, CopyChain, CopyWindows, TextWindows, vocabulary
 
 CPU = torch.device("cpu")
 
@@ -112,6 +114,41 @@ def test_a_text_folder_is_cut_into_windows_that_predict_every_token_once(tmp_pat
         TextWindows(tmp_path, "val", 128)
     with pytest.raises(ConfigError, match="test is missing: --dataset text reads DATA_DIR/train"):
         TextWindows(tmp_path, "test", 8)
+
+
+def test_a_tokenizer_json_turns_each_utf8_file_into_its_tokens_and_a_file_that_cannot_be_is_one_line(tmp_path):
+    texts = {"train": ["the cat sat on the mat\n", "naïve café über alles " * 3], "val": ["the dog ran " * 8]}
+    for split, docs in texts.items():
+        (tmp_path / split).mkdir()
+        for i, doc in enumerate(docs):
+            (tmp_path / split / f"{i}.txt").write_text(doc, encoding="utf-8")
+    path = byte_level_tokenizer([d for docs in texts.values() for d in docs], tmp_path / "tokenizer.json")
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(path))
+    vocab = vocabulary(str(path))
+    assert (vocab.end, vocab.size) == (reference.get_vocab_size(), reference.get_vocab_size() + 1)
+    windows = TextWindows(tmp_path, "train", 8, vocab)
+    stream = [t for doc in texts["train"] for t in [*reference.encode(doc, add_special_tokens=False).ids, vocab.end]]
+    predicted = [t for i in range(len(windows)) for t in windows[i][1].tolist() if t != IGNORE]
+    assert predicted == stream[1:] and len(windows) == math.ceil((len(stream) - 1) / 8)
+    assert vocab.decode(stream) == "".join(doc + "\n" for doc in texts["train"])  # END shown as a newline
+    described = vocab.describe()
+    assert described["tokenizer_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "train" / "2.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"2\.txt is not UTF-8 \(byte 3\): --tokenizer reads text: save it as UTF-8, "
+                                          r"or drop --tokenizer \(byte tokens read any bytes\)"):
+        TextWindows(tmp_path, "train", 8, vocab)
+    (tmp_path / "bad.json").write_text('{"model": 1}')
+    with pytest.raises(ConfigError, match=r"bad\.json does not load as a Hugging Face tokenizer\.json \(.+\): give the "
+                                          r"file tokenizers' Tokenizer\.save wrote, or drop it for byte tokens$"):
+        vocabulary(str(tmp_path / "bad.json"))
+    with pytest.raises(ConfigError, match=r"none\.json is missing: give the path of a tokenizer\.json"):
+        vocabulary(str(tmp_path / "none.json"))
+    with pytest.raises(ConfigError, match=r"--tokenizer .* has no effect with --task lm --dataset copy \(a tokenizer"):
+        parse_config(["--task", "lm", "--tokenizer", str(path)])
+    with pytest.raises(ConfigError, match=r"--tokenizer .* has no effect with --task classification --dataset text"):
+        parse_config(["--dataset", "text", "--tokenizer", str(path)])
 
 
 @pytest.mark.parametrize("flags, line", [

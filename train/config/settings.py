@@ -89,6 +89,8 @@ class Data:
     train_split: str = _field("train", "hf: the split to train on")
     val_split: str = _field("", "hf: the split to evaluate on; empty: the first of validation, val, test it has")
     download: bool = _field(False, "download CIFAR-10 into --data-dir if it is missing (local rank 0 of each node)")
+    tokenizer: str = _field("", "--task lm --dataset text: a Hugging Face tokenizer.json (the tokenizers package) "
+                                "that turns each UTF-8 file into tokens; empty: byte tokens")
     image_size: int = _field(32, "image side in pixels (shapes generates at it; others resize to it); with named "
                                  "--weights on image files: their crop unless given")
     train_samples: int = _field(12000, "shapes/synthetic: number of training images")

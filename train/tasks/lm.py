@@ -2,7 +2,8 @@
 
   data      byte tokens in windows of the model's context (train/tasks/text.py): --dataset copy (the default: copy
             documents generated from the seed, whose exact floor is known) or --dataset text (DATA_DIR/{train,val}/
-            *.txt); --train-samples and --val-samples count copy's windows
+            *.txt; --tokenizer: a Hugging Face tokenizer.json's tokens instead of bytes, the file's sha256 in task.json
+            and a resume refused if it changed); --train-samples and --val-samples count copy's windows
   model     --model gpt-tiny (the default) or gpt-small (train/components/gpt.py), or package.module:factory, a
             function of the vocabulary's size returning a module of token ids N x T to logits N x T x V (its context:
             --task-settings context=N)
@@ -31,7 +32,8 @@ from train.components.gpt import SIZES, Gpt
 from train.components.models import user_factory
 from train.config.settings import LM_MODEL, Model
 from train.tasks.task import Task
-from train.tasks.text import COPY_SHORTEST, END, IGNORE, VOCAB, CopyWindows, TextWindows, text_files
+from train.files.rundir import read_description
+from train.tasks.text import COPY_SHORTEST, IGNORE, Bytes, CopyWindows, TextWindows, text_files, vocabulary
 
 DATASETS = ("copy", "text")
 TAKES = "the vocabulary's size and returns a module of token ids N x T to logits N x T x V"
@@ -66,6 +68,13 @@ class LanguageModel(Task):
                               f"context of {size.context}: give at most {size.context}")
         return given or (size.context if size is not None else 64)
 
+    @property
+    def vocab(self) -> Bytes:
+        """The tokens: the bytes', or --tokenizer's (loaded once; a file that does not load is one line)."""
+        if getattr(self, "_vocab", None) is None:
+            self._vocab = vocabulary(self.cfg.data.tokenizer)
+        return self._vocab
+
     # ---------------------------------------------------------------- data and model
 
     def check(self, run_dir=None, train: bool = True) -> None:
@@ -85,6 +94,18 @@ class LanguageModel(Task):
         if cfg.data.dataset == "text":
             for split in ("train", "val") if train else ("val",):
                 text_files(Path(cfg.data.data_dir), split)
+        self.same_tokenizer(run_dir)
+
+    def same_tokenizer(self, run_dir) -> None:
+        """A run trained with a tokenizer.json reads that file again, resumed or evaluated (its sha256 in task.json)."""
+        vocab = self.vocab  # --tokenizer's file loads, or one line
+        if run_dir is None or vocab.name != "tokenizer":
+            return
+        recorded = (read_description(Path(run_dir)) or {}).get("tokenizer_sha256")
+        if recorded not in (None, vocab.sha256):
+            raise ConfigError(f"--tokenizer {self.cfg.data.tokenizer} is not the file {run_dir} was trained with "
+                              f"(sha256 {vocab.sha256[:12]}..., the run's {recorded[:12]}...): give that file "
+                              f"back, or start a new --run-dir")
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:
         cfg, context = self.cfg, self.context
@@ -95,23 +116,23 @@ class LanguageModel(Task):
             floor = {"floor": total / count}
         else:
             root = Path(cfg.data.data_dir)
-            train_set = TextWindows(root, "train", context) if train else None
-            val_set, floor = TextWindows(root, "val", context), {}
-        self.description = {"vocabulary": "bytes, and END (256) between documents", "vocab_size": VOCAB,
-                            "end_token": END, "context": context, "dataset": cfg.data.dataset, **floor}
+            self.same_tokenizer(run_dir)
+            train_set = TextWindows(root, "train", context, self.vocab) if train else None
+            val_set, floor = TextWindows(root, "val", context, self.vocab), {}
+        self.description = {**self.vocab.describe(), "context": context, "dataset": cfg.data.dataset, **floor}
         return train_set, val_set
 
     def network(self, spec: Model) -> nn.Module:
         if ":" in spec.model:  # a function of the vocabulary's size (its one argument)
-            return user_factory(spec.model, takes=TAKES)(VOCAB)
-        return Gpt(SIZES[spec.model], VOCAB)
+            return user_factory(spec.model, takes=TAKES)(self.vocab.size)
+        return Gpt(SIZES[spec.model], self.vocab.size)
 
     # ---------------------------------------------------------------- a step
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if output.dim() != 3 or output.shape[:2] != target.shape or output.shape[2] != VOCAB:
+        if output.dim() != 3 or output.shape[:2] != target.shape or output.shape[2] != self.vocab.size:
             raise ConfigError(f"--model {self.cfg.model.model} gives {list(output.shape)} for token ids "
-                              f"{list(target.shape)}, and --task lm takes N x T x {VOCAB} logits: make the network "
+                              f"{list(target.shape)}, and --task lm takes N x T x {self.vocab.size} logits: make the network "
                               f"return them")
         total = F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
         return total, self.count(target)
@@ -129,22 +150,23 @@ class LanguageModel(Task):
     # ---------------------------------------------------------------- evaluation
 
     def metric_state(self, device: torch.device, detail: bool = False) -> torch.Tensor:
-        """The loss sum, the labelled tokens, the windows, the labelled bytes (the tokens but END)."""
+        """The loss sum, the labelled tokens, the windows, the labelled bytes (byte tokens: the tokens but END)."""
         return torch.zeros(4, dtype=torch.float64, device=device)
 
     def update(self, state: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> None:
         total, count = self.loss(output if output.dtype == torch.float64 else output.float(), target)
         windows = torch.tensor(float(len(target)), device=state.device, dtype=torch.float64)
-        state += torch.stack([total.double(), count.double(), windows, (count - (target == END).sum()).double()])
+        text = count - (target == self.vocab.end).sum() if self.vocab.name == "bytes" else torch.zeros_like(count)
+        state += torch.stack([total.double(), count.double(), windows, text.double()])
 
     def scores(self, state: torch.Tensor, detail: bool = False) -> dict:
         total, tokens, windows, text = state.tolist()
         if not tokens:
             raise ConfigError("the validation windows label no token: an evaluation of nothing has no figures")
         loss = total / tokens
-        scores = {"loss": loss, "perplexity": math.exp(min(loss, 700)),
-                  "bits_per_byte": total / math.log(2) / text if text else math.nan,  # the ENDs' cost spread on bytes
-                  "tokens": int(tokens), "samples": int(windows)}
+        scores = {"loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": int(tokens), "samples": int(windows)}
+        if self.vocab.name == "bytes":  # the ENDs' cost spread on the bytes
+            scores["bits_per_byte"] = total / math.log(2) / text if text else math.nan
         if "floor" in self.description:
             scores.update(floor=self.description["floor"], excess=loss - self.description["floor"])
         return scores
@@ -162,9 +184,9 @@ class LanguageModel(Task):
         with torch.inference_mode():
             for i in range(min(SHOWN, len(val_set))):
                 prompt = val_set[i][0][:PROMPT]
-                made = {kind: decoded(continued(model, prompt, self.context, device, temperature, g))
+                made = {kind: self.vocab.decode(continued(model, prompt, self.context, device, temperature, g).tolist())
                         for kind, temperature in (("greedy", 0), ("sampled", 0.8))}
-                shown.append({"prompt": decoded(prompt), **made})
+                shown.append({"prompt": self.vocab.decode(prompt.tolist()), **made})
         return shown
 
     def report(self, record: dict, result: dict, pictures: list | None = None) -> tuple:
@@ -192,16 +214,12 @@ class LanguageModel(Task):
 
     def export_io(self) -> tuple:
         return (torch.zeros(2, min(16, self.context), dtype=torch.long), {"input": "ids", "output": "logits"},
-                {"input_shape": ["N", "T"], "output": f"N x T x {VOCAB} logits: the next token's, at each position",
-                 "vocabulary": self.description.get("vocabulary"), "end_token": END, "context": self.context})
+                {"input_shape": ["N", "T"],
+                 "output": f"N x T x {self.vocab.size} logits: the next token's, at each position",
+                 "vocabulary": self.description.get("vocabulary"), "end_token": self.vocab.end, "context": self.context})
 
     def dynamic_dims(self) -> dict:
         return {0: ("batch", None), 1: ("sequence", self.context)}
-
-
-def decoded(ids: torch.Tensor) -> str:
-    """Byte tokens as text (END shown as a newline; bytes that are no UTF-8 replaced)."""
-    return bytes(10 if t == END else t for t in ids.tolist()).decode("utf-8", errors="replace")
 
 
 def continued(model: nn.Module, prompt: torch.Tensor, context: int, device: torch.device, temperature: float,

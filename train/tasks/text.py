@@ -8,11 +8,14 @@ item (ids, targets), the targets the ids shifted by one and IGNORE (-100) where 
                    its own seed when a loader asks for it, so any world size reads the same windows.
   --dataset text   DATA_DIR/train/**/*.txt and DATA_DIR/val/**/*.txt (sorted by path): each file a document of any
                    bytes (byte tokens read every file, UTF-8 or not), joined with END and cut into windows one context
-                   apart, every token predicted once; held in memory.
+                   apart, every token predicted once; held in memory. With --tokenizer, a Hugging Face tokenizer.json
+                   (the tokenizers package) turns each file, which must then be UTF-8, into its tokens instead, END
+                   being the id after its vocabulary's last.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from pathlib import Path
@@ -125,17 +128,87 @@ def text_files(root: Path, split: str) -> list[Path]:
     return files
 
 
+class Bytes:
+    """Byte tokens: 0 .. 255, END = 256 between documents; any bytes, UTF-8 or not."""
+
+    size, end, name = VOCAB, END, "bytes"
+
+    def describe(self) -> dict:
+        return {"vocabulary": "bytes, and END (256) between documents", "vocab_size": VOCAB, "end_token": END}
+
+    def encode(self, data: bytes, path: Path) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16)
+
+    def decode(self, ids: list[int]) -> str:
+        """As text (END shown as a newline; bytes that are no UTF-8 replaced)."""
+        return bytes(10 if t == END else t for t in ids).decode("utf-8", errors="replace")
+
+
+class TokenizerFile:
+    """A Hugging Face tokenizer.json (--tokenizer): its ids, END the one after its last; the file's sha256 recorded."""
+
+    name = "tokenizer"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer  # noqa: PLC0415 - --tokenizer's alone
+
+        if not path.is_file():
+            raise ConfigError(f"--tokenizer {path} is missing: give the path of a tokenizer.json (what tokenizers' "
+                              f"Tokenizer.save writes), or drop it for byte tokens")
+        data = path.read_bytes()
+        try:
+            self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 - the library's parse errors are of several kinds: each is this one line
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--tokenizer {path} does not load as a Hugging Face tokenizer.json ({cause}): give the "
+                              f"file tokenizers' Tokenizer.save wrote, or drop it for byte tokens") from None
+        self.path, self.sha256 = path, hashlib.sha256(data).hexdigest()
+        self.end = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.size = self.end + 1
+
+    def describe(self) -> dict:
+        return {"vocabulary": f"{self.path}'s tokens, and END ({self.end}) between documents", "vocab_size": self.size,
+                "end_token": self.end, "tokenizer": str(self.path), "tokenizer_sha256": self.sha256}
+
+    def encode(self, data: bytes, path: Path) -> torch.Tensor:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 (byte {e.start}): --tokenizer reads text: save it as UTF-8, or drop "
+                              f"--tokenizer (byte tokens read any bytes)") from None
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.int32)
+
+    def decode(self, ids: list[int]) -> str:
+        """As text (END shown as a newline)."""
+        pieces, run = [], []
+        for t in ids:
+            if t == self.end:
+                pieces += [self.tokenizer.decode(run), "\n"]
+                run = []
+            else:
+                run.append(t)
+        return "".join([*pieces, self.tokenizer.decode(run)])
+
+
+def vocabulary(tokenizer: str) -> Bytes | TokenizerFile:
+    """--tokenizer's vocabulary, or the bytes'."""
+    return TokenizerFile(Path(tokenizer)) if tokenizer else Bytes()
+
+
 class TextWindows(Dataset):
-    """A split's documents (bytes, END after each) as windows of `context` tokens one context apart, the last padded:
+    """A split's documents (tokens, END after each) as windows of `context` tokens one context apart, the last padded:
     every token but the first predicted once."""
 
-    def __init__(self, root: Path, split: str, context: int):
-        end = torch.tensor([END], dtype=torch.int16)
+    def __init__(self, root: Path, split: str, context: int, vocab: Bytes | TokenizerFile | None = None):
+        vocab = vocab or Bytes()
+        kind = torch.int16 if vocab.size <= 2**15 else torch.int32
+        end = torch.tensor([vocab.end], dtype=kind)
         pieces = [part for path in text_files(root, split)
-                  for part in (torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).to(torch.int16), end)]
-        self.tokens, self.context = torch.cat(pieces), context  # two bytes a token
+                  for part in (vocab.encode(path.read_bytes(), path).to(kind), end)]
+        self.tokens, self.context, self.end = torch.cat(pieces), context, vocab.end  # two bytes a token where they fit
         if len(self.tokens) < context + 1:
-            raise ConfigError(f"{root / split} holds {len(self.tokens)} tokens (bytes and an END after each file), "
+            what = "bytes" if isinstance(vocab, Bytes) else "tokens of --tokenizer"
+            raise ConfigError(f"{root / split} holds {len(self.tokens)} tokens ({what} and an END after each file), "
                               f"fewer than one window of {context + 1} (the context and the token after it): give it "
                               f"more text, or a model of a shorter context")
 
@@ -146,5 +219,5 @@ class TextWindows(Dataset):
         piece = self.tokens[index * self.context:(index + 1) * self.context + 1].long()
         ids, targets = piece[:-1], piece[1:]
         padding = self.context - len(ids)
-        ids = torch.cat([ids, torch.full((padding,), END, dtype=torch.long)])
+        ids = torch.cat([ids, torch.full((padding,), self.end, dtype=torch.long)])
         return ids, torch.cat([targets, torch.full((padding,), IGNORE, dtype=torch.long)])
