@@ -42,11 +42,12 @@ FIXED = frozenset({
     "label_smoothing", "model_ema", "model_ema_steps", "model_ema_decay",
 })
 # How and how long it runs. --grad-accum follows the workers (continue_layout); --data-dir may move (a container
-# mounts the NAS elsewhere) while the worker checks the data itself is the same (same_data).
+# mounts the NAS elsewhere) while the worker checks the data itself is the same (same_data); --tokenizer may move too,
+# its file's sha256 the run's (train/tasks/lm.py, same_tokenizer).
 MAY_CHANGE = frozenset({
     "run_dir", "preset", "max_steps", "epochs", "stop_at", "dry_run", "deterministic",
     "spawn", "device", "timeout_s", "threads",
-    "data_dir", "download", "num_workers", "decode",
+    "data_dir", "download", "num_workers", "decode", "tokenizer",
     "channels_last", "compile", "bucket_cap_mb", "static_graph",
     "grad_accum",
     "save_every", "keep_checkpoints", "eval_every", "log_every", "tensorboard",
