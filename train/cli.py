@@ -14,7 +14,8 @@ from pathlib import Path
 
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
-from train.config.settings import (IMAGENET_FROM, IN_MEMORY, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
+from train.config.catalog import OWN_SETTINGS, reads, source
+from train.config.settings import (IMAGENET_FROM, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
                                    SECTIONS, SEGMENTATION_MODEL, Config, Schedule, augmentation_recipe, flag,
                                    settings, unknown_key)
 from train.config.values import check_values
@@ -79,6 +80,8 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
              else f"--image-size {cfg.data.image_size} is below {IMAGENET_FROM}")
     own = ":" in cfg.run.task  # a task of the user's: its own data and model, none of the image pipeline's
     masks = cfg.run.task == "segmentation"
+    name = cfg.data.dataset
+    data = source(name)
     return [
         (SEGMENTATION_SKIPS, masks, "with --task segmentation (its images and masks take the segmentation reference's "
                                     "joint transforms, its loss no label smoothing, its batches no mixing): drop it"),
@@ -89,40 +92,28 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
                               f"image pipeline, its sources, transforms and augmentations, is classification's): drop "
                               f"it, or read the setting in your task (docs/tasks.md)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
-          "ra_magnitude", "augmix_severity", "num_workers"), cfg.data.dataset in IN_MEMORY and not own,
-         f"with --dataset {cfg.data.dataset} (images made in memory at --image-size: no files to resize, crop, augment "
+          "ra_magnitude", "augmix_severity", "num_workers"), data.in_memory and not own,
+         f"with --dataset {name} (images made in memory at --image-size: no files to resize, crop, augment "
          f"or load): drop it, or train on image files (--dataset imagefolder, csv, shards, hf or cifar10)"),
         (("augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment",
           "ra_magnitude", "augmix_severity", "decode"), cfg.data.dataset == "masks",
          "with --dataset masks (the loader workers decode each image and its mask and move them together at "
          "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
          "resize and centre crop): drop it"),
-        (("train_samples", "val_samples"), cfg.data.dataset not in (*IN_MEMORY, "copy"),
-         f"with --dataset {cfg.data.dataset} (its size is its files'): drop it"),
+        (("train_samples", "val_samples"), not data.counted, f"with --dataset {name} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
-         cfg.data.dataset not in IN_MEMORY and augmentation_recipe(cfg.data, cfg.augmentation) == "cifar",
+         not data.in_memory and augmentation_recipe(cfg.data, cfg.augmentation) == "cifar",
          f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "
          f"--augment imagenet"),
-        (("ra_magnitude",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "ra",
+        (("ra_magnitude",), not data.in_memory and cfg.augmentation.auto_augment != "ra",
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment ra"),
-        (("augmix_severity",), cfg.data.dataset not in IN_MEMORY and cfg.augmentation.auto_augment != "augmix",
+        (("augmix_severity",), not data.in_memory and cfg.augmentation.auto_augment != "augmix",
          f"with --auto-augment {cfg.augmentation.auto_augment}: drop it, or pass --auto-augment augmix"),
-        (("tokenizer",), cfg.run.task != "lm" or cfg.data.dataset != "text",
-         f"with --task {cfg.run.task} --dataset {cfg.data.dataset} (a tokenizer.json turns a text folder's files into "
+        (("tokenizer",), cfg.run.task != "lm" or name != "text",
+         f"with --task {cfg.run.task} --dataset {name} (a tokenizer.json turns a text folder's files into "
          f"tokens for a language model): drop it, or pass --task lm --dataset text"),
-        (("download",), cfg.data.dataset != "cifar10",
-         f"with --dataset {cfg.data.dataset} (only CIFAR-10 is downloaded): drop it"),
-        (("path_column",), cfg.data.dataset != "csv",
-         f"with --dataset {cfg.data.dataset} (it names the columns of label files): drop it, or pass --dataset csv"),
-        (("label_column",), cfg.data.dataset not in ("csv", "hf"),
-         f"with --dataset {cfg.data.dataset} (it names the label column of label files or of a Hugging Face dataset): "
-         f"drop it, or pass --dataset csv or hf"),
-        (("image_column", "train_split", "val_split"), cfg.data.dataset != "hf",
-         f"with --dataset {cfg.data.dataset} (it names a column or a split of a Hugging Face dataset): drop it, or "
-         f"pass --dataset hf"),
-        (("label_key",), cfg.data.dataset != "shards",
-         f"with --dataset {cfg.data.dataset} (it names the label of WebDataset tars): drop it, or pass --dataset "
-         f"shards"),
+        *((settings, not reads(name, settings), f"with --dataset {name} ({why}): drop it{fix}")
+          for settings, why, fix in OWN_SETTINGS),
     ]
 
 
@@ -282,7 +273,7 @@ def _weights_sizes(cfg: Config, given: dict) -> Config:
     are the defaults of the sizes the user left unset: the image size C, the evaluation's resize the crop x R / C
     (R itself at C), their interpolation where the recipes offer it. Sizes the user gives win. --dataset masks reads
     --image-size alone (train/data/masks.py), as the segmentation weights' own transforms give no crop."""
-    if not cfg.model.weights or cfg.data.dataset in (*IN_MEMORY, "masks"):
+    if not cfg.model.weights or not source(cfg.data.dataset).transformed:
         return cfg
     own = evaluation_transforms(cfg.model.model, cfg.model.weights)  # torchvision is imported for named weights only
     if own is None:  # a file

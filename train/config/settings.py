@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field, fields
 
 from train.base.errors import ConfigError
+from train.config.catalog import SOURCES
 
 SEGMENTATION_MODEL = "lraspp_mobilenet_v3_large"  # --task segmentation's network where --model is not given
 # --task lm's network, data and batch where --model, --dataset, --batch-size are not given
@@ -74,8 +75,7 @@ class Data:
                                     "copy (--task lm: copy documents from the seed, their floor exact; the default "
                                     "there); text (--task lm: DATA_DIR/train/**/*.txt, DATA_DIR/val/**/*.txt, byte tokens); "
                                     "synthetic: random images for benchmarks (learns nothing)",
-                                    choices=("shapes", "cifar10", "imagefolder", "csv", "shards", "hf", "masks",
-                                             "copy", "text", "synthetic"))
+                                    choices=tuple(SOURCES))
     data_dir: str = _field("data", "dataset root for cifar10, imagefolder, csv, shards, hf, masks and text")
     path_column: str = _field("", "csv: the label files' column of image paths; empty: the first of path, image, "
                                   "file, filename, filepath")
@@ -306,7 +306,6 @@ PRESETS: dict[str, dict] = {
                   warmup_steps=5, save_every=20, eval_every=20, log_every=10, lr=1e-2),
 }
 
-IN_MEMORY = ("shapes", "synthetic")  # the built-in datasets: in memory, made at --image-size, no files to transform
 IMAGENET_FROM = 128  # --augment auto: the ImageNet recipe from this image size up, the CIFAR recipe below
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from train.config.settings import IN_MEMORY, Augmentation, Config, Data
+from train.config.catalog import source
+from train.config.settings import Augmentation, Config, Data
 from train.data.decode import Decoded, FileBytes, load_image, read_bytes
 from train.data.folders import (ShardSplit, check_imagefolder, cifar_split, imagefolder_split, imagefolder_splits,
                                 is_pack, path_of)
@@ -16,6 +17,8 @@ from train.data.labelfiles import LabelFileSplit, read_labelfiles
 from train.data.shapes import ShapesDataset, SyntheticDataset
 from train.data.tars import tar_splits
 from train.data.transforms import image_transforms
+
+IN_MEMORY = {"shapes": ShapesDataset, "synthetic": SyntheticDataset}  # the catalogue's sources made in memory
 
 
 def class_names(dataset) -> list[str]:
@@ -36,11 +39,10 @@ def build_datasets(cfg: Config, train: bool = True, run_dir: Path | None = None)
         val = validation_set(data, aug, root, run_dir, cfg.run.seed, images)
         return None, val, len(class_names(val))
     if data.dataset in IN_MEMORY:
-        kind = ShapesDataset if data.dataset == "shapes" else SyntheticDataset
-        train_set = kind(data.train_samples, data.image_size, seed=cfg.run.seed * 2 + 1)
+        train_set = IN_MEMORY[data.dataset](data.train_samples, data.image_size, seed=cfg.run.seed * 2 + 1)
     elif data.dataset == "cifar10":
         train_set = cifar_split(root, True, image_transforms(data, aug, True), data.download)
-    elif data.dataset in ("shards", "csv", "hf"):
+    elif source(data.dataset).encoded:
         splits = source_splits(data, root, ("train", "val"), run_dir, images)
         return *(decoded(data, aug, splits[s], s == "train") for s in ("train", "val")), len(splits["train"].classes)
     else:
@@ -74,11 +76,10 @@ def validation_set(data: Data, aug: Augmentation, root: Path, run_dir: Path | No
     """The validation set, with the evaluation's transforms (seed: the run's, of the built-in sets; images: as
     source_splits)."""
     if data.dataset in IN_MEMORY:
-        kind = ShapesDataset if data.dataset == "shapes" else SyntheticDataset
-        return kind(data.val_samples, data.image_size, seed=seed * 2 + 2)
+        return IN_MEMORY[data.dataset](data.val_samples, data.image_size, seed=seed * 2 + 2)
     if data.dataset == "cifar10":
         return cifar_split(root, False, image_transforms(data, aug, False))
-    if data.dataset in ("shards", "csv", "hf"):
+    if source(data.dataset).encoded:
         return decoded(data, aug, source_splits(data, root, ("val",), run_dir, images)["val"], False)
     check_imagefolder(root, ("val",))
     split = imagefolder_split(root, "val", loader=read_bytes if data.decode == "gpu" else load_image)

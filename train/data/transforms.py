@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from train.base import vision
-from train.config.settings import IN_MEMORY, Augmentation, Data, augmentation_recipe
+from train.config.catalog import source
+from train.config.settings import Augmentation, Data, augmentation_recipe
 
 # trainbox's own input normalisation: (x / 255 - MEAN) / STD on every channel (prepare_inputs), where the weights
 # bring none of their own (components/weights.py: normalisation)
@@ -91,8 +92,7 @@ def eval_steps(data: Data, aug: Augmentation) -> tuple[int, int, str]:
     """The evaluation's (resize, centre crop, interpolation), the recipe's: imagenet: --val-resize-size or the crop
     / 0.875, --val-crop-size or --image-size, --interpolation; cifar and the built-in sets: --image-size, bilinear.
     (Named --weights make their own transforms the defaults of these flags: config._weights_sizes.)"""
-    files = data.dataset not in IN_MEMORY
-    if not files or augmentation_recipe(data, aug) != "imagenet":
+    if source(data.dataset).in_memory or augmentation_recipe(data, aug) != "imagenet":
         return data.image_size, data.image_size, "bilinear"
     crop = aug.val_crop_size or data.image_size
     return aug.val_resize_size or eval_resize(crop), crop, aug.interpolation

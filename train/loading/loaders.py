@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from train.cluster.identity import identity, usable_cores
-from train.config.settings import IN_MEMORY, Config, Data
+from train.config.catalog import source
+from train.config.settings import Config, Data
 from train.loading.samplers import Sampling, SeededSample, ShardSampler
 
 
@@ -68,7 +69,7 @@ def default_num_workers(data: Data) -> int:
     built-in sets, made in memory; for any dataset whose items a loader reads (files, a task's own), the cores'."""
     if data.num_workers >= 0:
         return data.num_workers
-    if data.dataset in IN_MEMORY:
+    if source(data.dataset).in_memory:
         return 0
     return loader_workers()
 

@@ -29,7 +29,8 @@ from train.components.ema import ModelEma
 from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
-from train.config.settings import IN_MEMORY, Config, Data, Model
+from train.config.catalog import source
+from train.config.settings import Config, Data, Model
 from train.data import packed_with
 from train.files import checkpoint_io as ckpt
 from train.files import rundir, writable
@@ -172,7 +173,7 @@ def data_then_folder(task: Task, run_dir: Path, task_name: str, data: Data, spec
     that a refused one leaves no folder behind. The built-in sets, made in memory, can meet only a lack of memory,
     which the run folder then records (restarts refuse at once)."""
     own = ":" in task_name
-    sets = None if data.dataset in IN_MEMORY and not own else task.datasets(run_dir)
+    sets = None if source(data.dataset).in_memory and not own else task.datasets(run_dir)
     if own:
         check_task(task, spec, *sets, batch_size)
         if data.num_workers > 0 and task.collate is None and in_memory(sets[0]) is not None:

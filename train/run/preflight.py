@@ -20,7 +20,8 @@ from train.components.models import frozen_names
 from train.components.optim import decay_groups
 from train.components.weights import read_weights, resolve
 from train.config.resume import Layout, changed_settings, continue_layout, refusal
-from train.config.settings import IN_MEMORY, Config, Data, Model, Optimisation, Tracking
+from train.config.catalog import SOURCES, source
+from train.config.settings import Config, Data, Model, Optimisation, Tracking
 from train.files import checkpoint_io
 from train.files.rundir import launch_run_dir
 from train.files.rundir import read_config, read_json
@@ -51,7 +52,7 @@ def preflight(cfg: Config, world: int | None = None) -> Task:
         check_weights(cfg.model, run.run_dir, task)
         check_decay_groups(cfg.optimisation, cfg.model, task)
         check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size, workers)
-        if cfg.data.dataset in IN_MEMORY and ":" not in run.task:  # files: counted by the workers, once loaded
+        if source(cfg.data.dataset).in_memory and ":" not in run.task:  # files: counted by the workers, once loaded
             check_steps(cfg.data.train_samples, workers, cfg.optimisation, cfg.augmentation.ra_reps)
         # The process that will listen on the rendezvous port: the --spawn parent, or rank 0 of an srun step.
         port = os.environ.get("MASTER_PORT") if cfg.launch.spawn else \
@@ -139,9 +140,10 @@ def check_precision(spec: Model, data: Data, on_cpu: bool) -> None:
         raise ConfigError(f"--precision {spec.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and spec.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
-    if data.decode == "gpu" and data.dataset not in ("imagefolder", "csv", "shards", "hf"):
+    if data.decode == "gpu" and not source(data.dataset).gpu_decode:
+        files = [name for name, s in SOURCES.items() if s.gpu_decode]
         raise ConfigError(f"--decode gpu decodes image files, and --dataset {data.dataset} has none: use it with "
-                          f"--dataset imagefolder, csv, shards or hf, or drop it")
+                          f"--dataset {', '.join(files[:-1])} or {files[-1]}, or drop it")
     if data.decode == "gpu" and on_cpu:
         raise ConfigError("--decode gpu needs a CUDA GPU (nvJPEG): use --decode cpu on CPU")
 

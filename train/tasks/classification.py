@@ -22,6 +22,7 @@ from torch import nn
 from train.base.errors import ConfigError
 from train.components.augment import BatchAugment
 from train.components.models import build_model, check_model_spec, head_name
+from train.config.catalog import source
 from train.components.weights import fitted
 from train.config.settings import Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
@@ -51,22 +52,22 @@ class Classification(ImageTask):
         root = Path(data.data_dir)
         if not train:  # make evaluate: its validation set is read, and checked, by the loader
             return
-        if data.dataset == "cifar10":
-            check_cifar(root, data.download)
-        if data.dataset == "imagefolder":
-            check_imagefolder(root)
-        if data.dataset == "csv":  # every row, in seconds for a million; whether each file exists: the loader's
-            check_labelfiles(root, data.path_column, data.label_column)
-        if data.dataset == "shards":  # a pack's index, or another tool's tars indexed once (and cached; run_dir: where
-            check_shards(root, data.label_key, run_dir)  # those in a folder that cannot be written are indexed)
-        if data.dataset == "hf":  # the layout, the columns and every label (the label column alone is read)
-            check_hf(root, data.image_column, data.label_column, data.train_split, data.val_split)
-        if data.dataset == "masks":
-            raise ConfigError("--dataset masks holds pixel masks, not class labels: pass --task segmentation, or a "
-                              "dataset of labelled images")
-        if data.dataset in ("copy", "text"):
-            raise ConfigError(f"--dataset {data.dataset} holds text, not labelled images: pass --task lm, or a dataset "
-                              f"of labelled images")
+        held = source(data.dataset)
+        if self.name not in held.tasks:
+            raise ConfigError(f"--dataset {data.dataset} holds {held.holds}, not labelled images: pass --task "
+                              f"{held.tasks[0]}, or a dataset of labelled images")
+        checks = {
+            "cifar10": lambda: check_cifar(root, data.download),
+            "imagefolder": lambda: check_imagefolder(root),
+            # every row, in seconds for a million; whether each file exists: the loader's
+            "csv": lambda: check_labelfiles(root, data.path_column, data.label_column),
+            # a pack's index, or another tool's tars indexed once (and cached; run_dir: where those in a folder that
+            # cannot be written are indexed)
+            "shards": lambda: check_shards(root, data.label_key, run_dir),
+            # the layout, the columns and every label (the label column alone is read)
+            "hf": lambda: check_hf(root, data.image_column, data.label_column, data.train_split, data.val_split),
+        }
+        checks.get(data.dataset, lambda: None)()
         check_model_spec(self.cfg.model)
 
     def datasets(self, run_dir=None, train: bool = True) -> tuple:

@@ -30,12 +30,12 @@ from torch import nn
 from train.base.errors import ConfigError
 from train.components.gpt import SIZES, Gpt
 from train.components.models import user_factory
+from train.config.catalog import source
 from train.config.settings import LM_MODEL, Model
-from train.tasks.task import Task
 from train.files.rundir import read_description
+from train.tasks.task import Task
 from train.tasks.text import COPY_SHORTEST, IGNORE, Bytes, CopyWindows, TextWindows, text_files, vocabulary
 
-DATASETS = ("copy", "text")
 TAKES = "the vocabulary's size and returns a module of token ids N x T to logits N x T x V"
 PROMPT, SHOWN = 16, 3  # make evaluate's continuations: the first 16 tokens of the first 3 validation windows
 
@@ -79,7 +79,7 @@ class LanguageModel(Task):
 
     def check(self, run_dir=None, train: bool = True) -> None:
         cfg = self.cfg
-        if cfg.data.dataset not in DATASETS:
+        if self.name not in source(cfg.data.dataset).tasks:
             raise ConfigError(f"--dataset {cfg.data.dataset} holds no text: --task lm trains on --dataset copy "
                               f"(generated, the default) or text (DATA_DIR/train/*.txt and DATA_DIR/val/*.txt)")
         if cfg.model.model not in SIZES and ":" not in cfg.model.model:

@@ -43,6 +43,7 @@ from train.base import vision
 from train.base.errors import ConfigError
 from train.components.models import user_model
 from train.components.weights import fitted
+from train.config.catalog import source
 from train.config.settings import SEGMENTATION_MODEL, Model
 from train.data.masks import SPLITS, check_mask_folder, mask_datasets
 from train.data.shapes import ShapeMasks
@@ -92,7 +93,7 @@ class Segmentation(ImageTask):
 
     def check(self, run_dir=None, train: bool = True) -> None:
         cfg = self.cfg
-        if cfg.data.dataset not in ("shapes", "masks"):
+        if self.name not in source(cfg.data.dataset).tasks:
             raise ConfigError(f"--dataset {cfg.data.dataset} holds no pixel masks: --task segmentation trains on "
                               f"--dataset shapes (built in) or masks (DATA_DIR/train/images and DATA_DIR/train/masks, "
                               f"and the same under val/)")
