@@ -178,6 +178,17 @@ def bare_arm(out: Path, spec: dict, warmup: int) -> dict:
     return result
 
 
+def interleaved(out: Path, tag: str, trainer: list, bare: dict, rounds: int, warmup: int) -> tuple[list, dict]:
+    """The trainer with `trainer`'s flags and the bare loop of `bare`, a run of each per round, interleaved: (the bare
+    loop's median step over the trainer's, per round; each arm's median step per round)."""
+    ratios, steps = [], {"bare": [], "trainbox": []}
+    for r in range(rounds):
+        steps["trainbox"].append(median(trainer_arm(out / "runs" / f"{tag}-{r}", trainer, warmup)["step_times"]))
+        steps["bare"].append(median(bare_arm(out / f"{tag}-bare-{r}.json", bare, warmup)["step_times"]))
+        ratios.append(steps["bare"][-1] / steps["trainbox"][-1])
+    return ratios, steps
+
+
 def median(values) -> float:
     return statistics.median(values)
 

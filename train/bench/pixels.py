@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.bench.arms import bare_arm, median, row, trainer_arm
+from train.bench.arms import interleaved, median, row
 
 
 def segmentation_rows(out: Path, size: dict, rounds: int) -> list[dict]:
@@ -16,13 +16,7 @@ def segmentation_rows(out: Path, size: dict, rounds: int) -> list[dict]:
                "--batch-size", size["batch"], "--spawn", 2, "--threads", 1]
     bare = {"world": 2, "threads": 1, "samples": size["samples"], "image_size": 32, "batch": size["batch"],
             "steps": size["steps"], "window": w, "task": "segmentation"}
-    ratios, steps = [], {"bare": [], "trainbox": []}
-    for r in range(rounds):
-        tb = trainer_arm(out / "runs" / f"segmentation-{r}", trainer, size["warmup"])
-        bb = bare_arm(out / f"segmentation-bare-{r}.json", bare, size["warmup"])
-        steps["trainbox"].append(median(tb["step_times"]))
-        steps["bare"].append(median(bb["step_times"]))
-        ratios.append(steps["bare"][-1] / steps["trainbox"][-1])
+    ratios, steps = interleaved(out, "segmentation", trainer, bare, rounds, size["warmup"])
     b = size["batch"]
     return [row("segmentation step: bare loop step / trainbox step (lraspp_mobilenet_v3_large, 2 ranks x 1 thread)",
                 ratios, f"bare {1000 * median(steps['bare']):.1f} ms, trainbox {1000 * median(steps['trainbox']):.1f} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.bench.arms import bare_arm, median, row, trainer_arm
+from train.bench.arms import interleaved, median, row
 from train.components.gpt import SIZES
 
 
@@ -18,13 +18,7 @@ def lm_rows(out: Path, size: dict, rounds: int) -> list[dict]:
                "--batch-size", size["lm_batch"], "--spawn", 2, "--threads", 1]
     bare = {"world": 2, "threads": 1, "samples": size["lm_samples"], "context": context, "model": model,
             "batch": size["lm_batch"], "steps": size["steps"], "window": w, "task": "lm"}
-    ratios, steps = [], {"bare": [], "trainbox": []}
-    for r in range(rounds):
-        tb = trainer_arm(out / "runs" / f"lm-{r}", trainer, size["warmup"])
-        bb = bare_arm(out / f"lm-bare-{r}.json", bare, size["warmup"])
-        steps["trainbox"].append(median(tb["step_times"]))
-        steps["bare"].append(median(bb["step_times"]))
-        ratios.append(steps["bare"][-1] / steps["trainbox"][-1])
+    ratios, steps = interleaved(out, "lm", trainer, bare, rounds, size["warmup"])
     b = size["lm_batch"]
     return [row(f"language model step: nanoGPT's loop step / trainbox step ({model}, 2 ranks x 1 thread)", ratios,
                 f"nanoGPT loop {1000 * median(steps['bare']):.1f} ms, trainbox {1000 * median(steps['trainbox']):.1f} "
