@@ -133,6 +133,8 @@ def test_a_text_folder_through_a_tokenizer_json_trains_resumes_evaluates_and_ref
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
     assert (described["vocab_size"], described["end_token"]) == (vocab + 1, vocab)
     assert described["tokenizer_sha256"] == hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    planned = json.loads((run_dir / "plan.json").read_text())["task"]
+    assert (planned["tokenizer_sha256"], planned["vocab_size"]) == (described["tokenizer_sha256"], vocab + 1)
     original, written = tokenizer.read_bytes(), sorted(p.name for p in run_dir.rglob("*"))
     before = (run_dir / "metrics.jsonl").read_bytes()
     changed = Tokenizer.from_file(str(tokenizer))

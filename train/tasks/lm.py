@@ -202,8 +202,9 @@ class LanguageModel(Task):
     # ---------------------------------------------------------------- records
 
     def facts(self) -> dict:
+        tokens = {k: v for k, v in self.vocab.describe().items() if k != "vocabulary"}
         return {**super().facts(), "loss": f"CrossEntropyLoss(ignore_index={IGNORE}), summed over the labelled "
-                                           f"tokens, divided by those of the step", "context": self.context}
+                                           f"tokens, divided by those of the step", "context": self.context, **tokens}
 
     def source(self, train_set, val_set) -> dict:
         if self.cfg.data.dataset == "copy":
