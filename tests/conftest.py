@@ -17,16 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-# Several workers at once share the machine's cores, each test's processes with them. A run's OpenMP threads (a
-# share of the cores each) spin at every barrier before they sleep, holding a core another test's process waits
-# for: three single-worker debug runs at once on 2 cores took 21-40 s spinning, 9-10 s sleeping. The waiting policy
-# changes no result (the same kernels sum in the same order), only who holds a core while a thread idles. Set
-# before torch (and its OpenMP) loads here, and inherited by every process a test starts.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch
 
 from tests.helpers import MlflowServer, make, python_cmd, run, torchrun_cmd
 from train.cluster.identity import free_port
