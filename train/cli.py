@@ -100,7 +100,8 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
          "with --dataset masks (the loader workers decode each image and its mask and move them together at "
          "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
          "resize and centre crop): drop it"),
-        (("train_samples", "val_samples"), not data.counted, f"with --dataset {name} (its size is its files'): drop it"),
+        (("train_samples", "val_samples"), not data.counted,
+         f"with --dataset {name} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
          not data.in_memory and augmentation_recipe(cfg.data, cfg.augmentation) == "cifar",
          f"under the cifar recipe ({small}: a bilinear resize and centre crop to --image-size): drop it, or pass "

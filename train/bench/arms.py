@@ -125,7 +125,8 @@ def _bare_gpu(spec: dict) -> None:
 
 
 def copy_tokens(samples: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training windows --task lm draws from --dataset copy (seed 0, as the trainer's arm), stacked: ids, targets."""
+    """The training windows --task lm draws from --dataset copy (seed 0, as the trainer's arm), stacked: ids and
+    targets."""
     windows = CopyWindows(samples, context, 0, 1)
     ids, targets = zip(*(windows[i] for i in range(samples)), strict=True)
     return torch.stack(ids), torch.stack(targets)

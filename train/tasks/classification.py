@@ -22,8 +22,8 @@ from torch import nn
 from train.base.errors import ConfigError
 from train.components.augment import BatchAugment
 from train.components.models import build_model, check_model_spec, head_name
-from train.config.catalog import source
 from train.components.weights import fitted
+from train.config.catalog import source
 from train.config.settings import Model
 from train.data import (build_datasets, check_cifar, check_hf, check_imagefolder, check_labelfiles, check_shards,
                         class_names, eval_steps, preprocessing, source_of, train_size)

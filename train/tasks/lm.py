@@ -34,7 +34,8 @@ from train.config.catalog import source
 from train.config.settings import LM_MODEL, Model
 from train.files.rundir import read_description
 from train.tasks.task import Task
-from train.tasks.text import COPY_SHORTEST, IGNORE, Bytes, CopyWindows, TextWindows, text_files, vocabulary
+from train.tasks.text import (COPY_SHORTEST, IGNORE, Bytes, CopyWindows, TextWindows, TokenizerFile, text_files,
+                              vocabulary)
 
 TAKES = "the vocabulary's size and returns a module of token ids N x T to logits N x T x V"
 PROMPT, SHOWN = 16, 3  # make evaluate's continuations: the first 16 tokens of the first 3 validation windows
@@ -69,7 +70,7 @@ class LanguageModel(Task):
         return given or (size.context if size is not None else 64)
 
     @property
-    def vocab(self) -> Bytes:
+    def vocab(self) -> Bytes | TokenizerFile:
         """The tokens: the bytes', or --tokenizer's (loaded once; a file that does not load is one line)."""
         if getattr(self, "_vocab", None) is None:
             self._vocab = vocabulary(self.cfg.data.tokenizer)
@@ -132,8 +133,8 @@ class LanguageModel(Task):
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if output.dim() != 3 or output.shape[:2] != target.shape or output.shape[2] != self.vocab.size:
             raise ConfigError(f"--model {self.cfg.model.model} gives {list(output.shape)} for token ids "
-                              f"{list(target.shape)}, and --task lm takes N x T x {self.vocab.size} logits: make the network "
-                              f"return them")
+                              f"{list(target.shape)}, and --task lm takes N x T x {self.vocab.size} logits: make the "
+                              f"network return them")
         total = F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
         return total, self.count(target)
 
@@ -217,7 +218,8 @@ class LanguageModel(Task):
         return (torch.zeros(2, min(16, self.context), dtype=torch.long), {"input": "ids", "output": "logits"},
                 {"input_shape": ["N", "T"],
                  "output": f"N x T x {self.vocab.size} logits: the next token's, at each position",
-                 "vocabulary": self.description.get("vocabulary"), "end_token": self.vocab.end, "context": self.context})
+                 "vocabulary": self.description.get("vocabulary"), "end_token": self.vocab.end,
+                 "context": self.context})
 
     def dynamic_dims(self) -> dict:
         return {0: ("batch", None), 1: ("sequence", self.context)}

@@ -174,8 +174,8 @@ class TokenizerFile:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path} is not UTF-8 (byte {e.start}): --tokenizer reads text: save it as UTF-8, or drop "
-                              f"--tokenizer (byte tokens read any bytes)") from None
+            raise ConfigError(f"{path} is not UTF-8 (byte {e.start}): --tokenizer reads text: save it as UTF-8, or "
+                              f"drop --tokenizer (byte tokens read any bytes)") from None
         return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.int32)
 
     def decode(self, ids: list[int]) -> str:
