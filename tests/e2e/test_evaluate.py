@@ -28,9 +28,9 @@ def _equal_to_the_final_evaluation(run_dir, report):
         assert report["per_class_accuracy"][name] == (confusion[i, i] / confusion[i].sum()).item()
 
 
-def test_make_evaluate_equals_the_final_evaluation_of_one_process(tmp_path):
+def test_make_evaluate_equals_the_final_evaluation_of_one_process(reference_run, tmp_path):
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--run-dir", run_dir))
+    shutil.copytree(reference_run(*DEBUG, workers=1), run_dir)  # the debug run of one process, trained once
     proc = make("evaluate", f"RUN={run_dir}")
     assert f"{run_dir}/model.pt: loss" in proc.stdout
     report = json.loads((run_dir / "eval-model.json").read_text())
@@ -158,13 +158,13 @@ def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_p
     assert mark.exists() and "code outside trainbox" not in consented.stderr  # imported: the user named it
 
 
-def test_the_report_a_person_reads(tmp_path):
+def test_the_report_a_person_reads(reference_run, tmp_path):
     """make evaluate's eval-model.png is train/report/figure.py's figure of eval-model.json, pixel for pixel
     (tests/unit/test_report.py reads that figure: the labelled matrix, per-class accuracy worst first, the pairs),
     titled with the run, the checkpoint and top-1; TensorBoard has the same picture; the most confused pairs are
     the largest mistakes of the matrix, in the JSON and printed."""
     run_dir = tmp_path / "exp1"
-    run(python_cmd(*DEBUG, "--run-dir", run_dir))
+    shutil.copytree(reference_run(*DEBUG, workers=1), run_dir)
     proc = make("evaluate", f"RUN={run_dir}")
     record = json.loads((run_dir / "eval-model.json").read_text())
     confusion, classes = np.array(record["confusion"]), record["classes"]

@@ -4,6 +4,7 @@ weights are tested through the cache (TORCH_HOME) with files placed there."""
 
 import hashlib
 import json
+import shutil
 
 import torch
 
@@ -12,12 +13,12 @@ from tests.helpers import DEBUG, assert_bit_identical, env_for_tests, metrics, p
 from train.__main__ import main as train_main
 
 
-def test_weights_of_another_class_count_with_a_frozen_backbone(tmp_path):
+def test_weights_of_another_class_count_with_a_frozen_backbone(tmp_path, reference_run):
     """A shapes run (10 classes) starts a 3-class ImageFolder run, everything but the head frozen: the head is
     new, every other tensor (BatchNorm statistics included) is the weights' own to the end, and only the head
     has optimizer state."""
     source = tmp_path / "shapes"
-    run(python_cmd(*DEBUG, "--run-dir", source))
+    shutil.copytree(reference_run(*DEBUG, workers=1), source)  # the debug run of one process, trained once
     _image_folder(tmp_path / "data")
     run_dir = tmp_path / "probe"
     proc = run(python_cmd(*DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "data", "--batch-size", 4,
