@@ -24,7 +24,8 @@ if [ "$DRY" != "--dry-run" ] && [ ! -e .venv/bin/python ] && python3 -c 'import 
     chmod +x .venv/bin/python && touch .venv/.installed-cu130
 fi
 PY=${PY:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's train/, installed or not
+# Every step runs `python -m` from the checkout's root (cd above), which puts the checkout's train/ and tests/ first
+# on sys.path, installed or not; the tests' own processes get it from tests/helpers.py's env_for_tests.
 mkdir -p "$OUT"
 RESULT="$OUT/gpu_proof.json"
 
