@@ -12,7 +12,8 @@ from torch import nn
 from tests.helpers import byte_level_tokenizer
 from train.base.errors import ConfigError
 from train.cli import parse_config
-from train.loading import build_val_loader
+from train.loading import build_train_loader, build_val_loader, default_num_workers, sampling
+from train.loading.loaders import loader_workers, read_workers
 from train.run.validate import validate
 from train.tasks.factory import build_task
 from train.tasks.text import COPY, END, IGNORE, LETTERS, VOCAB, CopyChain, CopyWindows, TextWindows, vocabulary
@@ -114,6 +115,21 @@ def test_a_text_folder_is_cut_into_windows_that_predict_every_token_once(tmp_pat
         TextWindows(tmp_path, "val", 128)
     with pytest.raises(ConfigError, match="test is missing: --dataset text reads DATA_DIR/train"):
         TextWindows(tmp_path, "test", 8)
+
+
+def test_text_windows_are_cut_in_the_training_process_unless_num_workers_asks_for_loader_workers(tmp_path):
+    """Slices of tokens held in memory: a loader worker would only copy them (make bench's language-model row), so none
+    by default; --num-workers N still gives N, and files of another source still get the cores' share."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "a.txt").write_bytes(b"x" * 100)
+    windows = TextWindows(tmp_path, "train", 8)
+    for flags, workers in (([], 0), (["--num-workers", "2"], 2)):
+        cfg = parse_config(["--task", "lm", "--dataset", "text", "--data-dir", str(tmp_path), *flags])
+        loader, _ = build_train_loader(windows, sampling(cfg), cfg.data, 0, 1, pin_memory=False)
+        assert loader.num_workers == workers == read_workers(cfg.data) == default_num_workers(cfg.data)
+        assert build_val_loader(windows, cfg.data, 4, 0, 1, pin_memory=False).num_workers == workers
+    files = parse_config(["--dataset", "imagefolder"]).data
+    assert read_workers(files) == default_num_workers(files) == loader_workers() >= 1
 
 
 def test_a_tokenizer_json_turns_each_utf8_file_into_its_tokens_and_a_file_that_cannot_be_is_one_line(tmp_path):

@@ -1,6 +1,6 @@
 """The datasets --dataset names, each with what the rest of the trainer asks of it: which built-in tasks read it,
 whether it is made in memory, counted by --train-samples/--val-samples, read as encoded bytes, decodable on the GPU,
-and which settings it alone reads. The command line's rules, the preflight, the loaders and the tasks ask this
+cut from tokens held in memory, and which settings it alone reads. The command line's rules, the preflight, the loaders and the tasks ask this
 catalogue instead of spelling the names; the modules that build a dataset (train/data/datasets.py, the tasks) map a
 name to its maker.
 """
@@ -19,6 +19,7 @@ class Source:
     counted: bool = False  # --train-samples / --val-samples are its size
     encoded: bool = False  # a source of (bytes, label) that the loader workers decode: a pack, tars, label files, hf
     gpu_decode: bool = False  # --decode gpu: the workers read its files' bytes, the trainer decodes them
+    sliced: bool = False  # its items are slices of tokens held in memory: no loader worker unless --num-workers asks
     settings: tuple[str, ...] = ()  # the settings it alone, of the sources, reads
 
     @property
@@ -37,7 +38,7 @@ SOURCES = {s.name: s for s in (
            settings=("label_column", "image_column", "train_split", "val_split")),
     Source("masks", ("segmentation",), holds="pixel masks"),
     Source("copy", ("lm",), holds="text", counted=True),
-    Source("text", ("lm",), holds="text"),
+    Source("text", ("lm",), holds="text", sliced=True),
     Source("synthetic", ("classification",), in_memory=True, counted=True),
 )}
 

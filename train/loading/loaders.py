@@ -66,12 +66,18 @@ class TensorLoader:
 
 def default_num_workers(data: Data) -> int:
     """--num-workers, or where it is -1 the DataLoader workers per process that the data wants: none for the
-    built-in sets, made in memory; for any dataset whose items a loader reads (files, a task's own), the cores'."""
+    built-in sets, made in memory, and the token windows cut from memory; for any dataset whose items a loader reads
+    (files, a task's own), the cores'."""
+    return 0 if source(data.dataset).in_memory else read_workers(data)
+
+
+def read_workers(data: Data) -> int:
+    """The loader workers of a dataset whose items a loader reads: --num-workers, or where it is -1 none for a source
+    whose items are slices of tokens held in memory (a worker would only copy them, on cores the training uses) and
+    loader_workers() for any other (files, a task's own)."""
     if data.num_workers >= 0:
         return data.num_workers
-    if source(data.dataset).in_memory:
-        return 0
-    return loader_workers()
+    return 0 if source(data.dataset).sliced else loader_workers()
 
 
 def loader_workers() -> int:
@@ -104,7 +110,7 @@ def build_train_loader(dataset, spec: Sampling, data: Data, rank: int, world_siz
                            batch_size=spec.batch_size, grad_accum=spec.grad_accum, layout=layout)
     if held:  # in memory: batches are cut on the training device itself
         return TensorLoader(to_device(dataset, device or torch.device("cpu")), sampler, spec.batch_size), sampler
-    workers = data.num_workers if data.num_workers >= 0 else loader_workers()  # items a loader reads
+    workers = read_workers(data)  # items a loader reads
     loader_on = getattr(dataset, "loader_on", None)
     loader = DataLoader(dataset if getattr(dataset, "seeded", False) else SeededSample(dataset),
                         batch_size=spec.batch_size, sampler=sampler, drop_last=True, num_workers=workers,
@@ -126,7 +132,7 @@ def build_val_loader(dataset, data: Data, batch_size: int, rank: int, world_size
         tensors = to_device(dataset, device or torch.device("cpu"))
         idx = torch.tensor(indices, dtype=torch.long, device=tensors[0].device)
         return [tuple(t[idx[i:i + size]] for t in tensors) for i in range(0, len(idx), size)]
-    workers = data.num_workers if data.num_workers >= 0 else loader_workers()  # items a loader reads
+    workers = read_workers(data)  # items a loader reads
     loader_on = getattr(dataset, "loader_on", None)
     loader = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=size,
                         num_workers=workers, pin_memory=pin_memory and loader_on is None,
