@@ -25,7 +25,7 @@ from train.components.gpt import Gpt
 from train.components.models import SmallCNN
 from train.data import make_shape_masks, make_shapes, prepare_inputs
 from train.files.rundir import read_metrics
-from train.tasks.text import IGNORE, VOCAB, CopyWindows
+from train.tasks.text import IGNORE, VOCAB, TextWindows
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -54,8 +54,8 @@ def _bare_worker(rank: int, spec: dict) -> None:
 
         def loss_fn(output, target):
             return cross_entropy(output["out"], target)
-    elif spec.get("task") == "lm":  # nanoGPT's loop on the built-in GPT and the copy windows' tokens
-        images, labels = copy_tokens(spec["samples"], spec["context"])
+    elif spec.get("task") == "lm":  # nanoGPT's loop on the built-in GPT and the corpus's windows, held in memory
+        images, labels = text_windows(Path(spec["corpus"]), spec["context"])
         model = DDP(Gpt(GPT_SIZES[spec["model"]], VOCAB))
 
         def loss_fn(logits, targets):  # nanoGPT's: the mean over the labelled tokens
@@ -124,11 +124,11 @@ def _bare_gpu(spec: dict) -> None:
     destroy_and_leave_together()  # a rank exiting while a peer's gloo group lives can abort that peer
 
 
-def copy_tokens(samples: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training windows --task lm draws from --dataset copy (seed 0, as the trainer's arm), stacked: ids and
-    targets."""
-    windows = CopyWindows(samples, context, 0, 1)
-    ids, targets = zip(*(windows[i] for i in range(samples)), strict=True)
+def text_windows(corpus: Path, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training windows --task lm --dataset text cuts from the corpus's train/ (byte tokens), stacked: ids and
+    targets, as nanoGPT's loop reads its token file."""
+    windows = TextWindows(corpus, "train", context)
+    ids, targets = zip(*(windows[i] for i in range(len(windows))), strict=True)
     return torch.stack(ids), torch.stack(targets)
 
 

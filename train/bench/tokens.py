@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from train.bench.arms import interleaved, median, row
 from train.components.gpt import SIZES
+from train.tasks.text import LETTERS, CopyChain
+
+FILES = 16  # the corpus's train/ files; val/ holds one
 
 
 def lm_rows(out: Path, size: dict, rounds: int) -> list[dict]:
-    """--task lm's step (gpt-tiny on --dataset copy, tokens/s in its log) against nanoGPT's training loop on the
-    same model and the same windows held in memory, 2 ranks x 1 thread, interleaved."""
+    """--task lm's step (gpt-tiny on --dataset text, tokens/s in its log) against nanoGPT's training loop on the
+    same model and the same windows held in memory, 2 ranks x 1 thread, interleaved. The corpus (copy documents
+    written as text files) is read as a team's own: windows cut from tokens held in memory, as nanoGPT reads its
+    token file, where --dataset copy would draw each window with its Markov chain in a loader worker."""
     w, model = size["window"], "gpt-tiny"
     context = SIZES[model].context
-    trainer = ["--task", "lm", "--model", model, "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0,
-               "--save-every", 10**6, "--grad-clip", 0, "--train-samples", size["lm_samples"], "--val-samples", 16,
-               "--batch-size", size["lm_batch"], "--spawn", 2, "--threads", 1]
-    bare = {"world": 2, "threads": 1, "samples": size["lm_samples"], "context": context, "model": model,
+    corpus = write_corpus(out / "lm-corpus", size["lm_samples"] * context)
+    trainer = ["--task", "lm", "--model", model, "--dataset", "text", "--data-dir", corpus,
+               "--max-steps", size["steps"], "--log-every", w, "--eval-every", 0, "--save-every", 10**6,
+               "--grad-clip", 0, "--batch-size", size["lm_batch"], "--spawn", 2, "--threads", 1]
+    bare = {"world": 2, "threads": 1, "corpus": str(corpus), "context": context, "model": model,
             "batch": size["lm_batch"], "steps": size["steps"], "window": w, "task": "lm"}
     ratios, steps = interleaved(out, "lm", trainer, bare, rounds, size["warmup"])
     b = size["lm_batch"]
     return [row(f"language model step: nanoGPT's loop step / trainbox step ({model}, 2 ranks x 1 thread)", ratios,
                 f"nanoGPT loop {1000 * median(steps['bare']):.1f} ms, trainbox {1000 * median(steps['trainbox']):.1f} "
-                f"ms per step of 2x{b} windows of {context} tokens", ">= 0.97", median(ratios) >= 0.97)]
+                f"ms per step of 2x{b} windows of {context} tokens (--dataset text)", ">= 0.97",
+                median(ratios) >= 0.97)]
+
+
+def write_corpus(folder: Path, tokens: int) -> Path:
+    """A text folder of about `tokens` bytes in train/ (FILES files) and a small val/: words of the copy documents'
+    letters (seed 0), each followed by "|" and itself, one a line; made once, kept."""
+    if not (folder / "val" / "0.txt").is_file():
+        chain, rng = CopyChain(0), random.Random(0)
+        for split, count, size in (("train", FILES, tokens // FILES), ("val", 1, 4096)):
+            (folder / split).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                text = bytearray()
+                while len(text) < size:
+                    length = rng.randint(3, 10)
+                    word = bytes(LETTERS[rng.choices(range(len(LETTERS)), chain.start)[0]] for _ in range(length))
+                    text += word + b"|" + word + b"\n"
+                (folder / split / f"{i}.txt").write_bytes(bytes(text))
+    return folder
