@@ -1,8 +1,8 @@
 """The datasets --dataset names, each with what the rest of the trainer asks of it: which built-in tasks read it,
 whether it is made in memory, counted by --train-samples/--val-samples, read as encoded bytes, decodable on the GPU,
-cut from tokens held in memory, and which settings it alone reads. The command line's rules, the preflight, the loaders and the tasks ask this
-catalogue instead of spelling the names; the modules that build a dataset (train/data/datasets.py, the tasks) map a
-name to its maker.
+cut from tokens held in memory, and which settings it alone reads. The command line's rules, the preflight, the
+loaders and the tasks ask this catalogue instead of spelling the names; the modules that build a dataset
+(train/data/datasets.py, the tasks) map a name to its maker.
 """
 
 from __future__ import annotations
