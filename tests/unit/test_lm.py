@@ -130,6 +130,8 @@ def test_text_windows_are_cut_in_the_training_process_unless_num_workers_asks_fo
         assert build_val_loader(windows, cfg.data, 4, 0, 1, pin_memory=False).num_workers == workers
     files = parse_config(["--dataset", "imagefolder"]).data
     assert read_workers(files) == default_num_workers(files) == loader_workers() >= 1
+    own = parse_config(["--task", "tests.tasks:masked", "--num-workers", "3"]).data  # a task's own set: as asked
+    assert read_workers(own) == default_num_workers(own) == 3
 
 
 def test_a_tokenizer_json_turns_each_utf8_file_into_its_tokens_and_a_file_that_cannot_be_is_one_line(tmp_path):

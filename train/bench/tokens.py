@@ -14,9 +14,9 @@ FILES = 16  # the corpus's train/ files; val/ holds one
 
 def lm_rows(out: Path, size: dict, rounds: int) -> list[dict]:
     """--task lm's step (gpt-tiny on --dataset text, tokens/s in its log) against nanoGPT's training loop on the
-    same model and the same windows held in memory, 2 ranks x 1 thread, interleaved. The corpus (copy documents
-    written as text files) is read as a team's own: windows cut from tokens held in memory, as nanoGPT reads its
-    token file, where --dataset copy would draw each window with its Markov chain in a loader worker."""
+    same model and the same windows held in memory, 2 ranks x 1 thread, interleaved. The corpus (write_corpus's text
+    files) is read as a team's own: windows cut from tokens held in memory, as nanoGPT reads its token file, where
+    --dataset copy would draw each window with its Markov chain in a loader worker."""
     w, model = size["window"], "gpt-tiny"
     context = SIZES[model].context
     corpus = write_corpus(out / "lm-corpus", size["lm_samples"] * context)

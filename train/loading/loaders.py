@@ -68,7 +68,7 @@ def default_num_workers(data: Data) -> int:
     """--num-workers, or where it is -1 the DataLoader workers per process that the data wants: none for the
     built-in sets, made in memory, and the token windows cut from memory; for any dataset whose items a loader reads
     (files, a task's own), the cores'."""
-    return 0 if source(data.dataset).in_memory else read_workers(data)
+    return 0 if data.num_workers < 0 and source(data.dataset).in_memory else read_workers(data)
 
 
 def read_workers(data: Data) -> int:
