@@ -66,7 +66,7 @@ def inert(cfg: Config) -> dict[str, str]:
     (parse_config), never ignored. The first rule that names a setting gives its reason."""
     found: dict[str, str] = {}
     rules = (*_data_rules(cfg), *_training_rules(cfg.model.model, cfg.optimisation.optimizer, cfg.schedule,
-                                                  cfg.regularisation.model_ema))
+                                                  cfg.regularisation.model_ema, cfg.model.parallel))
     for names, applies, why in rules:
         for name in names if applies else ():
             found.setdefault(name, why)
@@ -118,11 +118,14 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
     ]
 
 
-def _training_rules(model: str, optimizer: str, schedule: Schedule,
-                    model_ema: bool) -> list[tuple[tuple[str, ...], bool, str]]:
-    """The same for the model (--model), the optimiser (--optimizer), the schedule and the EMA (--model-ema)."""
+def _training_rules(model: str, optimizer: str, schedule: Schedule, model_ema: bool,
+                    parallel: str) -> list[tuple[tuple[str, ...], bool, str]]:
+    """The same for the model (--model), the optimiser (--optimizer), the schedule, the EMA (--model-ema) and the
+    spread over the workers (--parallel)."""
     scheduler = schedule.lr_scheduler
     return [
+        (("static_graph", "bucket_cap_mb"), parallel != "ddp",
+         f"with --parallel {parallel} (DDP's gradient buckets: FSDP reduces each block's gradients as one): drop it"),
         (("width",), model != "cnn", f"with --model {model} (it sizes the built-in cnn): drop it"),
         (("momentum", "nesterov"), optimizer != "sgd",
          f"with --optimizer {optimizer}: drop it, or pass --optimizer sgd"),

@@ -90,24 +90,61 @@ def test_a_language_model_trains_evaluates_with_continuations_and_exports_with_b
 
 def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_batchs_mean_of_labelled_tokens(tmp_path):
     """Each copy window pads its end by its own amount: --grad-accum 4 at batch 8, batch 32, and 4 workers at batch 8
-    stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch) train on the same mean (the labelled
-    tokens of the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch
-    is off by far more."""
+    stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch), replicated (DDP) and sharded
+    (--parallel fsdp: its checkpoint gathered whole, resharded on 2), train on the same mean (the labelled tokens of
+    the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch is off by
+    far more; the sharded checkpoint holds the large batch's optimizer state in its format."""
     flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
              20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0]
+    halved = ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]
     layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
-               "halved": ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]}
+               "halved": halved, "sharded": [*halved, "--parallel", "fsdp"]}
     for name, layout in layouts.items():
-        run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name), expect=75 if name == "halved" else 0)
-    resumed = run(python_cmd(*flags, "--batch-size", 8, "--spawn", 2, "--run-dir", tmp_path / "halved"))
-    assert "on 2 workers: accumulation 2 keeps the global batch of 32" in resumed.stderr, resumed.stderr[-2000:]
+        run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name), expect=75 if "--stop-at" in layout else 0)
+    for name, spread in (("halved", []), ("sharded", ["--parallel", "fsdp"])):
+        resumed = run(python_cmd(*flags, "--batch-size", 8, "--spawn", 2, *spread, "--run-dir", tmp_path / name))
+        assert "on 2 workers: accumulation 2 keeps the global batch of 32" in resumed.stderr, resumed.stderr[-2000:]
     logged = {name: metrics(tmp_path / name, "train") for name in layouts}
     weights = {name: load_model(tmp_path / name) for name in layouts}
-    for name in ("accumulated", "halved"):
+    for name in ("accumulated", "halved", "sharded"):
         assert [m["step"] for m in logged[name]] == [1, 2, 3, 4]
         assert [m["lr"] for m in logged[name]] == [m["lr"] for m in logged["large"]]
         assert all(abs(a["loss"] - b["loss"]) < 1e-9 for a, b in zip(logged[name], logged["large"], strict=True))
         assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
+    large, sharded = (torch.load(tmp_path / name / "checkpoints" / "step_00000004.pt", weights_only=False)["optimizer"]
+                      for name in ("large", "sharded"))
+    assert sharded["param_groups"] == large["param_groups"] and sharded["state"].keys() == large["state"].keys()
+    assert all((sharded["state"][i][k] - large["state"][i][k]).abs().max() < 1e-9
+               for i in large["state"] for k in large["state"][i])
+    planned = json.loads((tmp_path / "sharded" / "plan.json").read_text())["parallel"]
+    assert planned["blocks"] == [f"blocks.{i}" for i in range(SIZES["gpt-tiny"].layers)]
+    moment = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in large["state"].values())
+    assert planned["model_state_mib"]["whole"] == round(4 * moment / 2**20, 2)  # weights, gradients, two moments
+
+
+def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_bit(tmp_path):
+    """--parallel fsdp on 3 workers: 25 validation windows in batches of 8 are 2, 1 and 1 batches a rank, and every
+    forward gathers from every rank, so the ranks short of batches pass an example that counts nothing: no hang, each
+    window counted once, the loss that one process gives model.pt (float64, to rounding). Stopped at step 2 (its
+    evaluation owed) and resumed on 3, the run is the uninterrupted one bit for bit."""
+    flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
+             25, "--max-steps", 4, "--eval-every", 2, "--log-every", 1, "--num-workers", 0, "--batch-size", 4,
+             "--spawn", 3, "--parallel", "fsdp"]
+    run(python_cmd(*flags, "--run-dir", tmp_path / "whole"))
+    run(python_cmd(*flags, "--stop-at", 2, "--run-dir", tmp_path / "stopped"), expect=75)
+    run(python_cmd(*flags, "--run-dir", tmp_path / "stopped"))
+    kept = ("step", "loss", "lr", "tokens", "samples", "perplexity")
+    for kind in ("train", "eval"):
+        whole, stopped = ([{k: m[k] for k in kept if k in m} for m in metrics(tmp_path / name, kind)]
+                          for name in ("whole", "stopped"))
+        assert whole == stopped and len(whole) == (4 if kind == "train" else 2), kind
+    assert [e["samples"] for e in metrics(tmp_path / "whole", "eval")] == [25, 25]
+    weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped")}
+    assert all(torch.equal(weights["whole"][k], weights["stopped"][k]) for k in weights["whole"])
+    run([PY, "-m", "train.evaluate", str(tmp_path / "whole"), "--model", "tests.models:gpt_tiny_in_double"])
+    alone = json.loads((tmp_path / "whole" / "eval-model.json").read_text())
+    last = metrics(tmp_path / "whole", "eval")[-1]
+    assert (alone["samples"], alone["tokens"]) == (25, last["tokens"]) and abs(alone["loss"] - last["loss"]) < 1e-9
 
 
 def test_a_text_folder_through_a_tokenizer_json_trains_resumes_evaluates_and_refuses_another_tokenizer(tmp_path):

@@ -125,6 +125,8 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (["--lr-scheduler", "constant", "--min-lr-ratio", "0.1"], "--min-lr-ratio 0.1"),
     (["--warmup-steps", "0", "--warmup-decay", "0.1"], "--warmup-decay 0.1"),
     (["--model-ema-steps", "4"], "--model-ema-steps 4"),
+    (["--parallel", "fsdp", "--static-graph"], "--static-graph"),
+    (["--parallel", "fsdp", "--bucket-cap-mb", "10"], "--bucket-cap-mb 10"),
 ])
 def test_a_setting_that_has_no_effect_is_refused_in_one_line(argv, setting, tmp_path):
     with pytest.raises(ConfigError) as e:
@@ -233,3 +235,24 @@ def test_help_groups_the_flags_by_the_section_each_field_declares():
         assert section in SECTIONS, f.name
         flag = "--" + f.name.replace("_", "-")
         assert starts[section] < text.index(f"  {flag}") < ends[section], (f.name, section)
+
+
+@pytest.mark.parametrize("argv", [["--model-ema"], ["--compile"], ["--sync-bn"], ["--channels-last"],
+                                  ["--freeze", "features"], ["--weights", "model.pt"], ["--precision", "fp16"]])
+def test_what_a_sharded_model_does_not_take_yet_is_refused_in_one_line(argv):
+    """--parallel fsdp with a knob not built for it: one line saying why and the way on, never trained otherwise."""
+    parse_config(argv)  # taken under DDP
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--parallel", "fsdp", *argv])
+    line = str(e.value)
+    assert line.startswith(argv[0]) and " is not available with --parallel fsdp (" in line and "\n" not in line
+    assert "--parallel ddp" in line
+
+
+def test_a_sharded_model_on_one_worker_is_refused_before_any_worker_starts():
+    from train.run.preflight import preflight
+
+    preflight(parse_config(["--parallel", "fsdp", "--spawn", "2", "--dry-run"]))
+    with pytest.raises(ConfigError, match=r"^--parallel fsdp shards the model over the workers, and this launch starts "
+                                          r"one: start several \(--spawn N, "):
+        preflight(parse_config(["--parallel", "fsdp", "--dry-run"]))

@@ -34,7 +34,7 @@ FIXED = frozenset({
     "normalize",
     "augment", "train_crop_size", "val_resize_size", "val_crop_size", "interpolation", "auto_augment", "ra_magnitude",
     "augmix_severity", "ra_reps", "random_erase", "mixup_alpha", "cutmix_alpha",
-    "model", "weights", "freeze", "width", "sync_bn", "precision",
+    "model", "weights", "freeze", "width", "sync_bn", "precision", "parallel",
     "batch_size", "optimizer", "lr", "weight_decay", "momentum", "nesterov", "norm_weight_decay", "bias_weight_decay",
     "transformer_embedding_decay", "grad_clip",
     "warmup_steps", "warmup_epochs", "lr_scheduler", "min_lr_ratio", "lr_step_size", "lr_gamma", "lr_milestones",

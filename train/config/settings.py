@@ -157,6 +157,11 @@ class Model:
                                        "a gradient every step")
     precision: str = _field("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
                                     choices=("auto", "fp32", "bf16", "fp16"))
+    parallel: str = _field("ddp", "ddp: every worker holds the whole model, its gradients and optimizer state "
+                                  "(DistributedDataParallel); fsdp: each holds 1/N of them (FSDP2's fully_shard per "
+                                  "block the task names, then the whole model), gathered for each block's forward "
+                                  "and backward: for a model that does not fit one GPU (docs/training.md)",
+                                  choices=("ddp", "fsdp"))
 
 
 @dataclass(frozen=True)

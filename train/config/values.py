@@ -4,7 +4,7 @@ values, checked once they are a Config (train/cli.py), each mistake one line: th
 from __future__ import annotations
 
 from train.base.errors import ConfigError
-from train.config.settings import Config, flag, settings
+from train.config.settings import Config, Model, flag, settings
 
 
 def check_values(cfg: Config) -> None:
@@ -33,6 +33,7 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"--warmup-epochs {schedule.warmup_epochs} needs --epochs: give the run's length in "
                           f"epochs too, or the warm-up in --warmup-steps")
     _check_recipe(cfg)
+    _check_sharded(cfg.model, cfg.regularisation.model_ema)
     if cfg.data.image_size < 8:
         raise ConfigError(f"--image-size must be at least 8, got {cfg.data.image_size}: pass 8 or more (pixels)")
     for f in settings():
@@ -64,3 +65,28 @@ def _check_recipe(cfg: Config) -> None:
         raise ConfigError(f"--schedule-unit epoch needs --epochs and a whole --warmup-epochs, got --epochs "
                           f"{epochs} --warmup-epochs {warmup}: give the run in whole epochs, or use "
                           f"--schedule-unit step")
+
+
+# What --parallel fsdp does not take yet, each with why: refused in one line, never trained otherwise than asked
+NOT_SHARDED = (
+    ("model_ema", "its average is a whole copy of the model on every worker, what sharding is there to avoid"),
+    ("compile", "compiling the sharded blocks one by one is not built yet"),
+    ("sync_bn", "SyncBatchNorm under sharding is not built yet"),
+    ("weights", "starting weights loaded into a sharded model are not built yet"),
+    ("freeze", "frozen parameters inside a sharded block are not built yet"),
+    ("channels_last", "channels-last weights under sharding are not built yet"),
+)
+
+
+def _check_sharded(spec: Model, model_ema: bool) -> None:
+    """--parallel fsdp (spec: the model's settings) with a setting it does not take (NOT_SHARDED, --model-ema too;
+    --precision fp16: its GradScaler unscales whole gradients)."""
+    if spec.parallel != "fsdp":
+        return
+    for name, why in NOT_SHARDED:
+        if model_ema if name == "model_ema" else getattr(spec, name):
+            raise ConfigError(f"--{flag(name)} is not available with --parallel fsdp ({why}): drop it, or train "
+                              f"with --parallel ddp")
+    if spec.precision == "fp16":
+        raise ConfigError("--precision fp16 is not available with --parallel fsdp (its GradScaler unscales whole "
+                          "gradients, not shards): use --precision bf16, or --parallel ddp")

@@ -5,9 +5,9 @@ fresh start. The device and the precision are the worker's runtime (train/run/ru
 The order is the run's contract: every rank makes the same random draws and collectives in the same order, and a
 resumed run equals an uninterrupted one bit for bit only while it stays so. The checkpoint is read, and a dataset of
 files listed and checked, before anything is written (a refused dataset leaves no run folder); the data and the model
-are made right after torch.manual_seed(--seed), identical on every rank; the resume (or a fresh start's per-rank
-random stream) comes after the optimizer and before the DDP wrap; the run's files, the
-metrics and the tracking come last, from the step the run starts at.
+are made right after torch.manual_seed(--seed), identical on every rank; the model is sharded (--parallel fsdp) before
+the optimizer is made; the resume (or a fresh start's per-rank random stream) comes after the optimizer and before the
+DDP wrap; the run's files, the metrics and the tracking come last, from the step the run starts at.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from train.base.errors import ConfigError
 from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
 from train.cluster.identity import identity, is_main
+from train.cluster.sharding import Replicated, spread_over
 from train.components.ema import ModelEma
 from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.components.weights import read_weights
@@ -91,8 +92,9 @@ class Parts:
     train_loader: object  # micro-batches of --batch-size, in the sampler's order
     sampler: object  # which samples this rank trains on, from which position (train/loading/samplers.py)
     val_loader: object  # this rank's share of the validation set, each sample once across ranks
-    raw_model: torch.nn.Module  # the model itself: what is saved and evaluated
+    raw_model: torch.nn.Module  # the model itself (sharded in place under --parallel fsdp): saved and evaluated
     model: torch.nn.Module  # what trains: raw_model, compiled and DDP-wrapped where asked
+    spread: Replicated  # how the model is spread over the workers (--parallel: train/cluster/sharding.py)
     augment: object | None  # the task's batch augmentation on the device (classification: random erasing, Mixup/CutMix)
     optimizer: torch.optim.Optimizer
     scheduler: object  # torch's LRScheduler over the optimizer
@@ -124,7 +126,6 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     torch.manual_seed(cfg.run.seed)
     train_set, val_set = data_then_folder(task, run_dir, cfg.run.task, cfg.data, cfg.model,
                                           cfg.optimisation.batch_size)
-    names = task.classes
     raw_model = model_on(cfg.model, task, device, world)
     # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
     plan = make_plan(cfg, world, device.type, precision, train_set, val_set, task, raw_model, str(run_dir),
@@ -132,9 +133,11 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     # plan.json as this start finds it (rank 0's): the data the run trained on, and its plan until now
     saved_plan = rundir.read_json(run_dir / "plan.json") if state is not None and is_main() else {}
     if state is not None:
-        check_same_data(cfg.data.data_dir, run_dir, plan, names, saved_plan)
+        check_same_data(cfg.data.data_dir, run_dir, plan, task.classes, saved_plan)
     train_loader, sampler, val_loader = loaders(sampling(cfg), cfg.data, cfg.run.epochs, plan, layout, task, train_set,
                                                 val_set, device)
+    spread = spread_over(cfg.model.parallel, world, device)  # --parallel fsdp: sharded before the optimizer has state
+    raw_model = spread.shard(raw_model, task.blocks(raw_model))
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ema = ModelEma(raw_model, plan.ema["decay"], device) if plan.ema else None
@@ -142,7 +145,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
                                                                          plan.warmup_steps))
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
     checkpointer = Checkpointer(run_dir, device, Keeping.of(cfg), plan, layout, model=raw_model, optimizer=optimizer,
-                                scheduler=scheduler, scaler=scaler, ema=ema, task=task)
+                                scheduler=scheduler, scaler=scaler, ema=ema, task=task, spread=spread)
     weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
     if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
         initial_state, weights = initial
@@ -152,7 +155,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
         log.info("%s", relaid)
     model = for_training(raw_model, cfg.model, cfg.run.deterministic, device, world)
     step = resumed.step if resumed else 0
-    write_run_files(cfg, run_dir, device, plan, names, saved_plan, resumed, weights, checkpointer)
+    write_run_files(cfg, run_dir, device, plan, task.classes, saved_plan, resumed, weights, checkpointer)
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
     telemetry = GpuTelemetry(device)
     window = LogWindow(device, plan.global_batch)
@@ -162,9 +165,9 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     checkpointer.tracker = metrics.tracker = tracker
     return Parts(cfg=cfg, loop=Loop.of(cfg), run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision],
                  task=task, train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model,
-                 model=model, augment=task.augment(), optimizer=optimizer, scheduler=checkpointer.scheduler,
-                 scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer, tracker=tracker, metrics=metrics,
-                 telemetry=telemetry, window=window, resumed=resumed)
+                 model=model, spread=spread, augment=task.augment(), optimizer=optimizer,
+                 scheduler=checkpointer.scheduler, scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer,
+                 tracker=tracker, metrics=metrics, telemetry=telemetry, window=window, resumed=resumed)
 
 
 def data_then_folder(task: Task, run_dir: Path, task_name: str, data: Data, spec: Model, batch_size: int) -> tuple:
@@ -244,10 +247,10 @@ def loaders(spec: Sampling, data: Data, epochs: int, plan: Plan, layout: Layout,
 def for_training(model: torch.nn.Module, spec: Model, deterministic: bool, device: torch.device,
                  world: int) -> torch.nn.Module:
     """What trains: the model compiled (--compile) and, in a process group, DDP-wrapped (with the rank-ordered
-    reduction under --deterministic)."""
+    reduction under --deterministic); a sharded one (--parallel fsdp) as it is."""
     if spec.compile:
         model = torch.compile(model)
-    if dist.is_initialized():
+    if dist.is_initialized() and spec.parallel == "ddp":
         model = wrap(model, device, gradient_as_bucket_view=True, bucket_cap_mb=spec.bucket_cap_mb,
                      static_graph=spec.static_graph)
         if deterministic and world > 1:

@@ -31,6 +31,7 @@ from train.base.errors import ConfigError
 from train.base.watchdog import watchdog
 from train.cluster.distributed import broadcast_from_main, gather, on_main
 from train.cluster.identity import identity, is_main
+from train.cluster.sharding import Replicated
 from train.components.optim import schedule_at, schedule_lengths
 from train.config.resume import Layout, Resumed
 from train.config.settings import Config, Schedule
@@ -102,8 +103,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, device: torch.device, keeping: Keeping, plan, layout: Layout, *,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
-                 ema: torch.nn.Module | None, task: Task):
+                 ema: torch.nn.Module | None, task: Task, spread: Replicated | None = None):
         self.run_dir, self.device, self.keeping, self.plan, self.layout = run_dir, device, keeping, plan, layout
+        self.spread = spread or Replicated()  # the whole state of a sharded model is gathered by every rank together
         self.task = task  # its metric picks best.pt; its state goes into every checkpoint
         self.model, self.optimizer, self.scheduler, self.scaler, self.ema = model, optimizer, scheduler, scaler, ema
         self.rank, self.world = identity().global_rank, identity().world_size
@@ -120,9 +122,10 @@ class Checkpointer:
         step = position["step"]
         with watchdog.during(f"the checkpoint save of step {step}"):
             rng = gather(capture_rng(self.device))
+            state = self.state_dict(position, rng)  # every rank: a sharded model's state is gathered together
 
             def write() -> None:
-                path = ckpt.save_checkpoint(self.run_dir, step, self.state_dict(position, rng), self.keeping.keep)
+                path = ckpt.save_checkpoint(self.run_dir, step, state, self.keeping.keep)
                 log.info("saved %s (%s)", path, reason)
                 if self.tracker and self.keeping.upload:
                     for file in (path, ckpt.sidecar_of(path)):
@@ -154,8 +157,10 @@ class Checkpointer:
         else:
             self.best, model, path = best, self.model, self.run_dir / "best.pt"
 
+        weights = self.spread.model_state(model) if model is self.model else model.state_dict()  # every rank
+
         def write() -> None:
-            state = {"model": model.state_dict(), **best, "config": self.keeping.settings}
+            state = {"model": weights, **best, "config": self.keeping.settings}
             rundir.atomic_write(path, ckpt.serialise(state))
             if self.tracker:
                 self.tracker.upload(path)
@@ -165,9 +170,10 @@ class Checkpointer:
     def save_final(self) -> None:
         """model.pt, and with --model-ema model_ema.pt (the average's weights, as model.pt's: make evaluate/export
         WEIGHTS=ema), written atomically by rank 0; model.pt goes to MLflow too."""
+        weights = self.spread.model_state(self.model)  # every rank: a sharded model's is gathered together
         if not is_main():
             return
-        rundir.atomic_write(self.run_dir / "model.pt", ckpt.serialise(self.model.state_dict()))
+        rundir.atomic_write(self.run_dir / "model.pt", ckpt.serialise(weights))
         if self.ema is not None:
             rundir.atomic_write(self.run_dir / "model_ema.pt", ckpt.serialise(self.ema.module.state_dict()))
         if self.tracker:
@@ -190,7 +196,8 @@ class Checkpointer:
         """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position (the Trainer's), every
         rank's RNG state (`rng`, gathered), the layout the position counts in, and the config."""
         keeping = self.keeping
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.spread.model_state(self.model),
+                "optimizer": self.spread.optimizer_state(self.model, self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": position["step"], "epoch": position["epoch"], "step_in_epoch": position["step_in_epoch"],
                 "world_size": self.world, "batch_size": keeping.batch_size,
@@ -217,8 +224,8 @@ class Checkpointer:
         it: the schedule is that of the new length, stepped to this step."""
         keeping, plan = self.keeping, self.plan
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.spread.load_model(self.model, state["model"])
+            self.spread.load_optimizer(self.model, self.optimizer, state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(f"{source} does not fit this model ({str(e).splitlines()[0][:160]}): "
                               f"use a new --run-dir, or the code that made the checkpoint") from None

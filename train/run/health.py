@@ -105,6 +105,8 @@ def diverged_evaluation(step: int, results: dict[str, dict], metric: str) -> str
 
 
 def all_finite(model: torch.nn.Module) -> bool:
-    """Whether every floating-point parameter and buffer (BatchNorm's statistics too) of `model` is finite."""
-    tensors = [t.detach() for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    """Whether every floating-point parameter and buffer (BatchNorm's statistics too) of `model` is finite; of a
+    sharded one, this rank's shards (the check's flags are all-reduced)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t
+               for t in (t.detach() for t in (*model.parameters(), *model.buffers())) if t.is_floating_point()]
     return not tensors or bool(torch.stack([t.isfinite().all() for t in tensors]).all())

@@ -20,6 +20,7 @@ import torch
 
 from train.base.errors import ConfigError
 from train.base.vision import backbone_weights
+from train.cluster.sharding import planned
 from train.components.ema import adjusted_decay
 from train.components.optim import build_optimizer, build_scheduler, decay_groups, schedule_lengths
 from train.components.weights import cached_file, resolve
@@ -67,6 +68,7 @@ class Plan:
     lr: dict  # per: epoch or step; values: the learning rate of each epoch's (or step's) optimizer steps
     ema: dict | None  # decay per update (after the reference's adjustment), every_steps, restarted in the warm-up
     weights: dict | None  # the starting weights
+    parallel: dict  # how the model is spread over the workers (--parallel), each one's share of its state (MiB)
     layout: dict  # the workers x batch x accumulation the sample order is laid out for (its first start: a resume on
     # other workers keeps it, with the --grad-accum that keeps the global batch)
     resumes: list  # each resume that changed something: its step and the changes, [before, after]
@@ -100,6 +102,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg.optimisation, cfg.schedule, cfg.run.epochs, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg.regularisation, cfg.schedule, global_batch, epochs, warmup_steps), weights=_weights(cfg.model),
+        parallel=planned(cfg.model.parallel, model, task.blocks(model), world, _states(cfg.optimisation)),
         layout=layout.to_dict(), resumes=[])
 
 
@@ -164,6 +167,11 @@ def _optimizer(opt: Optimisation) -> dict:
     keys = ("momentum", "dampening", "nesterov") if isinstance(optimizer, torch.optim.SGD) else ("betas", "eps")
     return {"name": type(optimizer).__name__, **{k: optimizer.defaults[k] for k in keys},
             "grad_clip": opt.grad_clip or None}
+
+
+def _states(opt: Optimisation) -> int:
+    """The optimizer's tensors per parameter: AdamW's two moments, SGD's momentum (none without it)."""
+    return 2 if opt.optimizer == "adamw" else int(opt.momentum > 0)
 
 
 def _weights(spec: Model) -> dict | None:

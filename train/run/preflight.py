@@ -46,6 +46,7 @@ def preflight(cfg: Config, world: int | None = None) -> Task:
         if not dry:  # a dry run plans for the devices the config asks for, present here or not
             check_devices(cfg.launch.device, cfg.model, cfg.data, world or cfg.launch.spawn or ident.local_world_size)
         workers = world or cfg.launch.spawn or ident.world_size
+        check_spread(cfg.model, workers)
         task = build_task(cfg)
         # with --run-dir, tars in a folder that cannot be written are indexed into it once, for the check and the run
         task.check(Path(run.run_dir) if run.run_dir and not dry else None)
@@ -71,6 +72,13 @@ def preflight(cfg: Config, world: int | None = None) -> Task:
         if not dry:
             check_tracking(cfg.tracking, run.run_dir, ident.global_rank)
         return task
+
+
+def check_spread(spec: Model, workers: int) -> None:
+    """--parallel fsdp shards the model over the workers: one worker has nothing to shard it over."""
+    if spec.parallel == "fsdp" and workers < 2:
+        raise ConfigError("--parallel fsdp shards the model over the workers, and this launch starts one: start "
+                          "several (--spawn N, torchrun --nproc-per-node N, make train GPUS=N), or drop it")
 
 
 def check_weights(spec: Model, run_dir: str, task: Task) -> None:

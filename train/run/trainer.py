@@ -13,7 +13,6 @@ A worker's life around it (the runtime, the process group, the exit code) is tra
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.base.errors import EXIT_DONE, EXIT_STOPPED
 from train.base.watchdog import watchdog
@@ -112,20 +110,21 @@ class Trainer:
         """One optimizer step: forward and backward over the --grad-accum micro-batches (gradients synchronised on
         the last only), clip, optimizer and grad scaler. The task gives each micro-batch's loss as a sum and a count;
         each sum is divided by the count of the whole step, every micro-batch on every rank (DDP then averages over
-        the ranks, hence the world size above it): the gradient of the step's mean, as one large batch gives it,
-        whatever the accumulation and the workers. Returns the micro-batches' loss sums and counts."""
+        the ranks, hence the world size above it; FSDP, its division turned off, sums): the gradient of the step's
+        mean, as one large batch gives it, whatever the accumulation, the workers and the spread. Returns the
+        micro-batches' loss sums and counts."""
         parts, task, loop = self.parts, self.parts.task, self.loop
-        model, scaler = parts.model, parts.scaler
+        model, scaler, spread = parts.model, parts.scaler, parts.spread
+        averaged = self.world if spread.averages else 1  # what the gradients' reduction divides by
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
         # A step that counts nothing (every pixel ignored) has a gradient of nothing, 0: divided by 1, not by 0
-        scale = self.world / self.step_count(steps).clamp(min=1) if task.variable_count else None
+        scale = averaged / self.step_count(steps).clamp(min=1) if task.variable_count else None
         sums, counts = [], []
         statistics = SlotZeroStatistics(parts.raw_model, self.rank == 0 and loop.grad_accum > 1)
         for micro, (x, target) in enumerate(steps):
             if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
-                scale = 1 / (loop.grad_accum * fixed_count(task, target))
-            last = micro == loop.grad_accum - 1
-            with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+                scale = 1 / (loop.grad_accum * fixed_count(task, target) * (self.world // averaged))
+            with spread.micro_batch(model, last=micro == loop.grad_accum - 1):
                 with autocast(self.device, parts.precision):
                     total, count = loss_of(task, task.loss(task.forward(model, x, target), target))
                 scaler.scale(total * scale).backward()
@@ -279,7 +278,7 @@ class Trainer:
             self.last_eval = self.step
             models = {"": parts.raw_model, **({"EMA ": parts.ema.module} if parts.ema is not None else {})}
             results = {name: validate(model, parts.val_loader, parts.task, self.device, parts.precision,
-                                      watchdog.progress)
+                                      watchdog.progress, lockstep=parts.spread.lockstep)
                        for name, model in models.items()}
         for name, figures in results.items():
             checked_scores(parts.task, figures)  # before anything of it is said or kept

@@ -128,6 +128,11 @@ class LanguageModel(Task):
             return user_factory(spec.model, takes=TAKES)(self.vocab.size)
         return Gpt(SIZES[spec.model], self.vocab.size)
 
+    def blocks(self, model: nn.Module) -> list[str]:
+        """The decoder's transformer blocks (a model of one's own with a ModuleList `blocks` too)."""
+        layers = getattr(model, "blocks", None)
+        return [f"blocks.{i}" for i in range(len(layers))] if isinstance(layers, nn.ModuleList) else []
+
     # ---------------------------------------------------------------- a step
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   description / describe(d)    what the data is (its classes, say): classes.json, the plan, make evaluate and export
   network(spec) / model(spec)  the network, adapted to the data; as a run trains it, frozen where --freeze says
   head(model)                  which of its modules is the head (--freeze backbone trains it alone)
+  blocks(model)                its blocks, which --parallel fsdp shards one by one (default: none, the whole model)
   start_from(state, model)     --weights fitted to the model (a head of another class count starts anew)
   collate(items)               a loader's batch of items (None: torch's default_collate): ragged sequences padded
   inputs(batch, device)        a loader's batch on the device, ready for the model: (input, target)
@@ -97,6 +98,11 @@ class Task:
         """The name of the model's head module (--freeze backbone trains it alone)."""
         raise ConfigError(f"--task {self.name} names no head of its model: --freeze backbone cannot apply; give "
                           f"parameter prefixes to --freeze")
+
+    def blocks(self, model: nn.Module) -> list[str]:
+        """The qualified names of the model's blocks that --parallel fsdp shards one by one (each gathered whole for
+        its own forward and backward alone); [] (the default): the model sharded as one, gathered whole for a pass."""
+        return []
 
     # ---------------------------------------------------------------- a step
 

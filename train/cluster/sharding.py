@@ -1,0 +1,142 @@
+"""How the model is spread over the workers (--parallel): one object a run holds, `spread_over(kind, world, device)`.
+
+  Replicated   ddp: every worker holds the whole model, its gradients and its optimizer state; DDP (wrapped where the
+               run is built for training) averages the gradients over the workers
+  Sharded      fsdp: FSDP2's fully_shard on each block the task names (Task.blocks), then on the whole model, over a
+               mesh of every worker (a CPU mesh under gloo): each worker holds 1/N of every parameter, gradient and
+               optimizer state, and a block's parameters are gathered for its forward and again for its backward.
+               Its own division of the gradients is turned off (averages False): the trainer scales the loss so that
+               the gradient is the step's sum over its count, as under DDP.
+
+Both give the whole state back in the format of the model's and the optimizer's own state_dict (model_state,
+optimizer_state: rank 0 holds it), so a checkpoint is one file whatever the spread and any world size resumes it; and
+load it into the model as it is spread (load_model, load_optimizer). Under FSDP each of these is a collective: every
+rank calls it, rank 0 alone receives the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Replicated:
+    """--parallel ddp: the model whole on every worker."""
+
+    kind = "ddp"
+    averages = True  # the reduction divides the workers' summed gradients by their number
+    lockstep = False  # a forward is no collective: a rank may evaluate fewer batches than another
+
+    def shard(self, model: torch.nn.Module, blocks: list[str]) -> torch.nn.Module:
+        return model
+
+    def micro_batch(self, model: torch.nn.Module, last: bool):
+        """The context of a micro-batch's forward and backward: the gradients reduced on the step's last alone."""
+        return contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+
+    def model_state(self, model: torch.nn.Module) -> dict:
+        return model.state_dict()
+
+    def load_model(self, model: torch.nn.Module, state: dict) -> None:
+        model.load_state_dict(state)
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+
+class Sharded(Replicated):
+    """--parallel fsdp: FSDP2 over every worker."""
+
+    kind = "fsdp"
+    averages = False  # set_gradient_divide_factor(1.0) on every sharded module: the workers' gradients summed
+    lockstep = True  # every forward gathers parameters from every rank: each rank runs as many
+
+    def __init__(self, world: int, device: torch.device):
+        self.world, self.device = world, device
+
+    def shard(self, model: torch.nn.Module, blocks: list[str]) -> torch.nn.Module:
+        """fully_shard on each block (by its qualified name), then the root; the weights, made from the seed on the
+        whole model before, are cut from it: the same at any world size."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for name in blocks:
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():  # each sharded module reduces its own parameters' gradients
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+        return model
+
+    def micro_batch(self, model: torch.nn.Module, last: bool):
+        model.set_requires_gradient_sync(last)  # FSDP2's own switch: DDP's no_sync() does not exist here
+        return contextlib.nullcontext()
+
+    def model_state(self, model: torch.nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model, options=_whole(cpu_offload=True))
+
+    def load_model(self, model: torch.nn.Module, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state, options=_whole())
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's whole state keyed as optimizer.state_dict() keys it (by position), on rank 0 ({} on the
+        others): DCP's keys it by the parameters' names."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        named = get_optimizer_state_dict(model, optimizer, options=_whole(cpu_offload=True))
+        if not named:
+            return {}
+        position = {name: i for i, name in enumerate(n for group in named["param_groups"] for n in group["params"])}
+        # the groups as the optimizer keeps them (DCP's copy turns a tuple such as AdamW's betas into a list)
+        return {"state": {position[name]: value for name, value in named["state"].items()},
+                "param_groups": optimizer.state_dict()["param_groups"]}
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        names = {p: name for name, p in model.named_parameters()}
+        order = [names[p] for group in optimizer.param_groups for p in group["params"]]
+        named = {"state": {order[i]: value for i, value in state["state"].items()},
+                 "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                  for group in state["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, named, options=_whole())
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})  # as saved: tuples too
+
+
+def _whole(cpu_offload: bool = False):
+    """DCP's options for the whole state: gathered (rank 0 alone keeps it, on the CPU) or given whole to every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+def planned(kind: str, model: torch.nn.Module, blocks: list[str], world: int, optimizer_states: int) -> dict:
+    """The spread as the plan shows it: the kind, the blocks sharded one by one, and the memory of the model's state
+    (parameters, their gradients, the optimizer's `optimizer_states` tensors per parameter) that each worker holds,
+    against the whole model's (a shard is the parameter's rows, padded to a multiple of the workers, over them)."""
+    whole = per_worker = 0
+    for p in model.parameters():
+        copies = 1 + (1 + optimizer_states) * p.requires_grad
+        rows = max(p.shape[0], 1) if p.dim() else 1
+        whole += copies * p.numel() * p.element_size()
+        shard = -(-rows // world) * (p.numel() // rows) if kind == "fsdp" else p.numel()
+        per_worker += copies * shard * p.element_size()
+    mib = 2 ** 20
+    return {"kind": kind, "blocks": blocks if kind == "fsdp" else [],
+            "model_state_mib": {"whole": round(whole / mib, 2), "per_worker": round(per_worker / mib, 2)}}
+
+
+def spread_over(kind: str, world: int, device: torch.device) -> Replicated:
+    """The run's spread: --parallel (kind) over `world` workers on `device`'s kind."""
+    return Sharded(world, device) if kind == "fsdp" else Replicated()
