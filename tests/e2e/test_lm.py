@@ -123,13 +123,13 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
 
 
 def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_bit(tmp_path):
-    """--parallel fsdp on 3 workers: 25 validation windows in batches of 8 are 2, 1 and 1 batches a rank, and every
-    forward gathers from every rank, so the ranks short of batches pass an example that counts nothing: no hang, each
-    window counted once, the loss that one process gives model.pt (float64, to rounding). Stopped at step 2 (its
-    evaluation owed) and resumed on 3, the run is the uninterrupted one bit for bit."""
-    flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
-             25, "--max-steps", 4, "--eval-every", 2, "--log-every", 1, "--num-workers", 0, "--batch-size", 4,
-             "--spawn", 3, "--parallel", "fsdp"]
+    """--parallel fsdp on 3 workers, gpt-tiny in float32 (FSDP reduces its gradients with gloo's SUM alone): 25
+    validation windows in batches of 8 are 2, 1 and 1 batches a rank, and every forward gathers from every rank, so
+    the ranks short of batches pass an example that counts nothing: no hang, each window counted once, the loss that
+    one process gives model.pt (to float32's rounding). Stopped at step 2 (its evaluation owed) and resumed on 3, the
+    run is the uninterrupted one bit for bit."""
+    flags = ["--task", "lm", "--train-samples", 256, "--val-samples", 25, "--max-steps", 4, "--eval-every", 2,
+             "--log-every", 1, "--num-workers", 0, "--batch-size", 4, "--spawn", 3, "--parallel", "fsdp"]
     run(python_cmd(*flags, "--run-dir", tmp_path / "whole"))
     run(python_cmd(*flags, "--stop-at", 2, "--run-dir", tmp_path / "stopped"), expect=75)
     run(python_cmd(*flags, "--run-dir", tmp_path / "stopped"))
@@ -141,10 +141,11 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
     assert [e["samples"] for e in metrics(tmp_path / "whole", "eval")] == [25, 25]
     weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped")}
     assert all(torch.equal(weights["whole"][k], weights["stopped"][k]) for k in weights["whole"])
-    run([PY, "-m", "train.evaluate", str(tmp_path / "whole"), "--model", "tests.models:gpt_tiny_in_double"])
+    run([PY, "-m", "train.evaluate", str(tmp_path / "whole")])
     alone = json.loads((tmp_path / "whole" / "eval-model.json").read_text())
     last = metrics(tmp_path / "whole", "eval")[-1]
-    assert (alone["samples"], alone["tokens"]) == (25, last["tokens"]) and abs(alone["loss"] - last["loss"]) < 1e-9
+    assert (alone["samples"], alone["tokens"]) == (25, last["tokens"])
+    assert abs(alone["loss"] - last["loss"]) <= 1e-6 * last["loss"]
 
 
 def test_a_text_folder_through_a_tokenizer_json_trains_resumes_evaluates_and_refuses_another_tokenizer(tmp_path):

@@ -69,9 +69,10 @@ class Sharded(Replicated):
         for name in blocks:
             fully_shard(model.get_submodule(name), mesh=mesh)
         fully_shard(model, mesh=mesh)
-        for module in model.modules():  # each sharded module reduces its own parameters' gradients
-            if isinstance(module, FSDPModule):
+        for module in model.modules():  # each sharded module reduces its own parameters' gradients: summed, and no more
+            if isinstance(module, FSDPModule):  # (gloo has no AVG nor PREMUL_SUM, which FSDP picks for fp32 else)
                 module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
         return model
 
     def micro_batch(self, model: torch.nn.Module, last: bool):
