@@ -120,6 +120,12 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     assert planned["blocks"] == [f"blocks.{i}" for i in range(SIZES["gpt-tiny"].layers)]
     moment = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in large["state"].values())
     assert planned["model_state_mib"]["whole"] == round(4 * moment / 2**20, 2)  # weights, gradients, two moments
+    # what each attempt's fullest worker held at its first step: all of it under DDP, on 4 and on 2; sharded on 2 (the
+    # plan's own start) its estimate
+    held = {name: [m["model_state_mib"] for m in metrics(tmp_path / name, "first_step")]
+            for name in ("halved", "sharded")}
+    assert held["halved"] == [planned["model_state_mib"]["whole"]] * 2
+    assert held["sharded"][0] < held["sharded"][1] == planned["model_state_mib"]["per_worker"] < held["halved"][0]
 
 
 def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_bit(tmp_path):
@@ -139,6 +145,9 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
                           for name in ("whole", "stopped"))
         assert whole == stopped and len(whole) == (4 if kind == "train" else 2), kind
     assert [e["samples"] for e in metrics(tmp_path / "whole", "eval")] == [25, 25]
+    planned = json.loads((tmp_path / "whole" / "plan.json").read_text())["parallel"]["model_state_mib"]
+    held = [m["model_state_mib"] for name in ("whole", "stopped") for m in metrics(tmp_path / name, "first_step")]
+    assert held == [planned["per_worker"]] * 3  # measured on each attempt's fullest worker: the plan's estimate
     weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped")}
     assert all(torch.equal(weights["whole"][k], weights["stopped"][k]) for k in weights["whole"])
     run([PY, "-m", "train.evaluate", str(tmp_path / "whole")])

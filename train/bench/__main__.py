@@ -18,7 +18,7 @@ from train.bench.pipeline import pipeline_rows, shard_rows
 from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
 from train.bench.photos import photo_rows, sample_photos
 from train.bench.pixels import segmentation_rows
-from train.bench.tokens import lm_rows
+from train.bench.tokens import lm_rows, sharding_rows
 from train.bench.sources import source_rows
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
@@ -109,7 +109,7 @@ def row_groups(ns: argparse.Namespace, out: Path, size: dict, bars: dict) -> lis
             return [*loop, *comm_rows(out, size), *exactness, *recipe]
 
         groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
-                   lambda: lm_rows(out, size, ns.rounds),
+                   lambda: lm_rows(out, size, ns.rounds), lambda: sharding_rows(out, size),
                    lambda: pipeline_rows(out, size, ns.rounds),
                    lambda: photo_rows(out, size, ns.rounds), lambda: camera_rows(out, size, ns.rounds),
                    lambda: shard_rows(out, size, ns.rounds),

@@ -150,7 +150,7 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], what: str) -> None:
+def run_timed(cmd: list[str], what: str) -> None:
     started = time.monotonic()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
@@ -162,7 +162,7 @@ def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
     """Run the trainer in an empty run dir; its own metrics give per-window step time, data wait and GPU use."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a reused --out would resume the old run and read its metrics
     launched = time.time()
-    _run([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
+    run_timed([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
     lines = read_metrics(run_dir, strict=True)
     train = [m for m in lines if m["kind"] == "train"][warmup:]
     first = next(m for m in lines if m["kind"] == "first_step")
@@ -173,7 +173,7 @@ def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
 
 def bare_arm(out: Path, spec: dict, warmup: int) -> dict:
     spec = {**spec, "out": str(out), "port": free_port(), "launched": time.time()}
-    _run([PY, "-m", "train.bench", "--bare", json.dumps(spec)], "the bare loop")
+    run_timed([PY, "-m", "train.bench", "--bare", json.dumps(spec)], "the bare loop")
     result = json.loads(out.read_text())
     result["step_times"] = result["step_times"][warmup:]
     return result

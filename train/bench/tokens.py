@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
-from train.bench.arms import interleaved, median, row
+from train.bench.arms import PY, interleaved, median, row, run_timed
 from train.components.gpt import SIZES
+from train.files.rundir import read_metrics
 from train.tasks.text import LETTERS, CopyChain
 
 FILES = 16  # the corpus's train/ files; val/ holds one
@@ -31,6 +33,30 @@ def lm_rows(out: Path, size: dict, rounds: int) -> list[dict]:
                 f"nanoGPT loop {1000 * median(steps['bare']):.1f} ms, trainbox {1000 * median(steps['trainbox']):.1f} "
                 f"ms per step of 2x{b} windows of {context} tokens (--dataset text)", ">= 0.97",
                 median(ratios) >= 0.97)]
+
+
+def sharding_rows(out: Path, size: dict) -> list[dict]:
+    """The model's state each worker holds (its parameters, their gradients and AdamW's moments, as the trainer
+    measures them at its first step: metrics.jsonl's model_state_mib), --parallel fsdp against ddp on as many workers:
+    gpt-small on 2 and 4 workers, DDP on 1 too (--quick: gpt-tiny on 2). A measure of tensors, not of time: one
+    round."""
+    model = "gpt-tiny" if size["quick"] else "gpt-small"
+    worlds = (2,) if size["quick"] else (1, 2, 4)
+    held = {}
+    for kind, world in [("ddp", w) for w in worlds] + [("fsdp", w) for w in worlds if w > 1]:
+        run_dir = out / f"held-{kind}-{world}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        args = ["--task", "lm", "--model", model, "--parallel", kind, "--max-steps", 1, "--batch-size", 1,
+                "--train-samples", 16, "--val-samples", 4, "--log-every", 1, "--num-workers", 0,
+                *(["--spawn", world] if world > 1 else []), "--run-dir", run_dir]
+        run_timed([PY, "-m", "train", *map(str, args)], f"trainer --parallel {kind} on {world} ({model}: its state)")
+        held[kind, world] = next(m["model_state_mib"] for m in read_metrics(run_dir, strict=True)
+                                 if m["kind"] == "first_step")
+    shown = ", ".join(f"{kind} on {world}: {mib:.1f} MiB" for (kind, world), mib in held.items())
+    return [row(f"model state per worker: --parallel fsdp / ddp ({model}, {world} workers)",
+                [held["fsdp", world] / held["ddp", world]], shown, "<= 0.35" if world == 4 else "",
+                held["fsdp", world] / held["ddp", world] <= 0.35 if world == 4 else None)
+            for world in worlds if world > 1]
 
 
 def write_corpus(folder: Path, tokens: int) -> Path:

@@ -138,6 +138,16 @@ def planned(kind: str, model: torch.nn.Module, blocks: list[str], world: int, op
             "model_state_mib": {"whole": round(whole / mib, 2), "per_worker": round(per_worker / mib, 2)}}
 
 
+def held_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """The MiB of the model's state this rank holds, measured: its parameters, their gradients and the optimizer's
+    state (of a sharded model, this rank's shards; AdamW's step counts aside, a number each), as plan.json's estimate
+    counts them."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in (*model.parameters(), *grads, *state)]
+    return round(sum(t.numel() * t.element_size() for t in local) / 2**20, 2)
+
+
 def spread_over(kind: str, world: int, device: torch.device) -> Replicated:
     """The run's spread: --parallel (kind) over `world` workers on `device`'s kind."""
     return Sharded(world, device) if kind == "fsdp" else Replicated()

@@ -25,6 +25,7 @@ from train.base.errors import EXIT_DONE, EXIT_STOPPED
 from train.base.watchdog import watchdog
 from train.cluster.distributed import StopSignal, broadcast_from_main, gather
 from train.cluster.identity import identity, is_main
+from train.cluster.sharding import held_mib
 from train.components.augment import batch_seed
 from train.files import checkpoint_io as ckpt
 from train.files.rundir import process_start_time
@@ -51,6 +52,7 @@ class Trainer:
         self.rank, self.world = identity().global_rank, identity().world_size
         self.step = self.epoch = self.step_in_epoch = 0  # the position
         self.eval_owed, self.last_eval, self.first_step_logged, self.settle_s = False, -1, False, 0.0
+        self.held_mib: float | None = None  # the model's state this rank holds (measured at its first step's fullest)
         self.resumed_from = parts.resumed.step if parts.resumed else None
         if parts.resumed:
             self.load_state_dict(parts.resumed.position)
@@ -136,6 +138,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(parts.raw_model.parameters(), loop.grad_clip)
         scaler.step(parts.optimizer)
         scaler.update()
+        if self.held_mib is None:  # parameters, gradients and the optimizer's state, all there: once
+            self.held_mib = held_mib(parts.raw_model, parts.optimizer)
         parts.optimizer.zero_grad(set_to_none=True)
         return sums, counts
 
@@ -208,8 +212,9 @@ class Trainer:
         self.parts.window.add(sums, counts)
         if not self.first_step_logged:  # launch to first optimizer step, start-up included (no sync)
             self.first_step_logged = True
+            held = max(gather(self.held_mib))  # the fullest rank's
             self.parts.metrics.write(self.step, "first_step", {"since_start_s": time.time() - process_start_time(),
-                                                               "settle_s": self.settle_s})
+                                                               "settle_s": self.settle_s, "model_state_mib": held})
         if self.step % self.loop.log_every == 0 or self.step == self.plan.max_steps:
             self.log_window()
             self.check_health()
