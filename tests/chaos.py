@@ -9,6 +9,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m tests.chaos --recipe                         the runs with a published recipe's knobs on
   python -m tests.chaos --task segmentation              the runs of the built-in segmentation task
   python -m tests.chaos --task lm                        the runs of the built-in language model (gpt-tiny, copy)
+  python -m tests.chaos --task lm --parallel fsdp        ... its model sharded over the workers (FSDP2)
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -516,6 +517,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
     parser.add_argument("--task", default="classification", choices=("classification", "segmentation", "lm"),
                         help="the built-in task the runs train (segmentation: the shapes' masks, torchvision's "
                              "lraspp_mobilenet_v3_large; lm: gpt-tiny on the generated copy documents)")
+    parser.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                        help="how the runs spread the model over the workers (fsdp: sharded, FSDP2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
@@ -539,6 +542,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
         problem = f"{out} is not empty: pass a new --out"
     elif ns.recipe and ns.task != "classification":
         problem = "--recipe's knobs (Mixup/CutMix, random erasing, label smoothing) are classification's: drop --task"
+    elif ns.recipe and ns.parallel == "fsdp":
+        problem = "--recipe's EMA is not available with --parallel fsdp (docs/training.md): drop one of them"
     elif ns.reference and (len(sizes) != 1 or not (Path(ns.reference) / "model.pt").is_file()):
         problem = f"--reference {ns.reference}: give the model.pt folder of a finished run and a single --workers"
     else:
@@ -554,8 +559,10 @@ def main(argv: list[str]) -> int:
         return int(e.code or 0)
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}"
-          f"{f' ({ns.task})' if ns.task != 'classification' else ''}, seed {ns.seed}, in {out}", flush=True)
+          f"{f' ({ns.task})' if ns.task != 'classification' else ''}"
+          f"{f' (--parallel {ns.parallel})' if ns.parallel != 'ddp' else ''}, seed {ns.seed}, in {out}", flush=True)
     extra = RECIPE if ns.recipe else ["--task", ns.task] if ns.task != "classification" else []
+    extra += ["--parallel", ns.parallel] if ns.parallel != "ddp" else []
     references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}
