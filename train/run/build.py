@@ -116,7 +116,8 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     task = task if task is not None else build_task(cfg)
     # The newest checkpoint that verifies, read before anything is written: a resume that would change what the run
     # is stops here, and one on another number of workers takes the --grad-accum that keeps its global batch.
-    state, source = newest_checkpoint(run_dir, device)
+    # (a sharded model's on the CPU: every rank takes its shards from there, never the whole state on its GPU)
+    state, source = newest_checkpoint(run_dir, torch.device("cpu") if cfg.model.parallel == "fsdp" else device)
     layout, relaid = Layout(world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum), ""
     if state is not None:
         cfg, layout, relaid = continued(cfg, state, world, run_dir, source)
