@@ -138,3 +138,14 @@ def test_out_of_memory_names_a_lower_precision_only_below_the_one_the_run_trains
     cfg = parse_config(["--preset", "debug"])
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes")
     assert "--precision" not in str(out_of_memory(error, "training step 1", cpu, cfg.optimisation, [], "fp32", None))
+
+
+def test_out_of_memory_of_a_model_whole_on_several_workers_advises_sharding_it(tmp_path):
+    """A new run whose workers each hold the whole model (--parallel ddp on 2 or more) is told it can shard it; one
+    worker has nothing to shard over, and a run with a checkpoint keeps its --parallel."""
+    opt = parse_config(["--preset", "debug"]).optimisation
+    assert advice(opt, [], None, None, replicas=4).endswith(
+        "keeps the global batch) or --parallel fsdp (each of the 4 workers then holds 1/4 of the model's parameters, "
+        "gradients and optimizer state), then run the same command")
+    assert "--parallel" not in advice(opt, [], None, None, replicas=1)
+    assert "--parallel" not in advice(opt, [], tmp_path / "step_4.pt", None, replicas=4)

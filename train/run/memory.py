@@ -24,17 +24,17 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory(error: BaseException, where: str, device: torch.device, opt: Optimisation, sizes: list,
-                  precision: str, checkpoint: Path | None) -> OutOfMemory:
+                  precision: str, checkpoint: Path | None, replicas: int = 0) -> OutOfMemory:
     """The one-line error for an allocation that failed `where` (e.g. "training step 1") on `device`, in the run's
     `precision` (as resolved: what --precision auto chose), with the run's batch (opt) and what its task says sizes a
     sample there (sizes: Task.sizes(where)); checkpoint: the run's newest, whose settings a resume keeps (None: the
-    next start may change them)."""
+    next start may change them); replicas: the workers that each hold the whole model (--parallel ddp; 0: none)."""
     text = str(error)
     cpu = re.search(r"tried to allocate (\d+) bytes", text)  # the CPU allocator's words
     cuda = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
     asked = f"tried to allocate {_gib(int(cpu.group(1))) if cpu else cuda.group(1)}, " if cpu or cuda else ""
     return OutOfMemory(f"out of memory during {where} on {_device_memory(device, asked)}: "
-                       + advice(opt, sizes, checkpoint, lower_precision(device, precision)))
+                       + advice(opt, sizes, checkpoint, lower_precision(device, precision), replicas))
 
 
 def lower_precision(device: torch.device, precision: str) -> str | None:
@@ -45,17 +45,22 @@ def lower_precision(device: torch.device, precision: str) -> str | None:
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
-def advice(opt: Optimisation, sizes: list, checkpoint: Path | None, lower_precision: str | None) -> str:
+def advice(opt: Optimisation, sizes: list, checkpoint: Path | None, lower_precision: str | None,
+           replicas: int = 0) -> str:
     """What lowers the memory a step (or an evaluation) needs, as the run's next start can take it: the batch, the
     settings its task says size a sample where memory ran out (the images' training crop or the evaluation's, a
     language model's context), a lower precision (lower_precision: the one this GPU takes, None where the run already
-    trains below fp32 or on a CPU). A run with a checkpoint keeps its batch, sizes and precision on a resume
+    trains below fp32 or on a CPU), and for a new run whose `replicas` (2 or more) workers each hold the whole model,
+    its state sharded over them. A run with a checkpoint keeps its batch, sizes and precision on a resume
     (train/config/resume.py): those go to a new run from its weights."""
     accum = f", now {opt.grad_accum}," if checkpoint is None else ""  # a resume may have changed it: a new run sets it
     fixes = [f"a smaller --batch-size (now {opt.batch_size}; a larger --grad-accum{accum} keeps the global batch)",
              *(f"a smaller {flag} (now {value})" for flag, value in sizes)]
     if lower_precision:
         fixes.append(f"--precision {lower_precision}")
+    if replicas > 1 and checkpoint is None:  # a sharded run takes no --weights yet: a new run from scratch alone
+        fixes.append(f"--parallel fsdp (each of the {replicas} workers then holds 1/{replicas} of the model's "
+                     f"parameters, gradients and optimizer state)")
     listed = " or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
     if checkpoint is None:
         return f"use {listed}, then run the same command"

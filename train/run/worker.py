@@ -199,8 +199,9 @@ def unrecoverable(error: Exception, trainer: Trainer | None, device: torch.devic
         newest = ckpt.list_checkpoints(run_dir)[-1:] if run_dir is not None else []
         ran = trainer.parts.cfg if trainer else cfg  # as the run continued its checkpoint (resume.continued)
         task = trainer.parts.task if trainer else task or build_task(ran)
+        replicas = identity().world_size if ran.model.parallel == "ddp" else 0
         return out_of_memory(error, where, device, ran.optimisation, task.sizes(where), precision,
-                             newest[0] if newest else None)
+                             newest[0] if newest else None, replicas)
     peer = peer_unrecoverable()
     if peer is None and trainer is not None:  # rank 0, the store's host, gave up: its status.json says why
         status = rundir.read_status(trainer.run_dir)
