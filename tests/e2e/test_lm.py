@@ -133,12 +133,14 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
     validation windows in batches of 8 are 2, 1 and 1 batches a rank, and every forward gathers from every rank, so
     the ranks short of batches pass an example that counts nothing: no hang, each window counted once, the loss that
     one process gives model.pt (to float32's rounding). Stopped at step 2 (its evaluation owed) and resumed on 3, the
-    run is the uninterrupted one bit for bit."""
+    run is the uninterrupted one bit for bit; and so is a run that recomputes each block's activations in the backward
+    (--activation-checkpointing)."""
     flags = ["--task", "lm", "--train-samples", 256, "--val-samples", 25, "--max-steps", 4, "--eval-every", 2,
              "--log-every", 1, "--num-workers", 0, "--batch-size", 4, "--spawn", 3, "--parallel", "fsdp"]
     run(python_cmd(*flags, "--run-dir", tmp_path / "whole"))
     run(python_cmd(*flags, "--stop-at", 2, "--run-dir", tmp_path / "stopped"), expect=75)
     run(python_cmd(*flags, "--run-dir", tmp_path / "stopped"))
+    run(python_cmd(*flags, "--activation-checkpointing", "--run-dir", tmp_path / "recomputed"))
     kept = ("step", "loss", "lr", "tokens", "samples", "perplexity")
     for kind in ("train", "eval"):
         whole, stopped = ([{k: m[k] for k in kept if k in m} for m in metrics(tmp_path / name, kind)]
@@ -148,8 +150,9 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
     planned = json.loads((tmp_path / "whole" / "plan.json").read_text())["parallel"]["model_state_mib"]
     held = [m["model_state_mib"] for name in ("whole", "stopped") for m in metrics(tmp_path / name, "first_step")]
     assert held == [planned["per_worker"]] * 3  # measured on each attempt's fullest worker: the plan's estimate
-    weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped")}
-    assert all(torch.equal(weights["whole"][k], weights["stopped"][k]) for k in weights["whole"])
+    weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped", "recomputed")}
+    for name in ("stopped", "recomputed"):
+        assert all(torch.equal(weights["whole"][k], weights[name][k]) for k in weights["whole"]), name
     run([PY, "-m", "train.evaluate", str(tmp_path / "whole")])
     alone = json.loads((tmp_path / "whole" / "eval-model.json").read_text())
     last = metrics(tmp_path / "whole", "eval")[-1]

@@ -114,3 +114,28 @@ def test_a_build_that_fails_leaves_no_mlflow_run_running(tmp_path, monkeypatch):
     client = MlflowClient(store)
     experiments = [e.experiment_id for e in client.search_experiments()]
     assert [r.info.status for r in client.search_runs(experiments) if r.info.status == "RUNNING"] == []
+
+
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_activation_checkpointing_runs_each_block_again_in_the_backward_to_the_same_gradients(recomputed):
+    """--activation-checkpointing: each of the language model's blocks runs its forward twice a step (the second in
+    the backward, recomputing what it no longer keeps, last block first), and the gradients are those of the model
+    that keeps them."""
+    from train.run.build import model_on
+    from train.tasks.factory import build_task
+
+    cfg = parse_config(["--task", "lm", *(["--activation-checkpointing"] if recomputed else [])])
+    task, calls = build_task(cfg), []
+    torch.manual_seed(0)
+    model = model_on(cfg.model, task, torch.device("cpu"), 1)
+    for name in task.blocks(model):  # a module inside each (the block's own hooks are the recompute's machinery), as
+        # it starts (the recompute stops once it has what the backward needs: before the block's end)
+        model.get_submodule(f"{name}.mlp").register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(1))
+    model(ids).square().mean().backward()
+    blocks = [f"blocks.{i}" for i in range(4)]
+    assert calls == blocks + (blocks[::-1] if recomputed else [])
+    torch.manual_seed(0)
+    kept = model_on(parse_config(["--task", "lm"]).model, task, torch.device("cpu"), 1)
+    kept(ids).square().mean().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), kept.parameters(), strict=True))

@@ -256,3 +256,14 @@ def test_a_sharded_model_on_one_worker_is_refused_before_any_worker_starts():
     with pytest.raises(ConfigError, match=r"^--parallel fsdp shards the model over the workers, and this launch starts "
                                           r"one: start several \(--spawn N, "):
         preflight(parse_config(["--parallel", "fsdp", "--dry-run"]))
+
+
+def test_activation_checkpointing_of_a_model_whose_task_names_no_blocks_is_refused_before_any_worker_starts():
+    from train.run.preflight import preflight
+
+    preflight(parse_config(["--task", "lm", "--activation-checkpointing", "--dry-run"]))  # its transformer blocks
+    with pytest.raises(ConfigError, match=r"^--activation-checkpointing recomputes the blocks a task names, and --task "
+                                          r"classification names none of --model cnn's \(Task.blocks\): drop it$"):
+        preflight(parse_config(["--activation-checkpointing", "--dry-run"]))
+    with pytest.raises(ConfigError, match=r"^--activation-checkpointing with --compile is not built yet"):
+        parse_config(["--task", "lm", "--activation-checkpointing", "--compile"])

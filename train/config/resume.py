@@ -48,7 +48,7 @@ MAY_CHANGE = frozenset({
     "run_dir", "preset", "max_steps", "epochs", "stop_at", "dry_run", "deterministic",
     "spawn", "device", "timeout_s", "threads",
     "data_dir", "download", "num_workers", "decode", "tokenizer",
-    "channels_last", "compile", "bucket_cap_mb", "static_graph",
+    "channels_last", "compile", "bucket_cap_mb", "static_graph", "activation_checkpointing",
     "grad_accum",
     "save_every", "keep_checkpoints", "eval_every", "log_every", "tensorboard",
     "mlflow_uri", "mlflow_experiment", "mlflow_checkpoints",

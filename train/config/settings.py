@@ -162,6 +162,10 @@ class Model:
                                   "block the task names, then the whole model), gathered for each block's forward "
                                   "and backward: for a model that does not fit one GPU (docs/training.md)",
                                   choices=("ddp", "fsdp"))
+    activation_checkpointing: bool = _field(False, "recompute each block's activations (the blocks the task names: "
+                                                   "the language model's transformer blocks) in the backward pass "
+                                                   "instead of keeping them: less memory, one more forward of each "
+                                                   "block, the same weights")
 
 
 @dataclass(frozen=True)

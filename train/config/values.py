@@ -34,6 +34,9 @@ def check_values(cfg: Config) -> None:
                           f"epochs too, or the warm-up in --warmup-steps")
     _check_recipe(cfg)
     _check_sharded(cfg.model, cfg.regularisation.model_ema)
+    if cfg.model.activation_checkpointing and cfg.model.compile:
+        raise ConfigError("--activation-checkpointing with --compile is not built yet (the recomputed blocks are not "
+                          "proven to compile to the same weights): drop one of them")
     if cfg.data.image_size < 8:
         raise ConfigError(f"--image-size must be at least 8, got {cfg.data.image_size}: pass 8 or more (pixels)")
     for f in settings():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint
 
 from train.base.errors import ConfigError
 from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
@@ -206,8 +207,12 @@ def prepare_run_dir(run_dir: Path) -> None:
 
 
 def model_on(spec: Model, task: Task, device: torch.device, world: int) -> torch.nn.Module:
-    """The task's model on its device, frozen where --freeze says, SyncBatchNorm where asked (not yet wrapped)."""
+    """The task's model on its device, frozen where --freeze says, SyncBatchNorm and its blocks recomputed in the
+    backward (--activation-checkpointing) where asked (not yet wrapped nor sharded)."""
     model = task.model(spec)  # frozen before the optimizer: no state for those parameters
+    if spec.activation_checkpointing:  # torch's composable checkpoint: the modules and their names unchanged
+        for name in task.blocks(model):
+            checkpoint(model.get_submodule(name))
     if spec.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)

@@ -52,6 +52,7 @@ def preflight(cfg: Config, world: int | None = None) -> Task:
         task.check(Path(run.run_dir) if run.run_dir and not dry else None)
         check_weights(cfg.model, run.run_dir, task)
         check_decay_groups(cfg.optimisation, cfg.model, task)
+        check_blocks(cfg.model, task)
         check_batch_of_one(task, cfg.model, cfg.optimisation.batch_size, workers)
         if source(cfg.data.dataset).in_memory and ":" not in run.task:  # files: counted by the workers, once loaded
             check_steps(cfg.data.train_samples, workers, cfg.optimisation, cfg.augmentation.ra_reps)
@@ -94,6 +95,18 @@ def check_weights(spec: Model, run_dir: str, task: Task) -> None:
     if spec.weights and resolve(spec) is None and not resuming:  # a file (named weights: the workers fetch)
         task.start_from(read_weights(spec, fetched=False)[0], model, sized=False)
     frozen_names(spec, model, lambda: task.head(model))
+
+
+def check_blocks(spec: Model, task: Task) -> None:
+    """--activation-checkpointing recomputes the blocks the task names (Task.blocks), on a model built on the meta
+    device: a model with none would recompute nothing."""
+    if not spec.activation_checkpointing:
+        return
+    with torch.device("meta"):
+        model = task.network(spec)
+    if not task.blocks(model):
+        raise ConfigError(f"--activation-checkpointing recomputes the blocks a task names, and --task {task.name} "
+                          f"names none of --model {spec.model}'s (Task.blocks): drop it")
 
 
 def check_decay_groups(opt: Optimisation, spec: Model, task: Task) -> None:
