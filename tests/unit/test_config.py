@@ -267,3 +267,26 @@ def test_activation_checkpointing_of_a_model_whose_task_names_no_blocks_is_refus
         preflight(parse_config(["--activation-checkpointing", "--dry-run"]))
     with pytest.raises(ConfigError, match=r"^--activation-checkpointing with --compile is not built yet"):
         parse_config(["--task", "lm", "--activation-checkpointing", "--compile"])
+
+
+def test_activation_checkpointing_of_a_block_with_running_statistics_is_refused():
+    """A block with BatchNorm, recomputed in the backward, would update its running statistics twice a step."""
+    from torch import nn
+
+    from train.run.preflight import check_blocks
+    from train.tasks.task import Task
+
+    class Stages(Task):
+        name = "stages"
+
+        def network(self, spec):
+            return nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4)),
+                                 nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)))
+
+        def blocks(self, model):
+            return ["0", "1"]
+
+    cfg = parse_config(["--task", "lm", "--activation-checkpointing"])
+    with pytest.raises(ConfigError, match=r"^--activation-checkpointing would run 1\.1 twice a step, which updates its "
+                                          r"running statistics twice \(not the weights trained without it\): drop it$"):
+        check_blocks(cfg.model, Stages(cfg))

@@ -99,14 +99,22 @@ def check_weights(spec: Model, run_dir: str, task: Task) -> None:
 
 def check_blocks(spec: Model, task: Task) -> None:
     """--activation-checkpointing recomputes the blocks the task names (Task.blocks), on a model built on the meta
-    device: a model with none would recompute nothing."""
+    device: a model with none would recompute nothing, and a block that keeps running statistics (BatchNorm) would
+    update them twice a step."""
     if not spec.activation_checkpointing:
         return
     with torch.device("meta"):
         model = task.network(spec)
-    if not task.blocks(model):
+    blocks = task.blocks(model)
+    if not blocks:
         raise ConfigError(f"--activation-checkpointing recomputes the blocks a task names, and --task {task.name} "
                           f"names none of --model {spec.model}'s (Task.blocks): drop it")
+    for name in blocks:
+        kept = [f"{name}.{n}" for n, m in model.get_submodule(name).named_modules()
+                if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None]
+        if kept:
+            raise ConfigError(f"--activation-checkpointing would run {kept[0]} twice a step, which updates its running "
+                              f"statistics twice (not the weights trained without it): drop it")
 
 
 def check_decay_groups(opt: Optimisation, spec: Model, task: Task) -> None:
