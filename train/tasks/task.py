@@ -7,7 +7,8 @@ knows no class, no loss and no metric. A task, built once per run (build_task), 
   description / describe(d)    what the data is (its classes, say): classes.json, the plan, make evaluate and export
   network(spec) / model(spec)  the network, adapted to the data; as a run trains it, frozen where --freeze says
   head(model)                  which of its modules is the head (--freeze backbone trains it alone)
-  blocks(model)                its blocks, which --parallel fsdp shards one by one (default: none, the whole model)
+  blocks(model)                its blocks: --parallel fsdp shards them one by one, --activation-checkpointing
+                               recomputes them (default: none, the whole model as one)
   start_from(state, model)     --weights fitted to the model (a head of another class count starts anew)
   collate(items)               a loader's batch of items (None: torch's default_collate): ragged sequences padded
   inputs(batch, device)        a loader's batch on the device, ready for the model: (input, target)
@@ -101,7 +102,8 @@ class Task:
 
     def blocks(self, model: nn.Module) -> list[str]:
         """The qualified names of the model's blocks that --parallel fsdp shards one by one (each gathered whole for
-        its own forward and backward alone); [] (the default): the model sharded as one, gathered whole for a pass."""
+        its own forward and backward alone) and --activation-checkpointing recomputes in the backward; [] (the
+        default): the model sharded as one, gathered whole for a pass, and nothing to recompute."""
         return []
 
     # ---------------------------------------------------------------- a step
