@@ -128,8 +128,8 @@ def test_activation_checkpointing_runs_each_block_again_in_the_backward_to_the_s
     task, calls = build_task(cfg), []
     torch.manual_seed(0)
     model = model_on(cfg.model, task, torch.device("cpu"), 1)
-    for name in task.blocks(model):  # a module inside each (the block's own hooks are the recompute's machinery), as
-        # it starts (the recompute stops once it has what the backward needs: before the block's end)
+    for name in task.blocks(model):  # a module inside each, as it starts (the recompute stops once it has what the
+        # backward needs: before the block's end)
         model.get_submodule(f"{name}.mlp").register_forward_pre_hook(lambda *_, name=name: calls.append(name))
     ids = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(1))
     model(ids).square().mean().backward()

@@ -13,10 +13,12 @@ running statistics do not move either.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from train.base import vision
@@ -140,6 +142,12 @@ def frozen_names(spec: Model, model: nn.Module, head: Callable[[], str]) -> list
                               f"{names[0].split('.')[0]}, or backbone")
         chosen += matched
     return chosen
+
+
+def recompute_in_backward(block: nn.Module) -> None:
+    """--activation-checkpointing: the block keeps only its input and runs its forward again in the backward (torch's
+    checkpoint, non-reentrant); the module, its name and its hooks stay as they were."""
+    block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
 
 
 def freeze(model: nn.Module, names: list[str]) -> None:

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed._composable import checkpoint
 
 from train.base.errors import ConfigError
 from train.cluster.distributed import broadcast_from_main, gather, on_main, ordered_allreduce_hook, wrap
 from train.cluster.identity import identity, is_main
 from train.cluster.sharding import Replicated, spread_over
 from train.components.ema import ModelEma
+from train.components.models import recompute_in_backward
 from train.components.optim import build_optimizer, build_scheduler, schedule_lengths
 from train.components.weights import read_weights
 from train.config.resume import Layout, Resumed, continued, data_differences, plan_as_trained
@@ -210,9 +210,9 @@ def model_on(spec: Model, task: Task, device: torch.device, world: int) -> torch
     """The task's model on its device, frozen where --freeze says, SyncBatchNorm and its blocks recomputed in the
     backward (--activation-checkpointing) where asked (not yet wrapped nor sharded)."""
     model = task.model(spec)  # frozen before the optimizer: no state for those parameters
-    if spec.activation_checkpointing:  # torch's composable checkpoint: the modules and their names unchanged
+    if spec.activation_checkpointing:
         for name in task.blocks(model):
-            checkpoint(model.get_submodule(name))
+            recompute_in_backward(model.get_submodule(name))
     if spec.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
