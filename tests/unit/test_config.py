@@ -269,8 +269,9 @@ def test_activation_checkpointing_of_a_model_whose_task_names_no_blocks_is_refus
         parse_config(["--task", "lm", "--activation-checkpointing", "--compile"])
 
 
-def test_activation_checkpointing_of_a_block_with_running_statistics_is_refused():
-    """A block with BatchNorm, recomputed in the backward, would update its running statistics twice a step."""
+def test_blocks_named_wrongly_and_a_recomputed_block_with_running_statistics_are_refused_in_one_line():
+    """Task.blocks that are not the model's module names are one line naming the method, where a run uses them; a
+    block with BatchNorm, recomputed in the backward, would update its running statistics twice a step."""
     from torch import nn
 
     from train.run.preflight import check_blocks
@@ -287,6 +288,12 @@ def test_activation_checkpointing_of_a_block_with_running_statistics_is_refused(
             return ["0", "1"]
 
     cfg = parse_config(["--task", "lm", "--activation-checkpointing"])
+    for wrong in (["2"], "0", [0]):  # a name the model has not, a string, a number: one line naming the method
+        Stages.blocks = lambda self, model, wrong=wrong: wrong
+        with pytest.raises(ConfigError, match=r"^--task stages's blocks\(\) gave .*, not a list of its model's "
+                                              r"module names: return names from model.named_modules\(\)"):
+            check_blocks(parse_config(["--parallel", "fsdp"]).model, Stages(cfg))
+    Stages.blocks = lambda self, model: ["0", "1"]
     with pytest.raises(ConfigError, match=r"^--activation-checkpointing would run 1\.1 twice a step, which updates its "
                                           r"running statistics twice \(not the weights trained without it\): drop it$"):
         check_blocks(cfg.model, Stages(cfg))

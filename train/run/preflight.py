@@ -98,19 +98,25 @@ def check_weights(spec: Model, run_dir: str, task: Task) -> None:
 
 
 def check_blocks(spec: Model, task: Task) -> None:
-    """--activation-checkpointing recomputes the blocks the task names (Task.blocks), on a model built on the meta
-    device: a model with none would recompute nothing, and a block that keeps running statistics (BatchNorm) would
-    update them twice a step."""
-    if not spec.activation_checkpointing:
+    """The blocks the task names (Task.blocks), on a model built on the meta device, where a run uses them (--parallel
+    fsdp shards them, --activation-checkpointing recomputes them): module names of its model; with
+    --activation-checkpointing at least one, and none that keeps running statistics (BatchNorm would update them twice
+    a step)."""
+    if not spec.activation_checkpointing and spec.parallel == "ddp":
         return
     with torch.device("meta"):
         model = task.network(spec)
-    blocks = task.blocks(model)
+    blocks, modules = task.blocks(model), dict(model.named_modules())
+    if not isinstance(blocks, list) or not all(isinstance(name, str) and name in modules for name in blocks):
+        raise ConfigError(f"--task {task.name}'s blocks() gave {blocks!r}, not a list of its model's module names: "
+                          f"return names from model.named_modules() (Task.blocks, docs/tasks.md)")
+    if not spec.activation_checkpointing:
+        return
     if not blocks:
         raise ConfigError(f"--activation-checkpointing recomputes the blocks a task names, and --task {task.name} "
                           f"names none of --model {spec.model}'s (Task.blocks): drop it")
     for name in blocks:
-        kept = [f"{name}.{n}" for n, m in model.get_submodule(name).named_modules()
+        kept = [f"{name}.{n}" for n, m in modules[name].named_modules()
                 if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None]
         if kept:
             raise ConfigError(f"--activation-checkpointing would run {kept[0]} twice a step, which updates its running "
