@@ -62,35 +62,37 @@ def _server_has_points(client: MlflowClient, run_dir) -> bool:
         return False
 
 
-def test_a_server_that_hangs_for_a_while_costs_the_training_nothing(mlflow_server, reference_run, tmp_path):
-    run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
-    client = MlflowClient(mlflow_server.uri)
-    proc = subprocess.Popen(python_cmd(*SLOW, "--run-dir", run_dir), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _server_steps(client: MlflowClient, run_dir) -> set[int]:
+    """The steps of the run's train/loss on the server (none while it cannot say)."""
     try:
-        wait_for(lambda: _server_has_points(client, run_dir), 120, "the first metrics on the server", proc)
-        mlflow_server.freeze(True)
-        at = max(m["step"] for m in metrics(run_dir, "train"))
-        wait_for(lambda: max(m["step"] for m in metrics(run_dir, "train")) >= at + 100, 120,
-                 "100 steps trained while the server hangs", proc)
-    finally:
-        mlflow_server.freeze(False)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "mlflow: could not send" not in err, err[-3000:]  # all sent by the end of the run
-    assert_bit_identical(run_dir, reference_run(*SLOW, workers=1))
-    tracked = the_one_mlflow_run(client, run_dir, env["MLFLOW_EXPERIMENT_NAME"])
-    assert_mlflow_run_complete(client, tracked, run_dir, tmp_path, max_steps=960)
+        run_id = json.loads((run_dir / RECORD).read_text())["run_id"]
+        return {m.step for m in client.get_metric_history(run_id, "train/loss")}
+    except (OSError, ValueError, KeyError, MlflowException):
+        return set()
 
 
-def test_a_server_that_dies_costs_the_training_nothing_and_gets_the_rest_when_back(mlflow_server, reference_run,
-                                                                                   tmp_path):
+def test_a_server_that_hangs_then_dies_costs_the_training_nothing_and_gets_the_rest_when_back(mlflow_server,
+                                                                                             reference_run, tmp_path):
+    """One run, two outages. The server hangs (stopped where it stands: it takes connections and never answers) for
+    100 steps, then answers again and gets what it missed while the run trains on; later it dies, the run trains to
+    its end, and the same command sends the rest once the server is back. Each outage is one warning, not one per
+    try, and the weights are those of a run without tracking."""
     run_dir, env = tmp_path / "run", tracked_env(mlflow_server.uri, tmp_path)
     cmd = python_cmd(*SLOW, "--run-dir", run_dir)
     client = MlflowClient(mlflow_server.uri)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: _server_has_points(client, run_dir), 120, "the first metrics on the server", proc)
+        mlflow_server.freeze(True)
+        try:
+            at = max(m["step"] for m in metrics(run_dir, "train"))
+            wait_for(lambda: max(m["step"] for m in metrics(run_dir, "train")) >= at + 100, 120,
+                     "100 steps trained while the server hangs", proc)
+        finally:
+            mlflow_server.freeze(False)
+        logged = {m["step"] for m in metrics(run_dir, "train")}  # every step logged up to the end of the hang
+        wait_for(lambda: logged <= _server_steps(client, run_dir), 120, "the hang's points on the server", proc)
+        assert proc.poll() is None, "the run ended before the server died: make SLOW longer"
         mlflow_server.stop()
         _, err = proc.communicate(timeout=300)
     finally:
@@ -98,7 +100,8 @@ def test_a_server_that_dies_costs_the_training_nothing_and_gets_the_rest_when_ba
     assert proc.returncode == 0, err[-3000:]
     assert status(run_dir)["step"] == 960
     assert_bit_identical(run_dir, reference_run(*SLOW, workers=1))  # the weights of a run without tracking
-    assert err.count("does not take the run's data") == 1, err[-3000:]  # one warning, not one per try
+    outages = 1 + err.count("answers again: sent what was kept")  # the hang's, if a call timed out in it
+    assert err.count("does not take the run's data") == outages, err[-3000:]  # one warning each, not one per try
     (missed,) = [line for line in err.splitlines() if "mlflow: could not send" in line]
     assert "model.pt" in missed and "manifest.json" in missed and "(Connection refused)" in missed
 
