@@ -137,23 +137,10 @@ def test_onnx_export_runs_in_onnx_runtime_alone_and_equals_the_eager_model(refer
 
 
 def test_a_model_that_cannot_be_exported_is_one_line_and_nothing_is_written(tmp_path):
-    run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--model", "tests.models:branches_on_its_input", "--max-steps", 2, "--run-dir", run_dir))
-    before = snapshot(run_dir)
-    proc = run([PY, "-m", "train.export", str(run_dir), "--model", "tests.models:branches_on_its_input"], expect=None)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors[0].startswith("error: --model tests.models:branches_on_its_input cannot be exported with "
-                                "torch.export (") and errors[0].endswith("nothing was written")
-    assert snapshot(run_dir) == before  # no model.pt2, no .json, no temp file
-    missing = run([PY, "-m", "train.export", str(tmp_path / "nowhere")], expect=2)
-    assert "is not a trainbox run directory" in missing.stderr
-
-
-def test_a_model_onnx_cannot_take_is_one_line_and_nothing_is_written(tmp_path):
-    """make export FORMAT=onnx of a model torch.export cannot capture, and of one with an operator ONNX lacks: one
-    line each naming why, and nothing written or lost (an earlier model.onnx stays as it was); the second still
-    exports as .pt2. A format trainbox does not write, and ONNX asked of .venv: one line naming the fix."""
+    """make export of a model torch.export cannot capture, as .pt2 and as ONNX, and FORMAT=onnx of one with an
+    operator ONNX lacks: one line each naming why, and nothing written or lost (an earlier model.onnx stays as it
+    was); the second still exports as .pt2. A run folder that is none, a format trainbox does not write, and ONNX
+    asked of .venv: one line naming the fix."""
     for model, why in (("branches_on_its_input", "cannot be exported with torch.export ("),
                        ("has_no_onnx_operator", "cannot be exported to ONNX (DispatchError: No ONNX function found "
                                                 "for <OpOverload(op='prims.bessel_i0'")):
@@ -162,6 +149,13 @@ def test_a_model_onnx_cannot_take_is_one_line_and_nothing_is_written(tmp_path):
                        "--run-dir", run_dir))
         (run_dir / "model.onnx").write_bytes(b"an earlier export")
         before = snapshot(run_dir)
+        if model == "branches_on_its_input":  # as .pt2 too, in the torch-only process
+            proc = run([PY, "-m", "train.export", str(run_dir), "--model", f"tests.models:{model}"], expect=None)
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+            assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            assert errors[0].startswith(f"error: --model tests.models:{model} cannot be exported with "
+                                        "torch.export (") and errors[0].endswith("nothing was written")
+            assert snapshot(run_dir) == before  # no model.pt2, no .json, no temp file
         proc = make("export", f"RUN={run_dir}", "FORMAT=onnx", f"MODEL=tests.models:{model}", expect=None)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -173,6 +167,8 @@ def test_a_model_onnx_cannot_take_is_one_line_and_nothing_is_written(tmp_path):
     other = make("export", f"RUN={run_dir}", "FORMAT=tflite", expect=2)
     assert other.stderr.splitlines()[0] == "error: --format tflite: pass pt2 (torch.export, for a process with " \
                                            "torch) or onnx (ONNX Runtime, TensorRT, ...)"
+    missing = run([PY, "-m", "train.export", str(tmp_path / "nowhere")], expect=2)
+    assert "is not a trainbox run directory" in missing.stderr
     in_venv = run([PY, "-m", "train.export", str(run_dir), "--format", "onnx"], expect=2)
     assert in_venv.stderr.startswith("error: --format onnx needs onnx and onnxscript, which ") and \
         "make export FORMAT=onnx RUN=..." in in_venv.stderr and len(in_venv.stderr.splitlines()) == 1
