@@ -4,7 +4,8 @@
 
 Checks: torch and its CUDA build vs the driver, GPUs visible and their mapping, cores and /dev/shm for
 the GPUs' loader workers, a free rendezvous port, the data and runs folders (readable / writable as this
-user), and a short all-reduce across N local workers with its bandwidth. Exit code 1 if any check failed.
+user), and a short all-reduce across N local workers with its bandwidth, then one step of --parallel fsdp's sharding
+on those workers (its all-gather and reduce-scatter). Exit code 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from train.cluster.cuda_driver import MIN_DRIVER, driver_problem
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
 from train.cluster.identity import usable_cores
+from train.cluster.sharding import Sharded
 from train.report.hardware import nvml_read
 from train.run import preflight
 
@@ -164,11 +166,39 @@ def _allreduce_worker(rank: int, world: int, port: int, use_cuda: bool, queue) -
         torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / repeats
     ok = bool(torch.allclose(tensor[:1].cpu(), torch.tensor([float(world) ** (repeats + 2)])))
+    sharded = _sharded_step(rank, world, device)
+    wrong = torch.tensor([0 if sharded is None else 1], device=device)
+    dist.all_reduce(wrong)
     if rank == 0:
         # Bus bandwidth as nccl-tests reports it: a ring all-reduce moves 2(n-1)/n of the data.
-        queue.put((elapsed, tensor.numel() * 4 * 2 * (world - 1) / world / elapsed / 1e9, ok))
+        queue.put((elapsed, tensor.numel() * 4 * 2 * (world - 1) / world / elapsed / 1e9, ok,
+                   (sharded or "it differed on another worker", int(wrong.item())) if wrong.item() else None))
     dist.barrier()
     destroy_and_leave_together()
+
+
+def _sharded_step(rank: int, world: int, device: torch.device) -> str | None:
+    """One step of --parallel fsdp's sharding (train/cluster/sharding.py, as a run shards) of two layers of ones: the
+    forward gathers the workers' shards (all-gather), the backward sums the gradients into shards (reduce-scatter).
+    None where both give the whole model's figures (exact in float32), else what differed."""
+    width = 64
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(2))).to(device)
+    for layer in model:
+        torch.nn.init.ones_(layer.weight)
+    try:
+        Sharded(world, device).shard(model, ["0"])
+        output = model(torch.full((1, width), float(rank + 1), device=device))
+        if not torch.equal(output, torch.full_like(output, width * width * (rank + 1))):
+            return f"the forward gave {output[0, 0].item():g}, not {width * width * (rank + 1)} (all-gather)"
+        output.sum().backward()
+    except Exception as e:  # noqa: BLE001 - report, do not crash the report
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    summed = width * world * (world + 1) // 2  # each worker's gradient is width * (rank + 1) everywhere
+    for layer in model:
+        grad = layer.weight.grad.to_local()
+        if not torch.equal(grad, torch.full_like(grad, summed)):
+            return f"a gradient shard held {grad.flatten()[0].item():g}, not the workers' sum {summed} (reduce-scatter)"
+    return None
 
 
 def check_allreduce(workers: int, gpus: int) -> None:
@@ -194,7 +224,7 @@ def check_allreduce(workers: int, gpus: int) -> None:
                 context.join(timeout=0)  # raises when a worker exited with an error
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no result within {ALLREDUCE_TIMEOUT_S} s") from None
-        elapsed, busbw, ok = result
+        elapsed, busbw, ok, sharded = result
         while not context.join(timeout=ALLREDUCE_TIMEOUT_S):
             pass
     except Exception as e:  # noqa: BLE001 - report, do not crash the report
@@ -211,6 +241,13 @@ def check_allreduce(workers: int, gpus: int) -> None:
     status = "ok" if ok else "FAIL"
     report(status, "all-reduce", f"{workers} workers ({backend}), 16 MiB: {elapsed * 1e3:.1f} ms, "
            f"bus bandwidth {busbw:.2f} GB/s{'' if ok else ', WRONG RESULT'}")
+    if sharded is None:
+        report("ok", "fsdp", f"{workers} workers ({backend}): a sharded step gathers the parameters and sums the "
+               "gradients as the whole model's (--parallel fsdp)")
+    else:
+        problem, where = sharded
+        report("FAIL", "fsdp", f"{workers} workers ({backend}), a sharded step on {where} of them: {problem}: "
+               "--parallel fsdp cannot train here; train with --parallel ddp")
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,8 @@ def test_doctor_reduces_across_two_workers(tmp_path):
     proc = doctor(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all-reduce     2 workers (gloo), 16 MiB" in proc.stdout and "all checks passed" in proc.stdout
+    assert "[ok  ] fsdp           2 workers (gloo): a sharded step gathers the parameters and sums the gradients" \
+        in proc.stdout, proc.stdout
 
 
 def test_doctor_reports_workers_that_cannot_form_a_group(tmp_path):
