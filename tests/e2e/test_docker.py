@@ -251,15 +251,18 @@ def test_compose_config_is_valid(docker, nas, files, gpu):
 
 
 def test_compose_run_trainer_on_cpu_trains_resumes_and_files_belong_to_the_user(docker, image, nas):
+    """GPUS=2: torchrun in the container, the two workers sharding the model (--parallel fsdp: FSDP2 over gloo),
+    stopped and resumed; every file the host user's."""
     root, env_file = nas
-    first = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1",
-                    "--stop-at", "25", gpus="2", expect=75)
+    sharded = ["--preset", "debug", "--parallel", "fsdp", "--run-dir", "runs/c1"]
+    first = compose(env_file, "run", "--rm", "trainer", *sharded, "--stop-at", "25", gpus="2", expect=75)
     assert "2 workers on CPU (gloo) via torchrun" in first.stderr
     assert not _about_other_services(first.stderr), first.stderr[:3000]
     run_dir = root / "runs" / "c1"
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
-    second = compose(env_file, "run", "--rm", "trainer", "--preset", "debug", "--run-dir", "runs/c1", gpus="2")
+    second = compose(env_file, "run", "--rm", "trainer", *sharded, gpus="2")
     assert "resumed from runs/c1/checkpoints/step_00000025.pt" in second.stderr
+    assert json.loads((run_dir / "plan.json").read_text())["parallel"]["kind"] == "fsdp"
     for path in [run_dir, run_dir / "model.pt", *run_dir.joinpath("checkpoints").iterdir()]:
         assert (path.stat().st_uid, path.stat().st_gid) == (USER, USER), path
     manifest = json.loads((run_dir / "manifest.json").read_text())
