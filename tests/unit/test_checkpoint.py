@@ -49,7 +49,8 @@ def test_a_checkpoint_with_a_sha256_sidecar_from_an_earlier_version_still_verifi
     legacy = path.with_name(path.name + ".sha256")
     legacy.write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n")
     assert ckpt.verify(path) is None
-    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # the last byte changed, whatever it was
     assert ckpt.verify(path) == "checksum mismatch (file corrupted)"
 
 
