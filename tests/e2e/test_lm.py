@@ -93,9 +93,19 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch), replicated (DDP) and sharded
     (--parallel fsdp: its checkpoint gathered whole, resharded on 2), train on the same mean (the labelled tokens of
     the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch is off by
-    far more; the sharded checkpoint holds the large batch's optimizer state in its format."""
+    far more; the sharded checkpoint holds the large batch's optimizer state in its format. Every layout starts from
+    the same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the
+    block's layer norms trained beside them): those end as they started, bit for bit."""
+    from tests.models import gpt_tiny_in_double
+
+    torch.manual_seed(1)
+    network = gpt_tiny_in_double(257)  # the copy documents' 256 bytes and the end of a document
+    start = network.state_dict()
+    torch.save(start, tmp_path / "start.pt")
+    frozen = [k for k in start if k.startswith(("positions.", "blocks.0.attn."))]
     flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
-             20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0]
+             20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0,
+             "--weights", tmp_path / "start.pt", "--freeze", "positions,blocks.0.attn"]
     halved = ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]
     layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
                "halved": halved, "sharded": [*halved, "--parallel", "fsdp"]}
@@ -111,6 +121,8 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
         assert [m["lr"] for m in logged[name]] == [m["lr"] for m in logged["large"]]
         assert all(abs(a["loss"] - b["loss"]) < 1e-9 for a, b in zip(logged[name], logged["large"], strict=True))
         assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
+    for name in layouts:
+        assert [k for k in start if torch.equal(weights[name][k], start[k])] == frozen, name
     large, sharded = (torch.load(tmp_path / name / "checkpoints" / "step_00000004.pt", weights_only=False)["optimizer"]
                       for name in ("large", "sharded"))
     assert sharded["param_groups"] == large["param_groups"] and sharded["state"].keys() == large["state"].keys()
@@ -119,7 +131,9 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     planned = json.loads((tmp_path / "sharded" / "plan.json").read_text())["parallel"]
     assert planned["blocks"] == [f"blocks.{i}" for i in range(SIZES["gpt-tiny"].layers)]
     moment = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in large["state"].values())
-    assert planned["model_state_mib"]["whole"] == round(4 * moment / 2**20, 2)  # weights, gradients, two moments
+    weighed = sum(p.numel() * p.element_size() for p in network.parameters())
+    assert planned["model_state_mib"]["whole"] == round((weighed + 3 * moment) / 2**20, 2)  # the trained ones' too:
+    # their gradients and two moments
     # what each attempt's fullest worker held at its first step: all of it under DDP, on 4 and on 2; sharded on 2 (the
     # plan's own start) its estimate
     held = {name: [m["model_state_mib"] for m in metrics(tmp_path / name, "first_step")]

@@ -238,7 +238,7 @@ def test_help_groups_the_flags_by_the_section_each_field_declares():
 
 
 @pytest.mark.parametrize("argv", [["--model-ema"], ["--compile"], ["--sync-bn"], ["--channels-last"],
-                                  ["--freeze", "features"], ["--weights", "model.pt"], ["--precision", "fp16"]])
+                                  ["--precision", "fp16"]])
 def test_what_a_sharded_model_does_not_take_yet_is_refused_in_one_line(argv):
     """--parallel fsdp with a knob not built for it: one line saying why and the way on, never trained otherwise."""
     parse_config(argv)  # taken under DDP

@@ -75,8 +75,6 @@ NOT_SHARDED = (
     ("model_ema", "its average is a whole copy of the model on every worker, what sharding is there to avoid"),
     ("compile", "compiling the sharded blocks one by one is not built yet"),
     ("sync_bn", "SyncBatchNorm under sharding is not built yet"),
-    ("weights", "starting weights loaded into a sharded model are not built yet"),
-    ("freeze", "frozen parameters inside a sharded block are not built yet"),
     ("channels_last", "channels-last weights under sharding are not built yet"),
 )
 

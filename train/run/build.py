@@ -129,6 +129,10 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     train_set, val_set = data_then_folder(task, run_dir, cfg.run.task, cfg.data, cfg.model,
                                           cfg.optimisation.batch_size)
     raw_model = model_on(cfg.model, task, device, world)
+    weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
+    if initial is not None:  # a new run's starting weights, in the whole model before it is sharded (a resume has
+        initial_state, weights = initial  # them in its checkpoint)
+        raw_model.load_state_dict(task.start_from(initial_state, raw_model))
     # What the run derives from its config, once: the same function --dry-run prints it with (train/run/plan.py).
     plan = make_plan(cfg, world, device.type, precision, train_set, val_set, task, raw_model, str(run_dir),
                      layout=layout)
@@ -148,10 +152,6 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     guard = DivergenceGuard(device, fp16=scaler.is_enabled())
     checkpointer = Checkpointer(run_dir, device, Keeping.of(cfg), plan, layout, model=raw_model, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, ema=ema, task=task, spread=spread)
-    weights = {"weights": cfg.model.weights} if cfg.model.weights else {}  # what the manifest records
-    if initial is not None:  # a new run's starting weights (a resume has them in its checkpoint)
-        initial_state, weights = initial
-        raw_model.load_state_dict(task.start_from(initial_state, raw_model))
     resumed = checkpointer.restore(state, source)
     if relaid:
         log.info("%s", relaid)
