@@ -1,11 +1,18 @@
 """How a process that joined a process group ends (errors.end_process): the interpreter's exit hooks, its threads and
 its exit handlers run (errors.run_exit_handlers, the one place that reaches into CPython for them), then os._exit. A
-Python that drops what it uses fails here. Run in a fresh interpreter of its own: the handlers are that process's."""
+Python that drops what it uses fails here. And a stop signal after its run ended. Run in a fresh interpreter of its
+own: the handlers are that process's."""
 
+import json
+import os
+import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
+from train.cluster.identity import free_port
 
 PROBE = """if True:
     import atexit, concurrent.futures, os, threading, time
@@ -35,3 +42,33 @@ def test_the_threads_end_and_the_exit_handlers_run_before_the_process_leaves():
 def test_a_forked_worker_runs_its_exit_handlers_alone():
     """train/cluster/spawn.py's spawned worker after a SystemExit: the handlers, not a join of its threads."""
     assert _run(join=False)[:2] == ["exit handler", "handlers ran"]
+
+
+ENDED = """if True:
+    import os, signal
+    from train.__main__ import main
+
+    code = main(["--preset", "debug", "--max-steps", "2", "--eval-every", "2", "--log-every", "1", "--device", "cpu",
+                 "--run-dir", {run_dir!r}])
+    print("ended", code, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_stop_signal_after_the_run_ended_cannot_kill_a_launched_worker(tmp_path, launched):
+    """A worker whose run is done (status.json says so) ignores SIGTERM and SIGUSR2 through the rest of its shutdown:
+    killed by one there, its launcher would restart it (and on another node wait out torchrun's exit barrier). A
+    process that lives on after the run (one started alone: a notebook, a test) gets its default handlers back."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(free_port())} if launched else \
+        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", ENDED.format(run_dir=str(tmp_path / "run"))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "done"
+    if launched:
+        assert (proc.returncode, proc.stdout.splitlines()) == (0, ["ended 0", "still here"]), proc.stderr[-2000:]
+    else:
+        assert (proc.returncode, proc.stdout.splitlines()) == (-signal.SIGTERM, ["ended 0"]), proc.stderr[-2000:]

@@ -312,12 +312,16 @@ class StopSignal:
         self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=_control_group, async_op=True)
         return stop
 
-    def close(self, wait: bool) -> None:
+    def close(self, wait: bool, ended: bool = False) -> None:
+        """The handlers removed. ended: the run ended (done or stopped, status.json says so) in a process that ends
+        with it (a launched worker): SIGTERM and SIGUSR2 have nothing left to stop and are ignored from here, so one
+        that comes during the shutdown cannot turn a finished worker into a killed one, which its launcher would
+        restart (and, on another node, wait out torchrun's exit barrier for)."""
         if self._work is not None and wait:  # after an error the peers may be gone: do not wait
             self._work.wait()
         self._work = None
         for sig in self.SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if ended and sig != signal.SIGINT else signal.SIG_DFL)
 
 
 def ordered_allreduce_hook(group, bucket):
