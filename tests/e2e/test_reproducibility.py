@@ -141,7 +141,8 @@ def test_a_run_resumed_on_half_its_workers_trains_the_same_steps(reference_run, 
     more. BatchNorm's running statistics follow laid-out slot 0's micro-batch of each step, whichever worker trains
     it: resumed on 2 workers and on 1 they equal the uninterrupted run's to rounding, and so does the final evaluation
     (before that rule: running means 0.25 apart, top-1 14.45 % against 14.06 %). 3 workers cannot share 4
-    micro-batches and are refused at once."""
+    micro-batches and are refused at once. And 4 workers sharding the network (--parallel fsdp) train what DDP's
+    4 train, to rounding."""
     double = [*DEBUG, "--model", "tests.models:small_cnn_in_double"]
     straight = reference_run(*double, workers=4)
     resumed = tmp_path / "resumed"
@@ -166,6 +167,12 @@ def test_a_run_resumed_on_half_its_workers_trains_the_same_steps(reference_run, 
     _same_to_rounding(resumed, straight, 40)
     run(python_cmd(*double, "--run-dir", tmp_path / "alone"))  # one worker: accumulation 4
     _same_to_rounding(tmp_path / "alone", straight, 40)
+    # The same 4 workers sharding the network stage by stage (--parallel fsdp: its features' three stages, each with
+    # BatchNorm, then the root): the same weights, statistics and evaluation as DDP's, to rounding.
+    run(python_cmd(*double, "--spawn", 4, "--parallel", "fsdp", "--run-dir", tmp_path / "sharded"))
+    planned = json.loads((tmp_path / "sharded" / "plan.json").read_text())["parallel"]
+    assert (planned["kind"], planned["blocks"]) == ("fsdp", [f"net.features.{i}" for i in range(3)])
+    _same_to_rounding(tmp_path / "sharded", straight, 40)
 
 
 def test_a_segmentation_run_resumed_on_twice_its_workers_keeps_its_running_statistics(reference_run, tmp_path):

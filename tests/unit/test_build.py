@@ -139,3 +139,25 @@ def test_activation_checkpointing_runs_each_block_again_in_the_backward_to_the_s
     kept = model_on(parse_config(["--task", "lm"]).model, task, torch.device("cpu"), 1)
     kept(ids).square().mean().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), kept.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("task, model, blocks", [
+    ("classification", "cnn", [f"features.{i}" for i in range(3)]),
+    ("classification", "resnet18", [f"layer{i}" for i in range(1, 5)]),
+    ("classification", "vit_b_16", [f"encoder.layers.encoder_layer_{i}" for i in range(12)]),
+    ("classification", "convnext_tiny", [f"features.{i}" for i in range(8)]),
+    ("classification", "tests.models:small_cnn_in_double", [f"net.features.{i}" for i in range(3)]),
+    ("classification", "googlenet", []),
+    ("segmentation", "deeplabv3_resnet50", [f"backbone.layer{i}" for i in range(1, 5)]),
+    ("segmentation", "lraspp_mobilenet_v3_large", [f"backbone.{i}" for i in range(17)])])
+def test_the_image_tasks_shard_a_network_stage_by_stage(task, model, blocks):
+    """--parallel fsdp's blocks of the image tasks (Task.blocks; plan.json's parallel.blocks): a ResNet's stages, a
+    ViT's encoder layers, the children of `features` (the built-in CNN's three stages), a segmentation model's
+    backbone, in a wrapper too; the root alone for a network of another shape. On the meta device, as the preflight
+    checks them."""
+    from train.tasks.factory import build_task
+
+    cfg = parse_config(["--task", task, "--model", model, "--parallel", "fsdp", "--spawn", "2"])
+    built = build_task(cfg)
+    with torch.device("meta"):
+        assert built.blocks(built.network(cfg.model)) == blocks

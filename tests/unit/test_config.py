@@ -262,9 +262,13 @@ def test_activation_checkpointing_of_a_model_whose_task_names_no_blocks_is_refus
     from train.run.preflight import preflight
 
     preflight(parse_config(["--task", "lm", "--activation-checkpointing", "--dry-run"]))  # its transformer blocks
+    preflight(parse_config(["--model", "vit_b_16", "--activation-checkpointing", "--dry-run"]))  # its encoder layers
+    own = "tests.models:tiny_groupnorm_cnn"  # a network of no shape the image tasks know: no blocks
     with pytest.raises(ConfigError, match=r"^--activation-checkpointing recomputes the blocks a task names, and --task "
-                                          r"classification names none of --model cnn's \(Task.blocks\): drop it$"):
-        preflight(parse_config(["--activation-checkpointing", "--dry-run"]))
+                                          rf"classification names none of --model {own}'s \(Task.blocks\): drop it$"):
+        preflight(parse_config(["--model", own, "--activation-checkpointing", "--dry-run"]))
+    with pytest.raises(ConfigError, match=r"^--activation-checkpointing would run features\.0\.1 twice a step"):
+        preflight(parse_config(["--activation-checkpointing", "--dry-run"]))  # the built-in CNN's stages: BatchNorm
     with pytest.raises(ConfigError, match=r"^--activation-checkpointing with --compile is not built yet"):
         parse_config(["--task", "lm", "--activation-checkpointing", "--compile"])
 

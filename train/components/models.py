@@ -108,6 +108,31 @@ def trainable_model(spec: Model, num_classes: int) -> nn.Module:
     return model
 
 
+def stages(model: nn.Module) -> list[str]:
+    """The blocks of an image network that --parallel fsdp shards one by one and --activation-checkpointing recomputes
+    (Task.blocks): a ResNet's four stages (layer1 to layer4: a segmentation model's backbone too), a VisionTransformer's
+    encoder layers, the children with parameters of a `features` or `trunk_output` Sequential (the built-in CNN's
+    stages; ConvNeXt, Swin, EfficientNet, MobileNet, RegNet, VGG, DenseNet) or of a segmentation model's
+    IntermediateLayerGetter backbone; found where the network sits in the model (in a wrapper too). [] for any
+    other: the model sharded as one."""
+    for prefix, module in model.named_modules():
+        at = f"{prefix}." if prefix else ""
+        if all(isinstance(getattr(module, f"layer{i}", None), nn.Module) for i in range(1, 5)):
+            return [f"{at}layer{i}" for i in range(1, 5)]
+        layers = getattr(getattr(module, "encoder", None), "layers", None)
+        if isinstance(layers, nn.Sequential) and hasattr(module, "heads"):  # torchvision's VisionTransformer
+            return [f"{at}encoder.layers.{name}" for name, _ in layers.named_children()]
+        chains = [(f"{at}{name}.", getattr(module, name)) for name in ("features", "trunk_output")
+                  if isinstance(getattr(module, name, None), nn.Sequential)]
+        if type(module).__name__ == "IntermediateLayerGetter":
+            chains.append((at, module))
+        for start, chain in chains:
+            held = [f"{start}{name}" for name, child in chain.named_children() if any(True for _ in child.parameters())]
+            if len(held) > 1:
+                return held
+    return []
+
+
 def head_name(model: nn.Module, num_classes: int) -> str:
     """The classifier head: the last nn.Linear with num_classes outputs (fc, classifier.1, heads.head, ...)."""
     heads = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from train.components.models import stages
 from train.components.weights import normalisation
 from train.config.settings import Config
 from train.data import prepare_inputs
@@ -30,6 +31,11 @@ class ImageTask(Task):
         if device not in self._norm_on:
             self._norm_on[device] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1) for v in self.norm)
         return self._norm_on[device]
+
+    def blocks(self, model: torch.nn.Module) -> list[str]:
+        """The network's stages (components/models.py's stages: a ResNet's layer1 to layer4, a ViT's encoder layers,
+        the built-in CNN's three), or [] for a network of another shape: sharded as one."""
+        return stages(model)
 
     def sizes(self, where: str) -> list[tuple[str, object]]:
         """The images' size where it was spent: the training crop, or the evaluation's."""
