@@ -16,7 +16,7 @@ CPU_ROWS = ("trainer overhead", "weak scaling", "threads", "data wait fraction p
             "time to first step", "DDP wrapper", "gradient_as_bucket_view",
             "fused AdamW", "communication: step without sync", "--deterministic: default step",
             "settling DDP's buckets", "--model-ema (every step)", "segmentation step", "language model step",
-            "model state per worker: --parallel fsdp / ddp",
+            "sharded step: a bare FSDP2 loop's step", "model state per worker: --parallel fsdp / ddp",
             "--mixup-alpha/--cutmix-alpha", "static_graph", "exposed communication",
             "input headroom, built-in", "input headroom, CIFAR-sized", "data wait fraction per step, CIFAR-sized",
             "persistent workers", "checkpoint save", "checkpoint load",

@@ -56,7 +56,8 @@ def _bare_worker(rank: int, spec: dict) -> None:
             return cross_entropy(output["out"], target)
     elif spec.get("task") == "lm":  # nanoGPT's loop on the built-in GPT and the corpus's windows, held in memory
         images, labels = text_windows(Path(spec["corpus"]), spec["context"])
-        model = DDP(Gpt(GPT_SIZES[spec["model"]], VOCAB))
+        model = Gpt(GPT_SIZES[spec["model"]], VOCAB)
+        model = fsdp2(model, world) if spec.get("parallel") == "fsdp" else DDP(model)
 
         def loss_fn(logits, targets):  # nanoGPT's: the mean over the labelled tokens
             return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
@@ -86,6 +87,18 @@ def _bare_worker(rank: int, spec: dict) -> None:
         Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
     del model, optimizer  # the reducer goes while every peer is still in the group (Trainer.release)
     destroy_and_leave_together()
+
+
+def fsdp2(model: Gpt, world: int) -> Gpt:
+    """FSDP2 as its tutorial applies it: fully_shard on each transformer block, then on the root, over a CPU mesh of
+    every rank (gloo), its defaults otherwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _bare_gpu(spec: dict) -> None:
