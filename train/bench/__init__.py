@@ -12,3 +12,8 @@ The "bare" arm is the canonical loop of the PyTorch DDP tutorial, written out be
 forward, loss, backward, step, on the same model, data, batch, threads and world size as the trainer,
 with fused AdamW kernels as the trainer uses (one parameter group and no schedule, as in the tutorial).
 """
+
+# The GPU rows' knobs (--gpu-knobs; train/bench/gpu.py measures them): here, so that the command line is read without
+# torch
+GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory",
+             "jpeg", "ema", "mixup")

@@ -7,27 +7,21 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from PIL import Image, ImageDraw
-
 from train.base.errors import ConfigError, fail
-from train.bench.arms import bare_main
-from train.bench.camera import camera_rows
-from train.bench.cpu import checkpoint_rows, comm_rows, trainer_rows
-from train.bench.pipeline import pipeline_rows, shard_rows
-from train.bench.gpu import GPU_KNOBS, gpu_rows, jpeg_rows
-from train.bench.photos import photo_rows, sample_photos
-from train.bench.pixels import segmentation_rows
-from train.bench.tokens import lm_rows, sharding_rows
-from train.bench.sources import source_rows
+from train.bench import GPU_KNOBS
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
+
+# The rows' modules (and torch with them) are imported once the command line is read (rows()): a mistake in it is
+# its one line at once.
 
 
 # ---------------------------------------------------------------- report
 
 def chart(path: Path, bars: dict[str, float]) -> None:
     """A PNG bar chart of the scaling arms (samples/s), with the ideal 2-rank line."""
+    from PIL import Image, ImageDraw  # noqa: PLC0415 - once the command line is read
+
     width, height, left, bottom = 720, 360, 60, 300
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
@@ -88,12 +82,14 @@ def parse(argv: list[str]) -> argparse.Namespace | int:
         print("error: --rounds must be at least 2 to report a spread: pass --rounds 2 or more (--quick alone takes "
               "--rounds 1: every row once)", file=sys.stderr)
         return 2
+    if unknown := sorted(set(ns.knobs) - set(GPU_KNOBS)):
+        print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
+        return 2
+    import torch  # noqa: PLC0415 - the mistakes above are answered without it
+
     if ns.gpu_only and not torch.cuda.is_available():
         print("error: --gpu-only needs a CUDA GPU and none is visible: drop --gpu-only or check nvidia-smi",
               file=sys.stderr)
-        return 2
-    if unknown := sorted(set(ns.knobs) - set(GPU_KNOBS)):
-        print(f"error: unknown --gpu-knobs {','.join(unknown)}: pick from {','.join(GPU_KNOBS)}", file=sys.stderr)
         return 2
     return ns
 
@@ -101,6 +97,17 @@ def parse(argv: list[str]) -> argparse.Namespace | int:
 def row_groups(ns: argparse.Namespace, out: Path, size: dict, bars: dict) -> list:
     """The groups of rows to measure, in order: each a function that returns its rows (the trainer's group also
     fills `bars`, the scaling chart's)."""
+    import torch  # noqa: PLC0415 - the rows' modules, once the command line is read
+
+    from train.bench.camera import camera_rows  # noqa: PLC0415
+    from train.bench.cpu import checkpoint_rows, comm_rows, trainer_rows  # noqa: PLC0415
+    from train.bench.gpu import gpu_rows, jpeg_rows  # noqa: PLC0415
+    from train.bench.photos import photo_rows  # noqa: PLC0415
+    from train.bench.pipeline import pipeline_rows, shard_rows  # noqa: PLC0415
+    from train.bench.pixels import segmentation_rows  # noqa: PLC0415
+    from train.bench.sources import source_rows  # noqa: PLC0415
+    from train.bench.tokens import lm_rows, sharding_rows  # noqa: PLC0415
+
     groups = []
     if not ns.gpu_only:
         def trainer_group():
@@ -126,6 +133,11 @@ def main(argv: list[str]) -> int:
     ns = parse(argv)
     if isinstance(ns, int):
         return ns
+    import torch  # noqa: PLC0415 - once the command line is read
+
+    from train.bench.arms import bare_main  # noqa: PLC0415
+    from train.bench.photos import sample_photos  # noqa: PLC0415
+
     if ns.bare:
         bare_main(ns.bare)
         return 0

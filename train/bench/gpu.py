@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from train.bench import GPU_KNOBS
 from train.bench.arms import bare_arm, drain, median, row, trainer_arm
 from train.bench.photos import make_photos
 from train.cli import parse_config
@@ -15,8 +16,6 @@ from train.loading import build_train_loader, default_num_workers, sampling
 
 # ---------------------------------------------------------------- GPU rows
 
-GPU_KNOBS = ("fp32", "no-channels-last", "compile", "bucket-cap-mb", "static-graph", "foreach-adamw", "no-pin-memory",
-             "jpeg", "ema", "mixup")
 
 
 def gpu_base(size: dict) -> list:
