@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import REPO
 from train.cluster.identity import free_port
 
@@ -46,29 +44,36 @@ def test_a_forked_worker_runs_its_exit_handlers_alone():
 
 ENDED = """if True:
     import os, signal
+    import train.cluster.identity
     from train.__main__ import main
 
-    code = main(["--preset", "debug", "--max-steps", "2", "--eval-every", "2", "--log-every", "1", "--device", "cpu",
-                 "--run-dir", {run_dir!r}])
-    print("ended", code, flush=True)
+    def train_to_the_end(run_dir):
+        train.cluster.identity._identity = None  # who this process is, read from its environment again
+        code = main(["--preset", "debug", "--max-steps", "2", "--eval-every", "2", "--log-every", "1", "--device",
+                     "cpu", "--run-dir", run_dir])
+        print("ended", code, flush=True)
+
+    train_to_the_end({launched!r})  # a launched worker (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launcher env)
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGUSR2)
     print("still here", flush=True)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        del os.environ[key]
+    train_to_the_end({alone!r})  # the same process, now alone
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("survived", flush=True)
 """
 
 
-@pytest.mark.parametrize("launched", [True, False])
-def test_a_stop_signal_after_the_run_ended_cannot_kill_a_launched_worker(tmp_path, launched):
+def test_a_stop_signal_after_the_run_ended_cannot_kill_a_launched_worker(tmp_path):
     """A worker whose run is done (status.json says so) ignores SIGTERM and SIGUSR2 through the rest of its shutdown:
     killed by one there, its launcher would restart it (and on another node wait out torchrun's exit barrier). A
-    process that lives on after the run (one started alone: a notebook, a test) gets its default handlers back."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(free_port())} if launched else \
-        {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-c", ENDED.format(run_dir=str(tmp_path / "run"))], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "done"
-    if launched:
-        assert (proc.returncode, proc.stdout.splitlines()) == (0, ["ended 0", "still here"]), proc.stderr[-2000:]
-    else:
-        assert (proc.returncode, proc.stdout.splitlines()) == (-signal.SIGTERM, ["ended 0"]), proc.stderr[-2000:]
+    process that lives on after the run (one started alone: a notebook, a test) gets its default handlers back: the
+    same process, its next run alone, is killed by the SIGTERM."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    probe = ENDED.format(launched=str(tmp_path / "launched"), alone=str(tmp_path / "alone"))
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.splitlines()) == (-signal.SIGTERM, ["ended 0", "still here", "ended 0"]), \
+        proc.stderr[-2000:]
+    for name in ("launched", "alone"):
+        assert json.loads((tmp_path / name / "status.json").read_text())["state"] == "done"
