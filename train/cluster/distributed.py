@@ -313,8 +313,8 @@ class StopSignal:
         return stop
 
     def close(self, wait: bool, ended: bool = False) -> None:
-        """The handlers removed. ended: the run ended (done or stopped, status.json says so) in a process that ends
-        with it (a launched worker): SIGTERM and SIGUSR2 have nothing left to stop and are ignored from here, so one
+        """The handlers removed. ended: the run is done (status.json says so) in a process that ends with it (a
+        launched worker): SIGTERM and SIGUSR2 have nothing left to stop and are ignored from here, so one
         that comes during the shutdown cannot turn a finished worker into a killed one, which its launcher would
         restart (and, on another node, wait out torchrun's exit barrier for)."""
         if self._work is not None and wait:  # after an error the peers may be gone: do not wait

@@ -148,7 +148,7 @@ def run(cfg: Config, task: Task | None = None) -> int:
         raise error from None
     finally:
         try:
-            stop.close(wait=clean, ended=clean and code in (EXIT_DONE, EXIT_STOPPED) and ident.launcher != "single")
+            stop.close(wait=clean, ended=clean and code == EXIT_DONE and ident.launcher != "single")
             teardown(clean, cfg.launch.timeout_s)
         finally:
             watchdog.pause()
