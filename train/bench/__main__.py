@@ -12,7 +12,7 @@ from train.bench import GPU_KNOBS
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
 
-# The rows' modules (and torch with them) are imported once the command line is read (rows()): a mistake in it is
+# The rows' modules (and torch with them) are imported once the command line is read (row_groups): a mistake in it is
 # its one line at once.
 
 

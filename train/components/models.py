@@ -112,7 +112,7 @@ def stages(model: nn.Module) -> list[str]:
     """The blocks of an image network that --parallel fsdp shards one by one and --activation-checkpointing recomputes
     (Task.blocks): a ResNet's four stages (layer1 to layer4: a segmentation model's backbone too), a VisionTransformer's
     encoder layers, the children with parameters of a `features` or `trunk_output` Sequential (the built-in CNN's
-    stages; ConvNeXt, Swin, EfficientNet, MobileNet, RegNet, VGG, DenseNet) or of a segmentation model's
+    stages; ConvNeXt, Swin, EfficientNet, MobileNet, VGG, DenseNet) or of a segmentation model's
     IntermediateLayerGetter backbone; found where the network sits in the model (in a wrapper too). [] for any
     other: the model sharded as one."""
     for prefix, module in model.named_modules():
