@@ -50,6 +50,7 @@ def test_manifest_records_what_made_the_run(torchrun_run):
     assert manifest["cudnn"] == (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     assert (manifest["backend"], manifest["device"], manifest["local_world_size"]) == ("gloo", "cpu", 2)
     assert manifest["threads"] >= 1 and manifest["deterministic"] is False and manifest["resumed_from_step"] is None
+    assert manifest["onednn_deterministic"] is True and manifest["mkl_reproducible"] in (True, None)  # None: no MKL
     # What the environment says (make exports TRAINBOX_IMAGE; the container sets both), and outside a Slurm job
     # and a GPU host these say so, rather than something made up
     assert (manifest["image"], manifest["image_digest"]) == (os.environ.get("TRAINBOX_IMAGE"),

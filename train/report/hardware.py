@@ -1,9 +1,11 @@
 """The GPUs' readings, through NVML: whether a driver answers (nvml, nvml_read), the device a process trains on as
 NVML names it, a MIG slice included (nvml_device), its telemetry at every log line (GpuTelemetry), and the driver and
-GPUs a run's manifest records (gpu_facts)."""
+GPUs a run's manifest records (gpu_facts); and on the CPU, whether MKL sums the same way every time
+(mkl_reproducible)."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import re
@@ -164,3 +166,20 @@ def gpu_facts() -> dict:
         return {"driver": lib.nvmlSystemGetDriverVersion(), "gpus": names}
     except (AttributeError, pynvml.NVMLError):  # no driver (lib is None), or NVML refused a query
         return {"driver": None, "gpus": []}
+
+
+# MKL's service functions (linked into torch's CPU library): the reproducibility mode now in force
+_MKL_CBWR_ALL, _MKL_CBWR_STRICT = ~0, 0x10000
+
+
+def mkl_reproducible() -> bool | None:
+    """Whether MKL sums the same way every time (the MKL_CBWR that train/__init__.py sets, STRICT taken); None where
+    this torch has no MKL."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        mode = lib.mkl_serv_cbwr_get(ctypes.c_int(_MKL_CBWR_ALL))
+    except (OSError, AttributeError):
+        return None  # another build of torch (MKL linked otherwise): nothing to read
+    return bool(mode & _MKL_CBWR_STRICT)

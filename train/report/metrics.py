@@ -22,7 +22,7 @@ from train.cluster.identity import identity, is_main
 from train.config.settings import Run
 from train.files.rundir import MetricsFile
 from train.files.writable import FULL_ERRNOS
-from train.report.hardware import gpu_facts
+from train.report.hardware import gpu_facts, mkl_reproducible
 
 log = logging.getLogger("train")
 
@@ -142,6 +142,7 @@ def build_manifest(run: Run, ident, device: torch.device, hostnames: list[str], 
         "deterministic": run.deterministic,
         "threads": torch.get_num_threads(),
         "onednn_deterministic": torch.backends.mkldnn.deterministic,  # the CPU's kernels sum in a fixed order
+        "mkl_reproducible": mkl_reproducible(),  # and MKL's (MKL_CBWR=AUTO,STRICT; None: no MKL)
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "image": os.environ.get("TRAINBOX_IMAGE"),
         "image_digest": os.environ.get("TRAINBOX_IMAGE_DIGEST"),

@@ -10,6 +10,7 @@ import torch
 
 from train.cluster.identity import Identity, identity, usable_cores
 from train.config.settings import Data, Model
+from train.report.hardware import mkl_reproducible
 from train.run.preflight import check_precision
 
 log = logging.getLogger("train")
@@ -28,10 +29,14 @@ def configure_runtime(threads: int, deterministic: bool) -> None:
     if threads == 0:
         threads = 1 if deterministic else max(1, usable_cores() // identity().local_world_size)
     torch.set_num_threads(threads)
-    # oneDNN (the CPU's convolutions and matmuls) may otherwise pick kernels that reduce with atomics: on some CPUs
-    # a backward at a per-worker batch of 1 then sums in an order that depends on thread timing, and two identical
-    # runs differ. Its deterministic attribute keeps the kernels that sum in a fixed order for a given thread count.
+    # oneDNN (the CPU's convolutions and matmuls) may otherwise pick kernels that reduce with atomics; its
+    # deterministic attribute keeps the kernels that sum in a fixed order for a given thread count. MKL's GEMM (a 1x1
+    # convolution at a batch of 1) needs MKL_CBWR, which only takes before MKL's first call: train/__init__.py.
     torch.backends.mkldnn.deterministic = True
+    if mkl_reproducible() is False:
+        log.warning("MKL was started before trainbox set MKL_CBWR=AUTO,STRICT (torch did work before "
+                    "`import train`), so two identical runs may differ in the last bits: set MKL_CBWR=AUTO,STRICT "
+                    "in the environment, or import train before any tensor work")
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
