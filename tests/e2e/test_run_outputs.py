@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers import DEBUG, PEAKED, REPO, metrics, python_cmd, run, status, torchrun_cmd
 from train.cli import parse_config
 from train.components.models import build_model
+from train.report.hardware import mkl_reproducible
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def test_manifest_records_what_made_the_run(torchrun_run):
     assert manifest["cudnn"] == (torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
     assert (manifest["backend"], manifest["device"], manifest["local_world_size"]) == ("gloo", "cpu", 2)
     assert manifest["threads"] >= 1 and manifest["deterministic"] is False and manifest["resumed_from_step"] is None
-    assert manifest["onednn_deterministic"] is True and manifest["mkl_reproducible"] in (True, None)  # None: no MKL
+    assert manifest["onednn_deterministic"] is True  # and MKL's mode took (None: this torch has no MKL to read)
+    assert manifest["mkl_reproducible"] is (None if mkl_reproducible() is None else True)
     # What the environment says (make exports TRAINBOX_IMAGE; the container sets both), and outside a Slurm job
     # and a GPU host these say so, rather than something made up
     assert (manifest["image"], manifest["image_digest"]) == (os.environ.get("TRAINBOX_IMAGE"),

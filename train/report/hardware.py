@@ -168,7 +168,8 @@ def gpu_facts() -> dict:
         return {"driver": None, "gpus": []}
 
 
-# MKL's service functions (linked into torch's CPU library): the reproducibility mode now in force
+# MKL's service function behind its documented mkl_cbwr_get, exported under this name by torch's CPU library (the
+# one place trainbox reads MKL): the reproducibility mode now in force
 _MKL_CBWR_ALL, _MKL_CBWR_STRICT = ~0, 0x10000
 
 
