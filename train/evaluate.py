@@ -4,7 +4,8 @@
   python -m train.evaluate RUN_DIR (make evaluate RUN=...): a finished run's model, on its validation set or another
 
   python -m train.evaluate runs/exp1                         model.pt on the run's own validation set
-  python -m train.evaluate runs/exp1 --checkpoint best       best.pt (ema: model_ema.pt; or a checkpoint file)
+  python -m train.evaluate runs/exp1 --checkpoint best       best.pt (ema: model_ema.pt; or a checkpoint: a file,
+                                                             or a sharded step_N.dcp folder, its model read whole)
   python -m train.evaluate runs/exp1 --data-dir /nas/val2    another set: its val split (val/, val.csv, val-*.tar), the
                                                              run's classes
   python -m train.evaluate runs/exp1 --spawn 2               two local workers
@@ -39,6 +40,7 @@ from train.cluster.forkserver import start_fork_server
 from train.cluster.identity import PeersNeverCame, identity, is_main
 from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config, Data, Model
+from train.files import shards
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.loading import build_val_loader
 from train.run.preflight import check_launch
@@ -76,11 +78,19 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") ->
             raise ConfigError(f"--{flag} {given}: {run_dir} was trained with --{flag} {trained}: pass that, or no "
                               f"--{flag}")
     path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
+    if path.is_dir() and path.suffix == shards.SUFFIX:  # a sharded checkpoint: its model's tensors, whole
+        problem = shards.verify(path)
+        if problem is not None:
+            raise ConfigError(f"{path} cannot be read ({problem}): pass another checkpoint of the run, model.pt "
+                              f"or best.pt")
+        state = shards.read_model(path)
+        check_finite(state, path, run_dir)
+        return cfg, classes, state, path
     if not path.is_file():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
                 "ema": "no finished run with --model-ema (no model_ema.pt)",
                 "best_ema": "no evaluation with --model-ema yet (no best_ema.pt)"}.get(checkpoint, "no such file")
-        raise ConfigError(f"{path}: {what}: pass --checkpoint model, best, ema, best_ema or a checkpoint file of the "
+        raise ConfigError(f"{path}: {what}: pass --checkpoint model, best, ema, best_ema or a checkpoint of the "
                           f"run")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

@@ -6,6 +6,7 @@ ONNX Runtime, TensorRT, Triton and the rest.
   python -m train.export runs/exp1 --checkpoint best    best.pt (the best evaluation)
   python -m train.export runs/exp1 --checkpoint ema     model_ema.pt -> model_ema.pt2 (--model-ema; best_ema too)
   python -m train.export runs/exp1 --checkpoint runs/exp1/checkpoints/step_00000200.pt --out /nas/models/exp1.pt2
+  python -m train.export runs/exp1 --checkpoint runs/exp1/checkpoints/step_00000200.dcp   a sharded one: its model
   python -m train.export runs/exp2 --model mypkg.nets:build   a run of your own model: name its factory again
   make export RUN=runs/exp1 FORMAT=onnx                 -> runs/exp1/model.onnx (installs .venv-onnx on first use)
 

@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import PY, REPO, byte_level_tokenizer, load_model, make, metrics, python_cmd, run, status
 from train.components.gpt import SIZES, Gpt
+from train.files import shards
 
 LM = ["--task", "lm", "--train-samples", 512, "--val-samples", 60, "--max-steps", 30, "--eval-every", 15,
       "--log-every", 5, "--batch-size", 16]
@@ -93,7 +94,8 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch), replicated (DDP) and sharded
     (--parallel fsdp: its checkpoint gathered whole, resharded on 2), train on the same mean (the labelled tokens of
     the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch is off by
-    far more; the sharded checkpoint holds the large batch's optimizer state in its format. Every layout starts from
+    far more; the sharded checkpoint holds the large batch's optimizer state in its format. The 4 sharded workers'
+    --checkpoint-format sharded folder (each its own shards) resumes on 2 to that run bit for bit. Every layout starts from
     the same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the
     block's layer norms trained beside them): those end as they started, bit for bit."""
     from tests.models import gpt_tiny_in_double
@@ -108,14 +110,20 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
              "--weights", tmp_path / "start.pt", "--freeze", "positions,blocks.0.attn"]
     halved = ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]
     layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
-               "halved": halved, "sharded": [*halved, "--parallel", "fsdp"]}
+               "halved": halved, "sharded": [*halved, "--parallel", "fsdp"],
+               "dcp": [*halved, "--parallel", "fsdp", "--checkpoint-format", "sharded"]}
     for name, layout in layouts.items():
         run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name), expect=75 if "--stop-at" in layout else 0)
-    for name, spread in (("halved", []), ("sharded", ["--parallel", "fsdp"])):
+    for name, spread in (("halved", []), ("sharded", ["--parallel", "fsdp"]), ("dcp", ["--parallel", "fsdp"])):
         resumed = run(python_cmd(*flags, "--batch-size", 8, "--spawn", 2, *spread, "--run-dir", tmp_path / name))
         assert "on 2 workers: accumulation 2 keeps the global batch of 32" in resumed.stderr, resumed.stderr[-2000:]
     logged = {name: metrics(tmp_path / name, "train") for name in layouts}
     weights = {name: load_model(tmp_path / name) for name in layouts}
+    # the 4 workers' shards, each written by its worker (step_2.dcp), read by 2: the gathered checkpoint's run bit for
+    # bit (its step 4 saved whole: a resume may change the format)
+    assert [p.name for p in (tmp_path / "dcp" / "checkpoints").iterdir() if p.is_dir()] == ["step_00000002.dcp"]
+    assert [(m["loss"], m["lr"]) for m in logged["dcp"]] == [(m["loss"], m["lr"]) for m in logged["sharded"]]
+    assert all(torch.equal(weights["dcp"][k], weights["sharded"][k]) for k in weights["sharded"])
     for name in ("accumulated", "halved", "sharded"):
         assert [m["step"] for m in logged[name]] == [1, 2, 3, 4]
         assert [m["lr"] for m in logged[name]] == [m["lr"] for m in logged["large"]]
@@ -123,8 +131,10 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
         assert all((weights[name][k] - weights["large"][k]).abs().max() < 1e-9 for k in weights["large"]), name
     for name in layouts:
         assert [k for k in start if torch.equal(weights[name][k], start[k])] == frozen, name
-    large, sharded = (torch.load(tmp_path / name / "checkpoints" / "step_00000004.pt", weights_only=False)["optimizer"]
-                      for name in ("large", "sharded"))
+    large, sharded, dcp = (torch.load(tmp_path / name / "checkpoints" / "step_00000004.pt")["optimizer"]
+                           for name in ("large", "sharded", "dcp"))
+    assert all(torch.equal(dcp["state"][i][k], sharded["state"][i][k]) for i in sharded["state"]
+               for k in sharded["state"][i]) and dcp["param_groups"] == sharded["param_groups"]
     assert sharded["param_groups"] == large["param_groups"] and sharded["state"].keys() == large["state"].keys()
     assert all((sharded["state"][i][k] - large["state"][i][k]).abs().max() < 1e-9
                for i in large["state"] for k in large["state"][i])
@@ -146,14 +156,18 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
     """--parallel fsdp on 3 workers, gpt-tiny in float32 (FSDP reduces its gradients with gloo's SUM alone): 25
     validation windows in batches of 8 are 2, 1 and 1 batches a rank, and every forward gathers from every rank, so
     the ranks short of batches pass an example that counts nothing: no hang, each window counted once, the loss that
-    one process gives model.pt (to float32's rounding). Stopped at step 2 (its evaluation owed) and resumed on 3, the
-    run is the uninterrupted one bit for bit; and so is a run that recomputes each block's activations in the backward
-    (--activation-checkpointing)."""
+    one process gives the last checkpoint (to float32's rounding). Stopped at step 2 (its evaluation owed) and resumed
+    on 3 from its workers' own shards (--checkpoint-format sharded), the run is the uninterrupted one bit for bit; and
+    so is a run that recomputes each block's activations in the backward (--activation-checkpointing). The shards read
+    whole in one process are the gathered checkpoint of the same step, bit for bit; make evaluate and make export read
+    the folder."""
     flags = ["--task", "lm", "--train-samples", 256, "--val-samples", 25, "--max-steps", 4, "--eval-every", 2,
-             "--log-every", 1, "--num-workers", 0, "--batch-size", 4, "--spawn", 3, "--parallel", "fsdp"]
+             "--log-every", 1, "--num-workers", 0, "--batch-size", 4, "--spawn", 3, "--parallel", "fsdp",
+             "--save-every", 2]
+    sharded = ["--checkpoint-format", "sharded"]
     run(python_cmd(*flags, "--run-dir", tmp_path / "whole"))
-    run(python_cmd(*flags, "--stop-at", 2, "--run-dir", tmp_path / "stopped"), expect=75)
-    run(python_cmd(*flags, "--run-dir", tmp_path / "stopped"))
+    run(python_cmd(*flags, *sharded, "--stop-at", 2, "--run-dir", tmp_path / "stopped"), expect=75)
+    run(python_cmd(*flags, *sharded, "--run-dir", tmp_path / "stopped"))
     run(python_cmd(*flags, "--activation-checkpointing", "--run-dir", tmp_path / "recomputed"))
     kept = ("step", "loss", "lr", "tokens", "samples", "perplexity")
     for kind in ("train", "eval"):
@@ -167,11 +181,20 @@ def test_a_sharded_run_evaluates_unequal_shares_in_lockstep_and_resumes_bit_for_
     weights = {name: load_model(tmp_path / name) for name in ("whole", "stopped", "recomputed")}
     for name in ("stopped", "recomputed"):
         assert all(torch.equal(weights["whole"][k], weights[name][k]) for k in weights["whole"]), name
-    run([PY, "-m", "train.evaluate", str(tmp_path / "whole")])
-    alone = json.loads((tmp_path / "whole" / "eval-model.json").read_text())
+    folders = {step: tmp_path / "stopped" / "checkpoints" / f"step_0000000{step}.dcp" for step in (2, 4)}
+    gathered = torch.load(tmp_path / "whole" / "checkpoints" / "step_00000002.pt")["model"]
+    read = shards.read_model(folders[2])
+    assert read.keys() == gathered.keys() and all(torch.equal(read[k], gathered[k]) for k in gathered)
+    run([PY, "-m", "train.evaluate", str(tmp_path / "stopped"), "--checkpoint", str(folders[4])])
+    alone = json.loads((tmp_path / "stopped" / "eval-step_00000004.json").read_text())
     last = metrics(tmp_path / "whole", "eval")[-1]
     assert (alone["samples"], alone["tokens"]) == (25, last["tokens"])
     assert abs(alone["loss"] - last["loss"]) <= 1e-6 * last["loss"]
+    run([PY, "-m", "train.export", str(tmp_path / "stopped"), "--checkpoint", str(folders[4]), "--out",
+         str(tmp_path / "shipped.pt2")])
+    shipped = torch.export.load(tmp_path / "shipped.pt2").state_dict
+    assert shipped.keys() == weights["whole"].keys() and all(torch.equal(shipped[k], weights["whole"][k])
+                                                             for k in shipped)
 
 
 def test_a_text_folder_through_a_tokenizer_json_trains_resumes_evaluates_and_refuses_another_tokenizer(tmp_path):

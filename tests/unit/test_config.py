@@ -249,6 +249,18 @@ def test_what_a_sharded_model_does_not_take_yet_is_refused_in_one_line(argv):
     assert "--parallel ddp" in line
 
 
+def test_sharded_checkpoints_of_a_replicated_model_or_sent_to_mlflow_are_refused_in_one_line():
+    assert parse_config(["--parallel", "fsdp", "--checkpoint-format", "sharded"]).checkpoints.checkpoint_format == \
+        "sharded"
+    with pytest.raises(ConfigError, match=r"^--checkpoint-format sharded writes each worker's shards, and under "
+                                          r"--parallel ddp every worker holds the whole state: use it with "
+                                          r"--parallel fsdp, or drop it$"):
+        parse_config(["--checkpoint-format", "sharded"])
+    with pytest.raises(ConfigError, match=r"^--mlflow-checkpoints sends each checkpoint file to MLflow, and a sharded "
+                                          r"checkpoint is a folder"):
+        parse_config(["--parallel", "fsdp", "--checkpoint-format", "sharded", "--mlflow-checkpoints"])
+
+
 def test_a_sharded_model_on_one_worker_is_refused_before_any_worker_starts():
     from train.run.preflight import preflight
 

@@ -11,12 +11,14 @@
 Both give the whole state back in the format of the model's and the optimizer's own state_dict (model_state,
 optimizer_state: rank 0 holds it), so a checkpoint is one file whatever the spread and any world size resumes it; and
 load it into the model as it is spread (load_model, load_optimizer). Under FSDP each of these is a collective: every
-rank calls it, rank 0 alone receives the state.
+rank calls it, rank 0 alone receives the state. Sharded also writes and reads each rank's shards alone, into and from
+a folder (save_shards, load_shards: --checkpoint-format sharded, train/files/shards.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -111,8 +113,49 @@ class Sharded(Replicated):
                  "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
                                   for group in state["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, named, options=_whole())
-        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
-            group.update({key: value for key, value in saved.items() if key != "params"})  # as saved: tuples too
+        _groups_as_saved(optimizer, state["param_groups"])
+
+    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+        """Every rank together: its shards of the model and the optimizer (DCP's sharded state dicts, keyed by the
+        parameters' names) into `folder`, by torch.distributed.checkpoint, nothing gathered."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        try:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        except dcp.CheckpointException as e:  # every rank raises it when any rank failed
+            raise OSError(None, _first_failure(e)) from None
+
+    def load_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                    param_groups: list[dict]) -> None:
+        """Every rank together: this rank's shards of the model and the optimizer read from `folder` (saved at any
+        number of workers: DCP reads the pieces each shard needs), the groups' settings as the optimizer kept them
+        (`param_groups`, state.pt's)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # the shapes to read into (the optimizer's
+        state = {"model": model_state, "optimizer": optimizer_state}  # state made by a step of zero gradients at lr 0)
+        try:
+            dcp.load(state, checkpoint_id=folder)
+        except dcp.CheckpointException as e:  # a key or a shape the folder lacks: every rank raises it
+            raise RuntimeError(_first_failure(e)) from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        _groups_as_saved(optimizer, param_groups)
+
+
+def _first_failure(e: BaseException) -> str:
+    """The first line of a DCP CheckpointException: its first failed rank's own exception's."""
+    error = next(iter(e.failures.values()))[0]  # each rank's (exception, its traceback)
+    return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
+
+
+def _groups_as_saved(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> None:
+    """The groups' settings as optimizer.state_dict() gave them at the save (DCP's copy turns a tuple such as AdamW's
+    betas into a list)."""
+    for group, saved in zip(optimizer.param_groups, param_groups, strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def _whole(cpu_offload: bool = False):

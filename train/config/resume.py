@@ -50,7 +50,7 @@ MAY_CHANGE = frozenset({
     "data_dir", "download", "num_workers", "decode", "tokenizer",
     "channels_last", "compile", "bucket_cap_mb", "static_graph", "activation_checkpointing",
     "grad_accum",
-    "save_every", "keep_checkpoints", "eval_every", "log_every", "tensorboard",
+    "save_every", "keep_checkpoints", "checkpoint_format", "eval_every", "log_every", "tensorboard",
     "mlflow_uri", "mlflow_experiment", "mlflow_checkpoints",
 })
 # Not part of what a run did: never recorded as a change.

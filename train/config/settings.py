@@ -241,6 +241,11 @@ class Checkpoints:
 
     save_every: int = _field(200, "save a checkpoint every N steps (and always at the end or on a stop signal)")
     keep_checkpoints: int = _field(3, "keep the newest K checkpoints")
+    checkpoint_format: str = _field("full", "full: the whole state gathered into one file (step_N.pt) by rank 0; "
+                                            "sharded (--parallel fsdp): each worker writes its shards into a folder "
+                                            "(step_N.dcp, torch.distributed.checkpoint), for a state too large to "
+                                            "gather on one rank; either resumes at any number of workers",
+                                    choices=("full", "sharded"))
     eval_every: int = _field(200, "evaluate every N steps (and at the end); 0: only at the end")
     log_every: int = _field(50, "log loss and throughput every N steps")
     tensorboard: bool = _field(True, "write TensorBoard event files into the run directory")

@@ -44,6 +44,15 @@ def check_values(cfg: Config) -> None:
         if choices and cfg.setting(f.name) not in choices:
             raise ConfigError(f"--{flag(f.name)} must be one of {', '.join(c for c in choices if c)}, "
                               f"got {cfg.setting(f.name)!r}: pass one of those")
+    if cfg.checkpoints.checkpoint_format == "sharded":
+        if cfg.model.parallel != "fsdp":
+            raise ConfigError("--checkpoint-format sharded writes each worker's shards, and under --parallel ddp "
+                              "every worker holds the whole state: use it with --parallel fsdp, or drop it")
+        if cfg.tracking.mlflow_checkpoints:
+            raise ConfigError("--mlflow-checkpoints sends each checkpoint file to MLflow, and a sharded checkpoint "
+                              "is a folder of every worker's shards (not built yet): drop one of them (model.pt "
+                              "and best.pt go to MLflow either way)")
+
 
 def _check_recipe(cfg: Config) -> None:
     """The recipe knobs: ranges, and the knobs a setting needs."""

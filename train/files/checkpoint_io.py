@@ -4,6 +4,8 @@ Layout: RUN_DIR/checkpoints/step_00001500.pt with step_00001500.pt.crc32 beside 
 CRC32, computed while the file streams out; sha256 sidecars of older runs are still checked). A file
 counts only once it has been renamed into place and its size and checksum match, so a save killed
 halfway, a truncated file or flipped bytes are never loaded; the newest checkpoint that verifies wins.
+A sharded checkpoint is a folder, step_00001500.dcp (train/files/shards.py), listed, verified, pruned and
+loaded here beside the files: a run may hold both kinds.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError
+from train.files import shards
 from train.files.rundir import atomic_file, atomic_write, file_digest, read_status
 from train.files.writable import FULL_BYTES
 
 log = logging.getLogger("train")
 
-_NAME = re.compile(r"step_(\d{8})\.pt$")
+_NAME = re.compile(r"step_(\d{8})\.(pt|dcp)$")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -44,12 +47,17 @@ class SaveError(OSError):
 
 
 def remove_partial(run_dir: Path) -> int:
-    """Delete temp files left by a save that was killed (they are never loaded); return the bytes freed."""
+    """Delete temp files and folders left by a save that was killed (they are never loaded); return the bytes
+    freed."""
     freed = 0
-    for tmp in checkpoint_dir(run_dir).glob(".step_*.tmp.*"):
+    for tmp in checkpoint_dir(run_dir).glob(".step_*.tmp*"):
         with contextlib.suppress(OSError):
-            freed += tmp.stat().st_size
-            tmp.unlink()
+            if shards.is_temp(tmp):
+                freed += shards.size_of(tmp)
+                shutil.rmtree(tmp)
+            else:
+                freed += tmp.stat().st_size
+                tmp.unlink()
     return freed
 
 
@@ -111,15 +119,20 @@ def _state_bytes(state) -> int:
     return 0
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """Stream the state into a temp file while checksumming it, and move it into place (fsynced, the folder too:
-    runfiles.atomic_file); then its sidecar the same way; then prune to the newest `keep`. Old checkpoints are
-    removed only after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
+def prepare(run_dir: Path) -> Path:
+    """Before a save: the last pruning done, the checkpoints folder made, what a killed save left removed."""
     _wait_for_pruning()
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
-    path = folder / f"step_{step:08d}.pt"
+    return folder
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
+    """Stream the state into a temp file while checksumming it, and move it into place (fsynced, the folder too:
+    runfiles.atomic_file); then its sidecar the same way; then prune to the newest `keep`. Old checkpoints are
+    removed only after the new one is complete, so a failed save loses nothing; a torn save never verifies."""
+    path = prepare(run_dir) / f"step_{step:08d}.pt"
     out = None
     crc = torch.serialization.get_crc32_options()
     try:
@@ -144,15 +157,20 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         if cause is None:
             raise
         raise SaveError(cause, _state_bytes(state) + (1 << 16)) from e
-    # Checkpoints of later steps exist only if resume skipped them as damaged: they go, then the oldest.
-    # Deleting big files takes a while: a thread does it, and any look at the folder waits for it.
+    prune(run_dir, path, keep)
+    return path
+
+
+def prune(run_dir: Path, newest: Path, keep: int) -> None:
+    """After `newest` is in place: checkpoints of later steps exist only if resume skipped them as damaged, so they
+    go, then the oldest past `keep`. Deleting big files takes a while: a thread does it, and any look at the folder
+    waits for it."""
     existing = list_checkpoints(run_dir)
-    later = [p for p in existing if p.name > path.name]
+    later = [p for p in existing if _step(p) > _step(newest)]
     doomed = later + [p for p in existing if p not in later][:-keep]
     global _pruning
     _pruning = threading.Thread(target=_delete, args=(doomed,), name="checkpoint-prune")
     _pruning.start()
-    return path
 
 
 _pruning: threading.Thread | None = None
@@ -160,6 +178,9 @@ _pruning: threading.Thread | None = None
 
 def _delete(paths: list[Path]) -> None:
     for old in paths:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
         for file in (old, *(old.with_name(old.name + kind) for kind in SIDECARS)):
             with contextlib.suppress(OSError):
                 file.unlink()
@@ -170,13 +191,17 @@ def _wait_for_pruning() -> None:
         _pruning.join()
 
 
+def _step(path: Path) -> int:
+    return int(_NAME.fullmatch(path.name).group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint files, oldest first (by step number)."""
+    """Checkpoints (files, and sharded folders), oldest first (by step number)."""
     _wait_for_pruning()
     folder = checkpoint_dir(run_dir)
     if not folder.is_dir():
         return []
-    return sorted((p for p in folder.iterdir() if _NAME.fullmatch(p.name)), key=lambda p: p.name)
+    return sorted((p for p in folder.iterdir() if _NAME.fullmatch(p.name)), key=lambda p: (_step(p), p.name))
 
 
 SIDECARS = (".crc32", ".sha256")  # what this version writes; what earlier versions wrote
@@ -188,7 +213,10 @@ def sidecar_of(path: Path) -> Path:
 
 
 def verify(path: Path) -> str | None:
-    """None if `path` matches the size and checksum in its sidecar, else why not."""
+    """None if `path` matches the size and checksum in its sidecar (a sharded folder: each of its files), else why
+    not."""
+    if path.is_dir():
+        return shards.verify(path)
     sidecar = next((path.with_name(path.name + k) for k in SIDECARS if path.with_name(path.name + k).is_file()),
                    None)
     if sidecar is None:
@@ -218,9 +246,11 @@ def newest_valid(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, device: torch.device) -> dict:
-    """weights_only=True: a checkpoint is data, never code. Anything else is refused, not executed."""
+    """weights_only=True: a checkpoint is data, never code. Anything else is refused, not executed. Of a sharded
+    folder, its state.pt: every key but the model's and the optimizer's, which the workers read from the shards."""
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        return shards.read_state(path, device) if path.is_dir() else torch.load(path, map_location=device,
+                                                                                 weights_only=True)
     except pickle.UnpicklingError as e:
         why = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line),
                    "not plain tensors and containers")
@@ -236,12 +266,12 @@ def space_problem(run_dir: Path) -> str | None:
     needed = 0
     newest = list_checkpoints(run_dir)[-1:]
     if newest:
-        needed = newest[0].stat().st_size
+        needed = shards.size_of(newest[0]) if newest[0].is_dir() else newest[0].stat().st_size
     last = read_status(run_dir)
     if last.get("state") == "failed":  # a save that failed for want of space noted what it needed
         needed = max(needed, int(last.get("needed_bytes", 0)))
-    partial = sum(p.stat().st_size for p in checkpoint_dir(run_dir).glob(".step_*.tmp.*")) \
-        if checkpoint_dir(run_dir).is_dir() else 0
+    partial = sum(shards.size_of(p) if p.is_dir() else p.stat().st_size
+                  for p in checkpoint_dir(run_dir).glob(".step_*.tmp*")) if checkpoint_dir(run_dir).is_dir() else 0
     free = shutil.disk_usage(run_dir).free + partial
     if needed and free < needed + FULL_BYTES:
         return (f"{run_dir} has {free / 2**20:.1f} MiB free but needs {(needed + FULL_BYTES) / 2**20:.1f} MiB to "

@@ -289,7 +289,8 @@ def start_tracking(tracking: Tracking, run_dir: Path, resume_step: int) -> Track
         return None
     # The checkpoints an earlier attempt saved but died before sending (sent ones are skipped), listed before the
     # Tracker starts its MLflow run: after that, only queueing, which cannot fail.
-    saved = list_checkpoints(run_dir) if tracking.mlflow_checkpoints else []
+    saved = [p for p in list_checkpoints(run_dir) if p.is_file()] if tracking.mlflow_checkpoints else []  # files:
+    # a sharded folder of an earlier attempt is not sent (--checkpoint-format sharded refuses --mlflow-checkpoints)
     tracker = Tracker(uri, experiment_name(tracking), run_dir, resume_step)
     for path in saved:
         for file in (path, sidecar_of(path)):

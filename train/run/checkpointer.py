@@ -5,7 +5,7 @@ that verifies) is train/files/checkpoint_io.py.
   saved_length(state, steps_per_epoch) the steps a checkpoint's run was to train for
   Checkpointer                        one per run: rank 0 writes, every rank takes part
     .restore(state, source)           back to where `state` left off (or a fresh start's random streams)
-    .save(position, reason)           RUN_DIR/checkpoints/step_N.pt, every rank's RNG state in it
+    .save(position, reason)           RUN_DIR/checkpoints/step_N.pt (sharded: step_N.dcp/), every rank's RNG state in it
     .keep_best(step, result, ema)     best.pt (best_ema.pt): the weights of the best evaluation so far
     .save_final()                     model.pt (model_ema.pt): the weights the run ends with
     .state_dict() / load_state_dict() a checkpoint's layout, in one place
@@ -15,7 +15,8 @@ that verifies) is train/files/checkpoint_io.py.
 A checkpoint holds the model (unwrapped), the optimizer, the schedule, the grad scaler, the EMA, the best evaluations,
 every rank's RNG state, the layout its position counts in, the config, and the position itself: the Trainer's
 (Trainer.state_dict: step, epoch, step in epoch, whether that step's evaluation is owed), the one state the Trainer
-keeps, given to `save` and given back by `restore`.
+keeps, given to `save` and given back by `restore`. With --checkpoint-format sharded the model and the optimizer are
+each rank's shards in a folder beside the rest (train/files/shards.py), and a run may resume from either kind.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from train.components.optim import schedule_at, schedule_lengths
 from train.config.resume import Layout, Resumed
 from train.config.settings import Config, Schedule
 from train.files import checkpoint_io as ckpt
-from train.files import rundir, writable
+from train.files import rundir, shards, writable
 from train.tasks.task import Task
 
 log = logging.getLogger("train")
@@ -64,10 +65,12 @@ def newest_checkpoint(run_dir: Path, device: torch.device) -> tuple[dict | None,
     newest = broadcast_from_main(str(newest) if newest else None)
     if newest is None:
         return None, None
-    state = ckpt.load_checkpoint(Path(newest), device)
-    if not isinstance(state, dict) or not {"model", "optimizer", "step", "config"} <= state.keys():
-        raise ConfigError(f"{newest} is not a trainbox checkpoint (no model/optimizer/step/config): move it out "
-                          f"of the run directory")
+    newest = Path(newest)
+    state = ckpt.load_checkpoint(newest, device)
+    parts = {"param_groups"} if newest.is_dir() else {"model", "optimizer"}  # a sharded folder's are in its shards
+    if not isinstance(state, dict) or not parts | {"step", "config"} <= state.keys():
+        raise ConfigError(f"{newest} is not a trainbox checkpoint (no {'/'.join(sorted(parts))}/step/config): move "
+                          f"it out of the run directory")
     return state, Path(newest)
 
 
@@ -84,6 +87,7 @@ class Keeping:
     """What the Checkpointer reads of the run's settings, and nothing else (Keeping.of)."""
 
     keep: int  # --keep-checkpoints: the newest K step_N.pt
+    sharded: bool  # --checkpoint-format sharded: each rank's shards into step_N.dcp/
     upload: bool  # --mlflow-checkpoints: every checkpoint to MLflow too
     seed: int  # a fresh start's per-rank random streams, and a resume's on another world size
     epochs: int  # --epochs (0: the run is --max-steps long), as status.json and a refusal name the length
@@ -94,7 +98,8 @@ class Keeping:
 
     @classmethod
     def of(cls, cfg: Config) -> Keeping:
-        return cls(cfg.checkpoints.keep_checkpoints, cfg.tracking.mlflow_checkpoints, cfg.run.seed, cfg.run.epochs,
+        return cls(cfg.checkpoints.keep_checkpoints, cfg.checkpoints.checkpoint_format == "sharded",
+                   cfg.tracking.mlflow_checkpoints, cfg.run.seed, cfg.run.epochs,
                    cfg.optimisation.batch_size, cfg.optimisation.grad_accum, cfg.schedule, cfg.to_dict())
 
 
@@ -122,6 +127,9 @@ class Checkpointer:
         step = position["step"]
         with watchdog.during(f"the checkpoint save of step {step}"):
             rng = gather(capture_rng(self.device))
+            if self.keeping.sharded:
+                self._save_shards(position, rng, reason)
+                return
             state = self.state_dict(position, rng)  # every rank: a sharded model's state is gathered together
 
             def write() -> None:
@@ -133,6 +141,38 @@ class Checkpointer:
 
             on_main(write, lambda e: self._save_failed(step, e))
             self.saved_step = step
+
+    def _save_shards(self, position: dict, rng: list[dict], reason: str) -> None:
+        """--checkpoint-format sharded: every rank writes its shards into the step's folder (under its temporary
+        name) and checksums its share of the files; rank 0 adds the rest of the state and the checksums and renames
+        the folder into place. A failure on any rank is the same one line on every rank; what was saved before
+        stays."""
+        step = position["step"]
+        folder = ckpt.checkpoint_dir(self.run_dir) / f"step_{step:08d}{shards.SUFFIX}"
+        temp = shards.temp_of(folder)
+        on_main(lambda: ckpt.prepare(self.run_dir), lambda e: self._save_failed(step, e))
+        try:
+            self.spread.save_shards(self.model, self.optimizer, temp)
+            share: list | str = shards.checksum_share(temp, self.rank, self.world)
+        except OSError as e:  # DCP's failure on any rank is raised on every rank; a checksum's on its own
+            share = e.strerror or str(e)
+        sums = gather(share)
+        problem = next((s for s in sums if isinstance(s, str)), None)
+        if problem is not None:  # every rank alike: the one line, rank 0's status.json failed
+
+            def failed() -> None:
+                raise OSError(None, problem)
+
+            on_main(failed, lambda e: self._save_failed(step, e))
+        rest = ckpt.serialise(self.state_dict(position, rng, whole=False))
+
+        def write() -> None:
+            path = shards.finish(temp, rest, sums)
+            ckpt.prune(self.run_dir, path, self.keeping.keep)
+            log.info("saved %s (%s)", path, reason)
+
+        on_main(write, lambda e: self._save_failed(step, e))
+        self.saved_step = step
 
     def _save_failed(self, step: int, e: OSError) -> str:
         previous = ckpt.list_checkpoints(self.run_dir)[-1:]
@@ -192,12 +232,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------ what a checkpoint holds
 
-    def state_dict(self, position: dict, rng: list[dict]) -> dict:
+    def state_dict(self, position: dict, rng: list[dict], whole: bool = True) -> dict:
         """A checkpoint: the unwrapped model, optimizer, schedule, grad scaler, the position (the Trainer's), every
-        rank's RNG state (`rng`, gathered), the layout the position counts in, and the config."""
+        rank's RNG state (`rng`, gathered), the layout the position counts in, and the config. whole=False: the rest
+        of a sharded checkpoint, the optimizer's groups in place of the model and the optimizer (in the shards)."""
         keeping = self.keeping
-        return {"model": self.spread.model_state(self.model),
-                "optimizer": self.spread.optimizer_state(self.model, self.optimizer),
+        parts = {"model": self.spread.model_state(self.model),
+                 "optimizer": self.spread.optimizer_state(self.model, self.optimizer)} if whole else \
+            {"param_groups": self.optimizer.state_dict()["param_groups"]}
+        return {**parts,
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": position["step"], "epoch": position["epoch"], "step_in_epoch": position["step_in_epoch"],
                 "world_size": self.world, "batch_size": keeping.batch_size,
@@ -224,8 +267,11 @@ class Checkpointer:
         it: the schedule is that of the new length, stepped to this step."""
         keeping, plan = self.keeping, self.plan
         try:
-            self.spread.load_model(self.model, state["model"])
-            self.spread.load_optimizer(self.model, self.optimizer, state["optimizer"])
+            if source.is_dir():  # a sharded checkpoint: each rank reads its shards, at any number of workers
+                self.spread.load_shards(self.model, self.optimizer, source, state["param_groups"])
+            else:
+                self.spread.load_model(self.model, state["model"])
+                self.spread.load_optimizer(self.model, self.optimizer, state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ConfigError(f"{source} does not fit this model ({str(e).splitlines()[0][:160]}): "
                               f"use a new --run-dir, or the code that made the checkpoint") from None
