@@ -10,6 +10,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m tests.chaos --task segmentation              the runs of the built-in segmentation task
   python -m tests.chaos --task lm                        the runs of the built-in language model (gpt-tiny, copy)
   python -m tests.chaos --task lm --parallel fsdp        ... its model sharded over the workers (FSDP2)
+  python -m tests.chaos --task lm --parallel fsdp --checkpoint-format sharded   ... each worker saving its shards
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -77,7 +78,7 @@ def steps(run_dir: Path, kind: str) -> list[int]:
 
 def saving(run_dir: Path, at_least: int) -> bool:
     return any(int(re.search(r"step_(\d+)", p.name).group(1)) >= at_least
-               for p in (run_dir / "checkpoints").glob(".step_*.pt.tmp.*"))
+               for p in (run_dir / "checkpoints").glob(".step_*.tmp*"))  # a file's or a sharded folder's
 
 
 def evaluating(run_dir: Path, at_least: int) -> bool:
@@ -85,7 +86,9 @@ def evaluating(run_dir: Path, at_least: int) -> bool:
     and its eval record."""
     trained, evaluated = steps(run_dir, "train"), set(steps(run_dir, "eval"))
     for s in (s for s in trained if s >= at_least and s % EVAL_EVERY == 0 or s == MAX_STEPS):
-        if s not in evaluated and (s < MAX_STEPS or (run_dir / "checkpoints" / f"step_{s:08d}.pt.crc32").exists()):
+        saved = (run_dir / "checkpoints" / f"step_{s:08d}.pt.crc32").exists() or \
+            (run_dir / "checkpoints" / f"step_{s:08d}.dcp" / "CHECKSUMS").exists()
+        if s not in evaluated and (s < MAX_STEPS or saved):
             return True
     return False
 
@@ -377,9 +380,11 @@ def back_to_training(run_dir: Path, hit: float) -> float | None:
 
 
 def newest_checkpoint(run_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint (one with its size-and-CRC32 sidecar)."""
+    """The step of the newest complete checkpoint (a file with its size-and-CRC32 sidecar, or a sharded folder: renamed
+    into place once complete, its CHECKSUMS in it)."""
     done = [int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt")
             if (p.parent / f"{p.name}.crc32").exists()]
+    done += [int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.dcp") if (p / "CHECKSUMS").exists()]
     return max(done, default=None)
 
 
@@ -519,6 +524,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
                              "lraspp_mobilenet_v3_large; lm: gpt-tiny on the generated copy documents)")
     parser.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                         help="how the runs spread the model over the workers (fsdp: sharded, FSDP2)")
+    parser.add_argument("--checkpoint-format", default="full", choices=("full", "sharded"),
+                        help="how the runs save their checkpoints (sharded: each worker its shards, --parallel fsdp)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
@@ -544,6 +551,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
         problem = "--recipe's knobs (Mixup/CutMix, random erasing, label smoothing) are classification's: drop --task"
     elif ns.recipe and ns.parallel == "fsdp":
         problem = "--recipe's EMA is not available with --parallel fsdp (docs/training.md): drop one of them"
+    elif ns.checkpoint_format == "sharded" and ns.parallel != "fsdp":
+        problem = "--checkpoint-format sharded writes each worker's shards of a sharded model: add --parallel fsdp"
     elif ns.reference and (len(sizes) != 1 or not (Path(ns.reference) / "model.pt").is_file()):
         problem = f"--reference {ns.reference}: give the model.pt folder of a finished run and a single --workers"
     else:
@@ -563,6 +572,7 @@ def main(argv: list[str]) -> int:
           f"{f' (--parallel {ns.parallel})' if ns.parallel != 'ddp' else ''}, seed {ns.seed}, in {out}", flush=True)
     extra = RECIPE if ns.recipe else ["--task", ns.task] if ns.task != "classification" else []
     extra += ["--parallel", ns.parallel] if ns.parallel != "ddp" else []
+    extra += ["--checkpoint-format", ns.checkpoint_format] if ns.checkpoint_format != "full" else []
     references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}

@@ -13,6 +13,8 @@ from tests import chaos
     (["--trials", "0"], "(or --trials < 1)"),
     (["--recipe", "--task", "segmentation"], "error: --recipe's knobs (Mixup/CutMix, random erasing, label smoothing) "
                                              "are classification's: drop --task"),
+    (["--checkpoint-format", "sharded"], "error: --checkpoint-format sharded writes each worker's shards of a sharded "
+                                         "model: add --parallel fsdp"),
 ])
 def test_the_drill_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, expected):
     out = tmp_path / "chaos"
