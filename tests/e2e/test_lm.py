@@ -95,8 +95,8 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     (--parallel fsdp: its checkpoint gathered whole, resharded on 2), train on the same mean (the labelled tokens of
     the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch is off by
     far more; the sharded checkpoint holds the large batch's optimizer state in its format. The 4 sharded workers'
-    --checkpoint-format sharded folder (each its own shards) resumes on 2 to that run bit for bit. Every layout starts from
-    the same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the
+    --checkpoint-format sharded folder (each its own shards) resumes on 2 to that run bit for bit. Every layout starts
+    from the same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the
     block's layer norms trained beside them): those end as they started, bit for bit."""
     from tests.models import gpt_tiny_in_double
 

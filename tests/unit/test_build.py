@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from train.base.errors import ConfigError
 from train.cli import parse_config
 from train.components.augment import BatchAugment
 from train.components.models import build_model
@@ -161,3 +162,44 @@ def test_the_image_tasks_shard_a_network_stage_by_stage(task, model, blocks):
     built = build_task(cfg)
     with torch.device("meta"):
         assert built.blocks(built.network(cfg.model)) == blocks
+
+
+def test_bf16_under_fsdp_is_fsdp2s_policy_bf16_weights_in_the_forward_float32_gradients_and_shards():
+    """--precision bf16 --parallel fsdp: FSDP2's MixedPrecisionPolicy on a real one-rank gloo group in this process,
+    not autocast. The forward sees bf16 weights and inputs, and gives what the same network cast to bf16 gives, bit
+    for bit, as float32 (the loss's dtype); the gradients are that network's, cast to float32, on float32 shards.
+    The plan names the policy; the CPU takes it (FSDP2's own casts), where --parallel ddp's bf16 needs a GPU."""
+    import copy
+
+    import torch.distributed as dist
+
+    from train.cluster.sharding import Sharded, planned
+    from train.run.preflight import check_precision
+
+    torch.manual_seed(0)
+    network = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    cast = copy.deepcopy(network).to(torch.bfloat16)
+    seen = []
+    network[2].register_forward_pre_hook(lambda module, given: seen.append((module.weight.dtype, given[0].dtype)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        spread = Sharded(1, torch.device("cpu"), "bf16")
+        sharded = spread.shard(network, ["0"])
+        x = torch.randn(5, 8)
+        out, want = sharded(x), cast(x.to(torch.bfloat16))
+        assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
+        assert spread.autocast(torch.bfloat16) is None  # no autocast beside the policy
+        assert torch.equal(out, want.float())
+        out.square().sum().backward()
+        want.float().square().sum().backward()
+        for (name, p), q in zip(sharded.named_parameters(), cast.parameters(), strict=True):
+            assert p.dtype == p.grad.dtype == torch.float32, name
+            assert torch.equal(p.grad.to_local(), q.grad.float()), name
+    finally:
+        dist.destroy_process_group()
+    assert planned("fsdp", network, ["0"], 2, 2, "bf16")["policy"] == {"param_dtype": "bfloat16",
+                                                                      "reduce_dtype": "float32"}
+    assert planned("ddp", network, [], 2, 2, "bf16")["policy"] is None
+    check_precision(parse_config(["--precision", "bf16", "--parallel", "fsdp"]).model, parse_config([]).data, True)
+    with pytest.raises(ConfigError, match=r"^--precision bf16 needs a CUDA GPU: use --precision fp32"):
+        check_precision(parse_config(["--precision", "bf16"]).model, parse_config([]).data, True)

@@ -6,7 +6,8 @@
                mesh of every worker (a CPU mesh under gloo): each worker holds 1/N of every parameter, gradient and
                optimizer state, and a block's parameters are gathered for its forward and again for its backward.
                Its own division of the gradients is turned off (averages False): the trainer scales the loss so that
-               the gradient is the step's sum over its count, as under DDP.
+               the gradient is the step's sum over its count, as under DDP. --precision bf16 is FSDP2's
+               MixedPrecisionPolicy (bf16 parameters gathered, fp32 reduction into fp32 shards), not autocast.
 
 Both give the whole state back in the format of the model's and the optimizer's own state_dict (model_state,
 optimizer_state: rank 0 holds it), so a checkpoint is one file whatever the spread and any world size resumes it; and
@@ -34,6 +35,10 @@ class Replicated:
     def shard(self, model: torch.nn.Module, blocks: list[str]) -> torch.nn.Module:
         return model
 
+    def autocast(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype the forward autocasts to (None: off), given the precision's (--precision bf16/fp16)."""
+        return dtype
+
     def micro_batch(self, model: torch.nn.Module, last: bool):
         """The context of a micro-batch's forward and backward: the gradients reduced on the step's last alone."""
         return contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
@@ -58,24 +63,31 @@ class Sharded(Replicated):
     averages = False  # set_gradient_divide_factor(1.0) on every sharded module: the workers' gradients summed
     lockstep = True  # every forward gathers parameters from every rank: each rank runs as many
 
-    def __init__(self, world: int, device: torch.device):
+    def __init__(self, world: int, device: torch.device, precision: str = "fp32"):
         self.world, self.device = world, device
+        self.bf16 = precision == "bf16"  # FSDP2's MixedPrecisionPolicy: bf16 parameters, fp32 reduction
 
     def shard(self, model: torch.nn.Module, blocks: list[str]) -> torch.nn.Module:
         """fully_shard on each block (by its qualified name), then the root; the weights, made from the seed on the
         whole model before, are cut from it: the same at any world size."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for name in blocks:
-            fully_shard(model.get_submodule(name), mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if self.bf16 else {}
+        for name in blocks:  # a block's output stays bf16 (the next block's input); the model's is float32 (the loss)
+            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy))
+        output = torch.float32 if self.bf16 else None
+        fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=output))
         for module in model.modules():  # each sharded module reduces its own parameters' gradients: summed, and no more
             if isinstance(module, FSDPModule):  # (gloo has no AVG nor PREMUL_SUM, which FSDP picks for fp32 else)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         return model
+
+    def autocast(self, dtype: torch.dtype | None) -> torch.dtype | None:
+        """bf16: none, the policy casts the gathered parameters itself."""
+        return None if self.bf16 else dtype
 
     def micro_batch(self, model: torch.nn.Module, last: bool):
         model.set_requires_gradient_sync(last)  # FSDP2's own switch: DDP's no_sync() does not exist here
@@ -165,10 +177,13 @@ def _whole(cpu_offload: bool = False):
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
-def planned(kind: str, model: torch.nn.Module, blocks: list[str], world: int, optimizer_states: int) -> dict:
-    """The spread as the plan shows it: the kind, the blocks sharded one by one, and the memory of the model's state
-    (parameters, their gradients, the optimizer's `optimizer_states` tensors per parameter) that each worker holds,
-    against the whole model's (a shard is the parameter's rows, padded to a multiple of the workers, over them)."""
+def planned(kind: str, model: torch.nn.Module, blocks: list[str], world: int, optimizer_states: int,
+            precision: str = "fp32") -> dict:
+    """The spread as the plan shows it: the kind, the blocks sharded one by one, the dtypes a sharded model computes
+    and reduces in (FSDP2's policy: bf16 parameters gathered for the forward and backward, fp32 gradients reduced into
+    fp32 shards; under ddp, None: autocast), and the memory of the model's state (parameters, their gradients, the
+    optimizer's `optimizer_states` tensors per parameter) that each worker holds, against the whole model's (a shard is
+    the parameter's rows, padded to a multiple of the workers, over them)."""
     whole = per_worker = 0
     for p in model.parameters():
         copies = 1 + (1 + optimizer_states) * p.requires_grad
@@ -177,7 +192,9 @@ def planned(kind: str, model: torch.nn.Module, blocks: list[str], world: int, op
         shard = -(-rows // world) * (p.numel() // rows) if kind == "fsdp" else p.numel()
         per_worker += copies * shard * p.element_size()
     mib = 2 ** 20
-    return {"kind": kind, "blocks": blocks if kind == "fsdp" else [],
+    param = {"bf16": "bfloat16", "fp32": "float32"}.get(precision, "bfloat16 on a GPU with bf16, else float32")
+    policy = {"param_dtype": param, "reduce_dtype": "float32"}  # (a dry run for a GPU this machine lacks: either)
+    return {"kind": kind, "blocks": blocks if kind == "fsdp" else [], "policy": policy if kind == "fsdp" else None,
             "model_state_mib": {"whole": round(whole / mib, 2), "per_worker": round(per_worker / mib, 2)}}
 
 
@@ -191,6 +208,7 @@ def held_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return round(sum(t.numel() * t.element_size() for t in local) / 2**20, 2)
 
 
-def spread_over(kind: str, world: int, device: torch.device) -> Replicated:
-    """The run's spread: --parallel (kind) over `world` workers on `device`'s kind."""
-    return Sharded(world, device) if kind == "fsdp" else Replicated()
+def spread_over(kind: str, world: int, device: torch.device, precision: str = "fp32") -> Replicated:
+    """The run's spread: --parallel (kind) over `world` workers on `device`'s kind, in `precision` (the run's: under
+    fsdp, bf16 is FSDP2's mixed-precision policy)."""
+    return Sharded(world, device, precision) if kind == "fsdp" else Replicated()

@@ -155,7 +155,9 @@ class Model:
     bucket_cap_mb: int = _field(25, "DDP gradient bucket size in MiB (smaller: communication starts earlier)")
     static_graph: bool = _field(False, "DDP static_graph: faster when the graph never changes and every parameter gets "
                                        "a gradient every step")
-    precision: str = _field("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler",
+    precision: str = _field("auto", "auto: bf16 on GPUs that support it, fp32 on CPU; fp16 uses a GradScaler; "
+                                    "under --parallel fsdp bf16 is FSDP2's policy (bf16 weights gathered, fp32 "
+                                    "reduction and shards)",
                                     choices=("auto", "fp32", "bf16", "fp16"))
     parallel: str = _field("ddp", "ddp: every worker holds the whole model, its gradients and optimizer state "
                                   "(DistributedDataParallel); fsdp: each holds 1/N of them (FSDP2's fully_shard per "

@@ -142,7 +142,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
         check_same_data(cfg.data.data_dir, run_dir, plan, task.classes, saved_plan)
     train_loader, sampler, val_loader = loaders(sampling(cfg), cfg.data, cfg.run.epochs, plan, layout, task, train_set,
                                                 val_set, device)
-    spread = spread_over(cfg.model.parallel, world, device)  # --parallel fsdp: sharded before the optimizer has state
+    spread = spread_over(cfg.model.parallel, world, device, precision)  # fsdp: sharded before the optimizer has state
     raw_model = spread.shard(raw_model, task.blocks(raw_model))
     optimizer = build_optimizer(cfg.optimisation, raw_model, plan.param_groups)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -165,10 +165,10 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
     # and ends it, FAILED too; a failure before leaves none RUNNING.
     tracker = start_tracking(cfg.tracking, run_dir, step) if is_main() else None
     checkpointer.tracker = metrics.tracker = tracker
-    return Parts(cfg=cfg, loop=Loop.of(cfg), run_dir=run_dir, device=device, plan=plan, precision=DTYPES[precision],
-                 task=task, train_loader=train_loader, sampler=sampler, val_loader=val_loader, raw_model=raw_model,
-                 model=model, spread=spread, augment=task.augment(), optimizer=optimizer,
-                 scheduler=checkpointer.scheduler, scaler=scaler, ema=ema, guard=guard, checkpointer=checkpointer,
+    return Parts(cfg=cfg, loop=Loop.of(cfg), run_dir=run_dir, device=device, plan=plan, task=task, ema=ema,
+                 precision=spread.autocast(DTYPES[precision]), train_loader=train_loader, sampler=sampler, guard=guard,
+                 val_loader=val_loader, raw_model=raw_model, model=model, spread=spread, augment=task.augment(),
+                 optimizer=optimizer, scheduler=checkpointer.scheduler, scaler=scaler, checkpointer=checkpointer,
                  tracker=tracker, metrics=metrics, telemetry=telemetry, window=window, resumed=resumed)
 
 

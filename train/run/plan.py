@@ -102,7 +102,7 @@ def make_plan(cfg: Config, world: int, device: str, precision: str, train_set, v
         param_groups=decay_groups(cfg.optimisation, model, cfg.model.model),
         lr=learning_rates(cfg.optimisation, cfg.schedule, cfg.run.epochs, max_steps, warmup_steps, steps_per_epoch),
         ema=_ema(cfg.regularisation, cfg.schedule, global_batch, epochs, warmup_steps), weights=_weights(cfg.model),
-        parallel=planned(cfg.model.parallel, model, task.blocks(model), world, _states(cfg.optimisation)),
+        parallel=planned(cfg.model.parallel, model, task.blocks(model), world, _states(cfg.optimisation), precision),
         layout=layout.to_dict(), resumes=[])
 
 
@@ -187,10 +187,12 @@ def _weights(spec: Model) -> dict | None:
 
 def planned_device(requested: str, spec: Model, data: Data) -> str:
     """The device a dry run plans for: --device (requested), else CUDA where it is here or where the config needs it
-    (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs), else the CPU."""
+    (--precision bf16/fp16, --decode gpu, --sync-bn: the run is meant for GPUs; bf16 under fsdp is its policy, which
+    runs on the CPU too), else the CPU."""
     if requested != "auto":
         return requested
-    needs_gpu = spec.precision in ("bf16", "fp16") or data.decode == "gpu" or spec.sync_bn
+    needs_gpu = spec.precision == "fp16" or spec.precision == "bf16" and spec.parallel != "fsdp" or \
+        data.decode == "gpu" or spec.sync_bn
     return "cuda" if torch.cuda.is_available() or needs_gpu else "cpu"
 
 

@@ -170,8 +170,10 @@ def check_gpu_per_worker(local_workers: int, visible: int) -> None:
 
 
 def check_precision(spec: Model, data: Data, on_cpu: bool) -> None:
-    """What needs a CUDA GPU (--precision fp16/bf16, --sync-bn, --decode gpu), refused where there is none."""
-    if on_cpu and spec.precision in ("fp16", "bf16"):
+    """What needs a CUDA GPU (--precision fp16/bf16, --sync-bn, --decode gpu), refused where there is none. bf16
+    under --parallel fsdp is FSDP2's mixed-precision policy (bf16 parameters, fp32 reduction), which runs on the CPU
+    too."""
+    if on_cpu and (spec.precision == "fp16" or spec.precision == "bf16" and spec.parallel != "fsdp"):
         raise ConfigError(f"--precision {spec.precision} needs a CUDA GPU: use --precision fp32 (or auto) on CPU")
     if on_cpu and spec.sync_bn:
         raise ConfigError("--sync-bn needs CUDA GPUs (SyncBatchNorm has no CPU implementation): drop it on CPU")
