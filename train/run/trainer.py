@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,16 +119,17 @@ class Trainer:
         model, scaler, spread = parts.model, parts.scaler, parts.spread
         averaged = self.world if spread.averages else 1  # what the gradients' reduction divides by
         steps = list(micro_batches) if task.variable_count else micro_batches  # counted before the first backward
-        # A step that counts nothing (every pixel ignored) has a gradient of nothing, 0: divided by 1, not by 0
-        scale = averaged / self.step_count(steps).clamp(min=1) if task.variable_count else None
-        sums, counts = [], []
+        counting = self.step_count(steps) if task.variable_count else None  # summed over the ranks during the
+        scale, sums, counts = None, [], []  # first forward: the ranks meet before its backward, not before it
         statistics = SlotZeroStatistics(parts.raw_model, self.rank == 0 and loop.grad_accum > 1)
         for micro, (x, target) in enumerate(steps):
-            if scale is None:  # every micro-batch of every rank counts alike (a number from its shape): the first's
-                scale = 1 / (loop.grad_accum * fixed_count(task, target) * (self.world // averaged))
             with spread.micro_batch(model, last=micro == loop.grad_accum - 1):
                 with autocast(self.device, parts.precision):
                     total, count = loss_of(task, task.loss(task.forward(model, x, target), target))
+                if scale is None and counting is not None:  # a step that counts nothing (every pixel ignored)
+                    scale = averaged / counting().clamp(min=1)  # has a gradient of nothing, 0: divided by 1, not 0
+                elif scale is None:  # every micro-batch of every rank counts alike (a number from its shape)
+                    scale = 1 / (loop.grad_accum * fixed_count(task, target) * (self.world // averaged))
                 scaler.scale(total * scale).backward()
             statistics.after(micro)  # after the backward, which reads them
             sums.append(total.detach())
@@ -143,14 +144,19 @@ class Trainer:
         parts.optimizer.zero_grad(set_to_none=True)
         return sums, counts
 
-    def step_count(self, micro_batches: list[tuple]) -> torch.Tensor:
-        """The items the loss of this step sums over, on every rank (an all-reduce of one number on the device: no
-        wait for the host)."""
+    def step_count(self, micro_batches: list[tuple]) -> Callable[[], torch.Tensor]:
+        """The items the loss of this step sums over, on every rank: an all-reduce of one number on the device,
+        started here; the function returned waits for it (no wait for the host)."""
         total = sum(torch.as_tensor(self.parts.task.count(target), device=self.device, dtype=torch.float64)
                     for _, target in micro_batches)
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        return total
+        work = dist.all_reduce(total, async_op=True) if dist.is_initialized() else None
+
+        def summed() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return total
+
+        return summed
 
     def micro_batches(self, batches: Iterator) -> Iterator[tuple]:
         """This step's --grad-accum micro-batches, each augmented as the recipe asks (random erasing, Mixup/CutMix),
