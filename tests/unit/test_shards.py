@@ -29,8 +29,10 @@ def _save_folder(run_dir, step, model, optimizer, keep=3):
     temp = shards.temp_of(ckpt.prepare(run_dir) / f"step_{step:08d}{shards.SUFFIX}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP says it assumes one process: it is one
-        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=temp)
-    sums = [shards.checksum_share(temp, 0, 1)]
+        index = dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=temp)
+    written = [*sorted({stored.relative_path for stored in index.storage_data.values()}), ".metadata"]
+    assert sorted(written) == sorted(p.name for p in temp.iterdir())  # DCP's record: every file it wrote
+    sums = [shards.checksum_share(temp, written, 0, 1)]
     path = shards.finish(temp, ckpt.serialise({"step": step, "config": {}, "param_groups": []}), sums)
     ckpt.prune(run_dir, path, keep)
     return path

@@ -127,17 +127,20 @@ class Sharded(Replicated):
         set_optimizer_state_dict(model, optimizer, named, options=_whole())
         _groups_as_saved(optimizer, state["param_groups"])
 
-    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> list[str]:
         """Every rank together: its shards of the model and the optimizer (DCP's sharded state dicts, keyed by the
-        parameters' names) into `folder`, by torch.distributed.checkpoint, nothing gathered."""
+        parameters' names) into `folder`, by torch.distributed.checkpoint, nothing gathered. Returns the names of
+        the files every rank wrote, DCP's index last, from DCP's own record of the save (the same on every rank, and
+        no listing of a folder that other nodes wrote into)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
         try:
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+            index = dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         except dcp.CheckpointException as e:  # every rank raises it when any rank failed
             raise OSError(None, _first_failure(e)) from None
+        return [*sorted({stored.relative_path for stored in index.storage_data.values()}), ".metadata"]
 
     def load_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
                     param_groups: list[dict]) -> None:

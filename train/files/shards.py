@@ -49,10 +49,10 @@ def _crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def checksum_share(folder: Path, rank: int, world: int) -> list[tuple[str, str, int]]:
-    """This rank's share of the files DCP wrote into `folder` (every world-th, by name), each read back: its name,
-    CRC32 and size. Called by every rank after the save, so the reading is spread over them."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in (STATE, CHECKSUMS))
+def checksum_share(folder: Path, names: list[str], rank: int, world: int) -> list[tuple[str, str, int]]:
+    """This rank's share of the files DCP wrote into `folder` (`names`, the same list on every rank: every world-th),
+    each read back: its name, CRC32 and size. Called by every rank after the save, so the reading is spread over
+    them."""
     return [(name, _crc32(folder / name), (folder / name).stat().st_size) for name in names[rank::world]]
 
 

@@ -152,8 +152,8 @@ class Checkpointer:
         temp = shards.temp_of(folder)
         on_main(lambda: ckpt.prepare(self.run_dir), lambda e: self._save_failed(step, e))
         try:
-            self.spread.save_shards(self.model, self.optimizer, temp)
-            share: list | str = shards.checksum_share(temp, self.rank, self.world)
+            written = self.spread.save_shards(self.model, self.optimizer, temp)
+            share: list | str = shards.checksum_share(temp, written, self.rank, self.world)
         except OSError as e:  # DCP's failure on any rank is raised on every rank; a checksum's on its own
             share = e.strerror or str(e)
         sums = gather(share)
