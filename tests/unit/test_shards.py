@@ -114,3 +114,21 @@ def test_evaluate_and_export_refuse_a_damaged_folder_in_one_line(tmp_path):
     assert str(refused.value) == (f"{path} cannot be read ({shard.name} is {shard.stat().st_size} bytes but "
                                   f"{shard.stat().st_size + 1} were saved (file truncated)): pass another checkpoint "
                                   f"of the run, model.pt or best.pt")
+
+
+def test_a_folder_is_a_runs_starting_weights_too(tmp_path):
+    """--weights step_N.dcp (the out-of-memory advice names a run's newest checkpoint): its model, read whole; the
+    manifest pins its CHECKSUMS; a damaged folder is one line."""
+    from train.cli import parse_config
+    from train.components.weights import read_weights
+    from train.files.rundir import file_digest
+
+    model, optimizer = _trained()
+    path = _save_folder(tmp_path, 4, model, optimizer)
+    state, recorded = read_weights(parse_config(["--weights", str(path)]).model)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items()) and state.keys() == \
+        model.state_dict().keys()
+    assert recorded["weights_sha256"] == file_digest(path / shards.CHECKSUMS)
+    (path / "state.pt").unlink()
+    with pytest.raises(ConfigError, match=r"cannot be read \(state.pt is missing\): give another checkpoint"):
+        read_weights(parse_config(["--weights", str(path)]).model)

@@ -29,6 +29,7 @@ from train.cluster.distributed import gather
 from train.cluster.identity import identity
 from train.config.settings import Model
 from train.data.transforms import MEAN, STD
+from train.files import shards
 from train.files.downloads import private_name, publish
 from train.files.rundir import file_digest
 
@@ -128,6 +129,12 @@ def read_weights(spec: Model, fetched: bool = True) -> tuple[dict, dict]:
     memory-mapped (fetched=False: the checks before any worker starts, which skip the SHA-256)."""
     entry = resolve(spec)
     path = fetch(entry) if entry is not None else Path(spec.weights)
+    if path.is_dir() and path.suffix == shards.SUFFIX:  # a sharded checkpoint: its model, read whole; its CHECKSUMS
+        problem = shards.verify(path)  # (every file's CRC32) is what the manifest's digest pins
+        if problem is not None:
+            raise ConfigError(f"--weights {path} cannot be read ({problem}): give another checkpoint or model.pt")
+        return shards.read_model(path), {"weights": spec.weights, "weights_file": str(path),
+                                         "weights_sha256": file_digest(path / shards.CHECKSUMS) if fetched else None}
     if not path.is_file():
         raise ConfigError(f"--weights {spec.weights}: no such file: give a model.pt, checkpoint or state_dict file, or "
                           f"torchvision weights such as ResNet50_Weights.DEFAULT")

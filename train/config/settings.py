@@ -144,8 +144,8 @@ class Model:
                                f"(default {SEGMENTATION_MODEL})")
     weights: str = _field("", "start from these weights: torchvision's by name (ResNet50_Weights.IMAGENET1K_V2, or "
                               "DEFAULT for --model's default; fetched once per node into TORCH_HOME) or a file "
-                              "(model.pt, best.pt, a checkpoint, a state_dict); a head of another class count is "
-                              "replaced; a resume ignores it")
+                              "(model.pt, best.pt, a checkpoint, a state_dict; a sharded checkpoint's step_N.dcp "
+                              "folder too); a head of another class count is replaced; a resume ignores it")
     freeze: str = _field("", "freeze parameters: backbone (all but the classifier head) or name prefixes, "
                              "comma-separated (no gradient, no optimizer state, BatchNorm statistics kept)")
     width: int = _field(32, "cnn: channels of the first stage (doubles per stage)")
