@@ -26,7 +26,7 @@ import torch
 
 from train.base.errors import ConfigError
 from train.files import shards
-from train.files.rundir import atomic_file, atomic_write, file_digest, read_status
+from train.files.rundir import atomic_file, atomic_write, file_crc32, file_digest, read_status
 from train.files.writable import FULL_BYTES
 
 log = logging.getLogger("train")
@@ -228,11 +228,7 @@ def verify(path: Path) -> str | None:
         values = dict(field.split(":", 1) for field in fields if ":" in field)
         if str(path.stat().st_size) != values.get("size"):
             return f"size {path.stat().st_size} but {values.get('size')} was saved (file truncated)"
-        crc = 0
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                crc = zlib.crc32(chunk, crc)
-        ok = f"{crc:08x}" == values.get("crc32")
+        ok = file_crc32(path) == values.get("crc32")
     return None if ok else "checksum mismatch (file corrupted)"
 
 

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,15 @@ def atomic_write(path: Path, data: bytes) -> None:
     """`data` as the file `path`, atomically (atomic_file)."""
     with atomic_file(path) as tmp:
         tmp.write_bytes(data)
+
+
+def file_crc32(path: Path) -> str:
+    """A file's CRC32, as the checkpoints' checksum files write it (8 hex digits)."""
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def file_digest(path: Path, algorithm: str = "sha256") -> str:

@@ -19,12 +19,11 @@ import os
 import re
 import shutil
 import warnings
-import zlib
 from pathlib import Path
 
 import torch
 
-from train.files.rundir import atomic_write, fsync_dir
+from train.files.rundir import atomic_write, file_crc32, fsync_dir
 
 SUFFIX = ".dcp"
 STATE = "state.pt"
@@ -41,19 +40,11 @@ def is_temp(path: Path) -> bool:
     return bool(_TEMP.fullmatch(path.name))
 
 
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
 def checksum_share(folder: Path, names: list[str], rank: int, world: int) -> list[tuple[str, str, int]]:
     """This rank's share of the files DCP wrote into `folder` (`names`, the same list on every rank: every world-th),
     each read back: its name, CRC32 and size. Called by every rank after the save, so the reading is spread over
     them."""
-    return [(name, _crc32(folder / name), (folder / name).stat().st_size) for name in names[rank::world]]
+    return [(name, file_crc32(folder / name), (folder / name).stat().st_size) for name in names[rank::world]]
 
 
 def finish(temp: Path, rest: bytes, sums: list[list[tuple[str, str, int]]]) -> Path:
@@ -61,7 +52,7 @@ def finish(temp: Path, rest: bytes, sums: list[list[tuple[str, str, int]]]) -> P
     file (the ranks' `sums`, state.pt's), fsynced, and the folder renamed into place (the checkpoints folder fsynced
     too). Returns the folder's final path."""
     atomic_write(temp / STATE, rest)
-    lines = [*(entry for share in sums for entry in share), (STATE, _crc32(temp / STATE), len(rest))]
+    lines = [*(entry for share in sums for entry in share), (STATE, file_crc32(temp / STATE), len(rest))]
     atomic_write(temp / CHECKSUMS, "".join(f"crc32:{crc} size:{size}  {name}\n"
                                            for name, crc, size in sorted(lines)).encode())
     final = temp.with_name(temp.name[1:-len(".tmp")])
@@ -90,7 +81,7 @@ def verify(folder: Path) -> str | None:
             return f"{name} is missing"
         if str(path.stat().st_size) != values["size"]:
             return f"{name} is {path.stat().st_size} bytes but {values['size']} were saved (file truncated)"
-        if _crc32(path) != values["crc32"]:
+        if file_crc32(path) != values["crc32"]:
             return f"{name}: checksum mismatch (file corrupted)"
     missing = {STATE, ".metadata"} - listed
     return f"{CHECKSUMS} does not list {', '.join(sorted(missing))}" if missing else None
