@@ -90,14 +90,15 @@ def test_a_language_model_trains_evaluates_with_continuations_and_exports_with_b
 
 
 def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_batchs_mean_of_labelled_tokens(tmp_path):
-    """Each copy window pads its end by its own amount: --grad-accum 4 at batch 8, batch 32, and 4 workers at batch 8
-    stopped after step 2 and resumed on 2 (accumulation 2 keeps the global batch), replicated (DDP) and sharded
-    (--parallel fsdp: its checkpoint gathered whole, resharded on 2), train on the same mean (the labelled tokens of
-    the whole step) at the same learning rates, in float64 to rounding (1e-9), where a mean per micro-batch is off by
-    far more; the sharded checkpoint holds the large batch's optimizer state in its format. The 4 sharded workers'
-    --checkpoint-format sharded folder (each its own shards) resumes on 2 to that run bit for bit. Every layout starts
-    from the same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the
-    block's layer norms trained beside them): those end as they started, bit for bit."""
+    """Each copy window pads its end by its own amount: --grad-accum 3 at batch 8, batch 24, and 4 workers at batch 2
+    with --grad-accum 3 stopped after step 2, resumed replicated (DDP) on 2 (accumulation 6 keeps the global batch) and
+    sharded (--parallel fsdp: its checkpoint gathered whole, resharded on 3, whose shards of 257 rows are unequal, at
+    accumulation 4), train on the same mean (the labelled tokens of the whole step) at the same learning rates, in
+    float64 to rounding (1e-9), where a mean per micro-batch is off by far more; the sharded checkpoint holds the large
+    batch's optimizer state in its format. The 4 sharded workers' --checkpoint-format sharded folder (each its own
+    shards) resumes on 3 to that run bit for bit: every weight and every optimizer tensor. Every layout starts from the
+    same --weights (loaded whole, then sharded) with the position table and block 0's attention frozen (the block's
+    layer norms trained beside them): those end as they started, bit for bit."""
     from tests.models import gpt_tiny_in_double
 
     torch.manual_seed(1)
@@ -108,18 +109,21 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     flags = ["--task", "lm", "--model", "tests.models:gpt_tiny_in_double", "--train-samples", 256, "--val-samples",
              20, "--max-steps", 4, "--eval-every", 4, "--log-every", 1, "--num-workers", 0,
              "--weights", tmp_path / "start.pt", "--freeze", "positions,blocks.0.attn"]
-    halved = ["--batch-size", 8, "--spawn", 4, "--stop-at", 2]
-    layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 4], "large": ["--batch-size", 32],
-               "halved": halved, "sharded": [*halved, "--parallel", "fsdp"],
-               "dcp": [*halved, "--parallel", "fsdp", "--checkpoint-format", "sharded"]}
+    stopped = ["--batch-size", 2, "--grad-accum", 3, "--spawn", 4, "--stop-at", 2]
+    layouts = {"accumulated": ["--batch-size", 8, "--grad-accum", 3], "large": ["--batch-size", 24],
+               "halved": stopped, "sharded": [*stopped, "--parallel", "fsdp"],
+               "dcp": [*stopped, "--parallel", "fsdp", "--checkpoint-format", "sharded"]}
     for name, layout in layouts.items():
         run(python_cmd(*flags, *layout, "--run-dir", tmp_path / name), expect=75 if "--stop-at" in layout else 0)
-    for name, spread in (("halved", []), ("sharded", ["--parallel", "fsdp"]), ("dcp", ["--parallel", "fsdp"])):
-        resumed = run(python_cmd(*flags, "--batch-size", 8, "--spawn", 2, *spread, "--run-dir", tmp_path / name))
-        assert "on 2 workers: accumulation 2 keeps the global batch of 32" in resumed.stderr, resumed.stderr[-2000:]
+    for name, spread, workers in (("halved", [], 2), ("sharded", ["--parallel", "fsdp"], 3),
+                                  ("dcp", ["--parallel", "fsdp"], 3)):
+        resumed = run(python_cmd(*flags, "--batch-size", 2, "--grad-accum", 3, "--spawn", workers, *spread,
+                                 "--run-dir", tmp_path / name))  # the same command on fewer workers
+        assert f"on {workers} workers: accumulation {24 // 2 // workers} keeps the global batch of 24" in \
+            resumed.stderr, resumed.stderr[-2000:]
     logged = {name: metrics(tmp_path / name, "train") for name in layouts}
     weights = {name: load_model(tmp_path / name) for name in layouts}
-    # the 4 workers' shards, each written by its worker (step_2.dcp), read by 2: the gathered checkpoint's run bit for
+    # the 4 workers' shards, each written by its worker (step_2.dcp), read by 3: the gathered checkpoint's run bit for
     # bit (its step 4 saved whole: a resume may change the format)
     assert [p.name for p in (tmp_path / "dcp" / "checkpoints").iterdir() if p.is_dir()] == ["step_00000002.dcp"]
     assert [(m["loss"], m["lr"]) for m in logged["dcp"]] == [(m["loss"], m["lr"]) for m in logged["sharded"]]
@@ -144,7 +148,7 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     weighed = sum(p.numel() * p.element_size() for p in network.parameters())
     assert planned["model_state_mib"]["whole"] == round((weighed + 3 * moment) / 2**20, 2)  # the trained ones' too:
     # their gradients and two moments
-    # what each attempt's fullest worker held at its first step: all of it under DDP, on 4 and on 2; sharded on 2 (the
+    # what each attempt's fullest worker held at its first step: all of it under DDP, on 4 and on 2; sharded on 3 (the
     # plan's own start) its estimate
     held = {name: [m["model_state_mib"] for m in metrics(tmp_path / name, "first_step")]
             for name in ("halved", "sharded")}
