@@ -10,10 +10,12 @@ import shutil
 import subprocess
 
 import numpy as np
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, PEAKED, PY, REPO, env_for_tests, make, python_cmd, run, status, tracked_env
+from tests.helpers import (DEBUG, PEAKED, PY, REPO, env_for_tests, make, metrics, python_cmd, run, status,
+                           tracked_env)
 from train.cluster.identity import free_port
 from train.report import figure
 
@@ -28,10 +30,41 @@ def _equal_to_the_final_evaluation(run_dir, report):
         assert report["per_class_accuracy"][name] == (confusion[i, i] / confusion[i].sum()).item()
 
 
-def test_make_evaluate_equals_the_final_evaluation_of_one_process(reference_run, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(reference_run(*DEBUG, workers=1), run_dir)  # the debug run of one process, trained once
-    proc = make("evaluate", f"RUN={run_dir}")
+@pytest.fixture(scope="module")
+def peaked(reference_run, tmp_path_factory):
+    """A copy, named exp1, of the PEAKED run of one process (trained once: its best evaluation, best.pt, came before
+    its last, model.pt), after `make evaluate RUN=... CHECKPOINT=best` then `make evaluate RUN=...`: the run
+    directory and the latter's output. Read it; evaluate copies of it elsewhere."""
+    run_dir = tmp_path_factory.mktemp("peaked") / "exp1"
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
+    make("evaluate", f"RUN={run_dir}", "CHECKPOINT=best")
+    return run_dir, make("evaluate", f"RUN={run_dir}")
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """A debug run of 2 workers (its evaluations at steps 20 and 40) with 253 validation images (its validation
+    batches twice --batch-size: 32), trained under `python -X importtime`, and three evaluations of it, each its
+    stderr a pipe: "one", model.pt on 1 worker under -X importtime, and "two-best", best.pt on 2 (--spawn), both with
+    a progress line every batch (TRAINBOX_PROGRESS_EVERY=0); "three", model.pt on 3 workers,
+    TRAINBOX_PROGRESS_EVERY=3600. The run directory, the training's stderr and {name: (stderr, report)}."""
+    root = tmp_path_factory.mktemp("counted")
+    run_dir = root / "run"
+    trained = run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--val-samples", 253, "--spawn", 2, "--run-dir",
+                                                       run_dir)[1:]])
+    every_batch, hourly = env_for_tests(TRAINBOX_PROGRESS_EVERY="0"), env_for_tests(TRAINBOX_PROGRESS_EVERY="3600")
+    evaluated = {}
+    for name, python, args, env in (("one", ["-X", "importtime"], [], every_batch),
+                                    ("two-best", [], ["--checkpoint", "best", "--spawn", "2"], every_batch),
+                                    ("three", [], ["--spawn", "3"], hourly)):
+        out = root / f"eval-{name}.json"
+        proc = run([PY, *python, "-m", "train.evaluate", str(run_dir), *args, "--out", str(out)], env=env)
+        evaluated[name] = (proc.stderr, json.loads(out.read_text()))
+    return run_dir, trained.stderr, evaluated
+
+
+def test_make_evaluate_equals_the_final_evaluation_of_one_process(peaked):
+    run_dir, proc = peaked  # make evaluate of a debug run of one process, trained once
     assert f"{run_dir}/model.pt: loss" in proc.stdout
     report = json.loads((run_dir / "eval-model.json").read_text())
     _equal_to_the_final_evaluation(run_dir, report)
@@ -42,41 +75,33 @@ def test_make_evaluate_equals_the_final_evaluation_of_one_process(reference_run,
     assert board.Scalars("eval/accuracy")[0].value == report["accuracy"]
 
 
-def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(tmp_path):
+def test_evaluate_under_torchrun_and_spawn_counts_each_sample_once(counted):
     """253 validation images on 2 workers (127 + 126, no padding): the 2-worker run's figures, from either
-    launcher; best.pt scored the same way; on 3 workers (85 + 84 + 84) and on 1, the same counts."""
-    run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--val-samples", 253, "--spawn", 2, "--run-dir", run_dir))
+    launcher (torchrun here; --spawn: best.pt, scored the same way); on 3 workers (85 + 84 + 84) and on 1, the same
+    counts (the evaluations of `counted`)."""
+    run_dir, _, evaluated = counted
     run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.evaluate",
          str(run_dir)])
     report = json.loads((run_dir / "eval-model.json").read_text())
     assert report["samples"] == 253 and report["world_size"] == 2
     _equal_to_the_final_evaluation(run_dir, report)
-    run([PY, "-m", "train.evaluate", str(run_dir), "--checkpoint", "best", "--spawn", "2"])
-    best = json.loads((run_dir / "eval-best.json").read_text())
+    best = evaluated["two-best"][1]
     recorded = status(run_dir)["best"]
-    assert (best["loss"], best["accuracy"], best["samples"]) == \
-        (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"])
+    assert (best["loss"], best["accuracy"], best["samples"], best["world_size"]) == \
+        (recorded["val_loss"], recorded["val_accuracy"], recorded["val_samples"], 2)
     # 3 workers share the 253 images unevenly, 1 takes them all: the same images counted once, the same counts.
-    counted = {}
-    for workers in (1, 3):
-        out = tmp_path / f"eval-{workers}.json"
-        run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", str(workers), "--out", str(out)])
-        counted[workers] = json.loads(out.read_text())
-    one, three = counted[1], counted[3]
+    one, three = evaluated["one"][1], evaluated["three"][1]
+    assert (one["world_size"], three["world_size"]) == (1, 3)
     assert (one["accuracy"], one["top5"], one["samples"], one["confusion"]) == \
         (three["accuracy"], three["top5"], three["samples"], three["confusion"]) == \
         (report["accuracy"], report["top5"], 253, report["confusion"])
     assert abs(one["loss"] - three["loss"]) <= 1e-6 * one["loss"]  # float32 sums in another order
 
 
-def test_make_evaluate_weights_best_scores_the_best_evaluation_not_the_last(reference_run, tmp_path):
+def test_make_evaluate_weights_best_scores_the_best_evaluation_not_the_last(peaked):
     """A run whose best evaluation (best.pt) came before its last (model.pt): CHECKPOINT=best gives the best's figures
     and CHECKPOINT=model the final ones, and the two differ."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)
-    make("evaluate", f"RUN={run_dir}", "CHECKPOINT=best")
-    make("evaluate", f"RUN={run_dir}")
+    run_dir, _ = peaked
     best, final = (json.loads((run_dir / f"eval-{w}.json").read_text()) for w in ("best", "model"))
     recorded = status(run_dir)["best"]
     assert (best["loss"], best["accuracy"], best["samples"]) == \
@@ -130,12 +155,12 @@ def test_make_evaluate_under_a_leftover_launcher_environment_or_a_bad_gpus_says_
                                               "the CPU or a positive count (GPUS=1, GPUS=4, ...)", negative.stderr
 
 
-def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_path):
+def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(reference_run, tmp_path):
     """A run folder on a shared NAS whose config.json names a module:factory (planted here, it leaves a mark when
     imported): evaluate and export refuse in one line that gives --model, and import nothing; naming the same
     factory on the command line is the user's consent; another name is refused; torchvision models need nothing."""
     run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--run-dir", run_dir))
+    shutil.copytree(reference_run(*PEAKED, workers=1), run_dir)  # a debug run of one process, trained once
     planted = tmp_path / "site"
     planted.mkdir()
     mark = tmp_path / "imported"
@@ -158,14 +183,12 @@ def test_a_run_folder_never_runs_code_unless_the_command_names_the_factory(tmp_p
     assert mark.exists() and "code outside trainbox" not in consented.stderr  # imported: the user named it
 
 
-def test_the_report_a_person_reads(reference_run, tmp_path):
+def test_the_report_a_person_reads(peaked, tmp_path):
     """make evaluate's eval-model.png is train/report/figure.py's figure of eval-model.json, pixel for pixel
     (tests/unit/test_report.py reads that figure: the labelled matrix, per-class accuracy worst first, the pairs),
     titled with the run, the checkpoint and top-1; TensorBoard has the same picture; the most confused pairs are
     the largest mistakes of the matrix, in the JSON and printed."""
-    run_dir = tmp_path / "exp1"
-    shutil.copytree(reference_run(*DEBUG, workers=1), run_dir)
-    proc = make("evaluate", f"RUN={run_dir}")
+    run_dir, proc = peaked  # exp1
     record = json.loads((run_dir / "eval-model.json").read_text())
     confusion, classes = np.array(record["confusion"]), record["classes"]
     mistakes = sorted((confusion[t, p] for t in range(len(classes)) for p in range(len(classes)) if t != p),
@@ -195,29 +218,27 @@ def _progress_lines(text: str) -> list[str]:
     return [line for line in re.split(r"[\r\n]+", text.replace("\x1b[K", "")) if line.startswith("evaluating ")]
 
 
-def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
+def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(counted, tmp_path):
     """Its stderr a pipe (a CI log, a Slurm file): a plain line every TRAINBOX_PROGRESS_EVERY seconds (0: every
     batch) with done/total, the rate and the time left, then how it ended; nothing before the first interval is
-    over (5 s by default: tests/unit/test_progress.py). On a terminal: the same line redrawn in place. With 2
-    workers, rank 0 alone shows its share."""
-    run_dir = tmp_path / "run"
-    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--val-samples", 4096, "--batch-size", 128,
-                   "--run-dir", run_dir))  # its validation batches are twice --batch-size: 16 of 256
-    every_batch = env_for_tests(TRAINBOX_PROGRESS_EVERY="0")
-    logged = run([PY, "-m", "train.evaluate", str(run_dir)], env=every_batch).stderr
+    over (5 s by default: tests/unit/test_progress.py; an hour here). On a terminal: the same line redrawn in place.
+    With 2 workers, rank 0 alone shows its share. (The evaluations of `counted`: 253 images, 8 batches of 32.)"""
+    run_dir, _, evaluated = counted
+    logged = evaluated["one"][0]
     lines = _progress_lines(logged)
-    assert len(lines) == 17 and "\r" not in logged and "\x1b" not in logged, logged
+    assert len(lines) == 9 and "\r" not in logged and "\x1b" not in logged, logged
     for done, line in enumerate(lines[:-1], 1):
-        assert re.fullmatch(rf"evaluating model.pt \(4096 images\): {done}/16 batches \({100 * done / 16:.1f}%\), "
+        assert re.fullmatch(rf"evaluating model.pt \(253 images\): {done}/8 batches \({100 * done / 8:.1f}%\), "
                             rf"[0-9.,]+ batches/s, ETA \d+ s", line), line
-    assert re.fullmatch(r"evaluating model.pt \(4096 images\): 16/16 batches \(100\.0%\), [0-9.,]+ batches/s, "
+    assert re.fullmatch(r"evaluating model.pt \(253 images\): 8/8 batches \(100\.0%\), [0-9.,]+ batches/s, "
                         r"\d+ s", lines[-1]), lines[-1]
-    hourly = run([PY, "-m", "train.evaluate", str(run_dir)], env=env_for_tests(TRAINBOX_PROGRESS_EVERY="3600"))
-    assert _progress_lines(hourly.stderr) == [], hourly.stderr  # nothing before the first interval is over
+    hourly = evaluated["three"][0]
+    assert _progress_lines(hourly) == [], hourly  # nothing before the first interval is over
 
     controller, terminal = pty.openpty()
-    proc = subprocess.Popen([PY, "-m", "train.evaluate", str(run_dir)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=terminal, env=every_batch, cwd=REPO)
+    proc = subprocess.Popen([PY, "-m", "train.evaluate", str(run_dir), "--out", str(tmp_path / "eval.json")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal,
+                            env=env_for_tests(TRAINBOX_PROGRESS_EVERY="0"), cwd=REPO)
     os.close(terminal)
     seen = b""
     while True:
@@ -232,32 +253,32 @@ def test_an_evaluation_shows_its_progress_in_a_log_and_on_a_terminal(tmp_path):
     assert proc.wait(timeout=120) == 0
     shown = seen.decode()
     redraws = re.findall(r"\r(evaluating [^\r\n]*?)\x1b\[K", shown)  # the line redrawn, the rest erased
-    assert [line.split(": ")[1].split()[0] for line in redraws] == [f"{n}/16" for n in range(1, 17)] + ["16/16"]
+    assert [line.split(": ")[1].split()[0] for line in redraws] == [f"{n}/8" for n in range(1, 9)] + ["8/8"]
     assert "\n" not in shown[shown.index("\revaluating"):shown.rindex("\revaluating")]  # one line, drawn over
     assert "ETA" not in redraws[-1] and re.search(r", \d+ s$", redraws[-1]) and shown.endswith("\r\n")
 
-    two = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", "2"], env=every_batch).stderr
+    two = evaluated["two-best"][0]
     lines = _progress_lines(two)
-    assert len(lines) == 9 and all(line.startswith("evaluating model.pt (rank 0's share of 4096 images): ")
-                                   for line in lines), two  # rank 0's 2048 images in 8 batches, once
+    assert len(lines) == 5 and all(line.startswith("evaluating best.pt (rank 0's share of 253 images): ")
+                                   for line in lines), two  # rank 0's 127 images in 4 batches, once
 
 
-def test_training_never_imports_matplotlib_and_the_evaluation_command_does(tmp_path):
+def test_training_never_imports_matplotlib_and_the_evaluation_command_does(counted):
     """The report's plotting library is the evaluation command's alone: a training run, evaluations included,
-    never loads it (nor train.report.figure)."""
-    def imported(proc) -> set[str]:
-        return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    never loads it (nor train.report.figure). (`counted`'s run and its evaluation on 1 worker, under -X importtime.)"""
+    def imported(stderr: str) -> set[str]:
+        return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
 
-    run_dir = tmp_path / "run"
-    trained = imported(run([PY, "-X", "importtime", *python_cmd(*DEBUG, "--max-steps", 4, "--eval-every", 2,
-                                                                "--run-dir", run_dir)[1:]]))
+    run_dir, trained, evaluated = counted
+    trained = imported(trained)
     assert "torch" in trained and "train.run.validate" in trained and status(run_dir)["state"] == "done"
+    assert [m["step"] for m in metrics(run_dir, "eval")] == [20, 40]  # evaluations included
     assert not {m for m in trained if m.split(".")[0] == "matplotlib" or m == "train.report.figure"}
-    evaluated = imported(run([PY, "-X", "importtime", "-m", "train.evaluate", str(run_dir)]))
+    evaluated = imported(evaluated["one"][0])
     assert {"matplotlib.pyplot", "train.report.figure"} <= evaluated  # the control: it is seen where it is imported
 
 
-def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_path):
+def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, reference_run, tmp_path):
     """A run tracked in MLflow: the evaluation's scores as metrics eval-<checkpoint>/..., its JSON and PNG as
     artifacts in eval-<checkpoint>/, in the run's own MLflow run, on the server MLFLOW_TRACKING_URI names, else the
     one the run was tracked at. A server that does not answer is one warning, and the files are written all the
@@ -292,6 +313,6 @@ def test_a_tracked_runs_evaluation_goes_to_its_mlflow_run(mlflow_server, tmp_pat
     assert (run_dir / "eval-best.json").is_file() and "MLflow run" not in down.stdout
 
     untracked = tmp_path / "untracked"
-    run(python_cmd(*DEBUG, "--max-steps", 2, "--eval-every", 0, "--run-dir", untracked))
+    shutil.copytree(reference_run(*PEAKED, workers=1), untracked)  # a debug run trained once, untracked
     alone = run([PY, "-m", "train.evaluate", str(untracked)], env=env)
     assert "MLflow" not in alone.stdout + alone.stderr and not (untracked / "mlflow.json").exists()

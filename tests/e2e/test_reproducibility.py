@@ -11,6 +11,9 @@ import torch
 from tests.helpers import (DEBUG, PY, assert_bit_identical, assert_same_final_figures, load_model, metrics, python_cmd,
                            run, status)
 
+# A norm-free user model in float64, a loss logged every step: the runs that must equal one worker's larger batch.
+GROUPNORM = [*DEBUG, "--model", "tests.models:tiny_groupnorm_cnn_in_double", "--log-every", 1, "--max-steps", 30]
+
 
 @pytest.fixture
 def reference_2ranks(reference_run):
@@ -62,29 +65,36 @@ def test_what_the_fork_server_imports_makes_no_cuda_call():
     assert run([PY, "-c", probe]).stdout == "no CUDA call\n"
 
 
-@pytest.mark.parametrize("stop_at", [13, 21], ids=["mid-epoch-0", "mid-epoch-1"])
-def test_stop_and_resume_equals_one_uninterrupted_run(reference_2ranks, tmp_path, stop_at):
+def test_stop_and_resume_equals_one_uninterrupted_run(reference_2ranks, tmp_path):
+    """Stopped mid-epoch 0 (step 13), resumed and stopped again mid-epoch 1 (step 21, after step 20's evaluation),
+    then resumed to the end: each stop leaves a stopped run and no model.pt, each resume starts from the stop's
+    checkpoint, and the run equals the uninterrupted one bit for bit."""
     # The debug preset has 16 steps per epoch with 2 workers: both stops fall inside an epoch.
     run_dir = tmp_path / "resumed"
-    run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
-    stopped = status(run_dir)
-    best = stopped.pop("best", None)  # the evaluation of step 20, if the run got there
-    assert stopped.pop("updated").startswith(time.strftime("%Y-%m-%dT"))  # when it was written
-    assert stopped == {"state": "stopped", "step": stop_at, "max_steps": 40, "exit_code": 75}
-    assert (best and best["step"]) == (20 if stop_at > 20 else None)
-    assert not (run_dir / "model.pt").exists()
+    for stop_at, resumed_from in ((13, None), (21, 13)):
+        proc = run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
+        if resumed_from:
+            assert f"resumed from {run_dir}/checkpoints/step_{resumed_from:08d}.pt" in proc.stderr
+        stopped = status(run_dir)
+        best = stopped.pop("best", None)  # the evaluation of step 20, if the run got there
+        assert stopped.pop("updated").startswith(time.strftime("%Y-%m-%dT"))  # when it was written
+        assert stopped == {"state": "stopped", "step": stop_at, "max_steps": 40, "exit_code": 75}
+        assert (best and best["step"]) == (20 if stop_at > 20 else None)
+        assert not (run_dir / "model.pt").exists()
     resumed = run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir))
-    assert f"resumed from {run_dir}/checkpoints/step_{stop_at:08d}.pt" in resumed.stderr
+    assert f"resumed from {run_dir}/checkpoints/step_00000021.pt" in resumed.stderr
     assert status(run_dir)["state"] == "done"
     assert_bit_identical(run_dir, reference_2ranks)
 
 
-@pytest.mark.parametrize("stop_at", [20, 40], ids=["before-an-evaluation", "before-the-final-evaluation"])
-def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(reference_2ranks, tmp_path, stop_at):
+def test_an_evaluation_right_after_a_resume_equals_the_uninterrupted_one(reference_2ranks, tmp_path):
     """Stopped (or killed) just before an evaluation, the resumed run evaluates before any training step:
-    every rank must use the statistics the checkpoint holds, as the uninterrupted run does."""
+    every rank must use the statistics the checkpoint holds, as the uninterrupted run does. Stopped before step
+    20's evaluation, resumed and stopped again before the final one (step 40), then resumed: both evaluations
+    right after a resume equal the uninterrupted run's."""
     run_dir = tmp_path / "resumed"
-    run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
+    for stop_at in (20, 40):
+        run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir, "--stop-at", stop_at), expect=75)
     run(python_cmd(*DEBUG, "--spawn", 2, "--run-dir", run_dir))
     assert_bit_identical(run_dir, reference_2ranks)
     assert_same_final_figures(run_dir, reference_2ranks)
@@ -115,8 +125,9 @@ def _same_to_rounding(run_dir, reference, step: int) -> None:
     """Every tensor of step `step`'s checkpoint, BatchNorm's running statistics too, within float64's rounding of the
     reference's (1e-9 on any CPU: two samples swapped moved them by 3e-3 and more), its counts equal; the final
     evaluation's figures equal (the counts) or to rounding (the loss, summed in float32 in another order)."""
-    weights, reference_weights = (dict(torch.load(d / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"])
-                                  for d in (run_dir, reference))
+    weights, reference_weights = (
+        dict(torch.load(d / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"])
+        for d in (run_dir, reference))
     statistics = [name for name in reference_weights if "running_" in name]
     assert statistics and all(reference_weights[name].dtype == torch.float64 for name in reference_weights
                               if reference_weights[name].is_floating_point())
@@ -179,9 +190,9 @@ def test_a_segmentation_run_resumed_on_twice_its_workers_keeps_its_running_stati
     """The other way and the other task: a segmentation network with BatchNorm in float64, --grad-accum 2 asked for at
     2 workers, stopped and resumed on 4 (accumulation 1): weights, running statistics and the final evaluation equal
     the uninterrupted run's to rounding."""
-    flags = ["--task", "segmentation", "--model", "tests.models:tiny_segmenter_with_batchnorm_in_double", "--image-size",
-             16, "--batch-size", 4, "--grad-accum", 2, "--max-steps", 12, "--eval-every", 12, "--save-every", 4,
-             "--train-samples", 256, "--val-samples", 40, "--lr", 0.05]
+    flags = ["--task", "segmentation", "--model", "tests.models:tiny_segmenter_with_batchnorm_in_double",
+             "--image-size", 16, "--batch-size", 4, "--grad-accum", 2, "--max-steps", 12, "--eval-every", 12,
+             "--save-every", 4, "--train-samples", 256, "--val-samples", 40, "--lr", 0.05]
     straight = reference_run(*flags, workers=2)
     resumed = tmp_path / "resumed"
     run(python_cmd(*flags, "--spawn", 2, "--run-dir", resumed, "--stop-at", 5), expect=75)
@@ -206,28 +217,25 @@ def test_deterministic_reduction_does_not_depend_on_the_bucket_size(tmp_path):
     assert not equal(model(cap=1), model(cap=25))
 
 
-def test_two_workers_match_one_worker_with_twice_the_batch(tmp_path):
+def test_two_workers_match_one_worker_with_twice_the_batch(reference_run, tmp_path):
     # BatchNorm statistics depend on the per-worker batch, so this uses a norm-free user model (which also exercises
     # --model package.module:factory), in float64: the two runs sum in another order, which float64's rounding keeps
     # far below the tolerance on any CPU; each step's loss is logged as float32 (1e-6: a few of its ulps at 2.3).
-    common = [*DEBUG, "--model", "tests.models:tiny_groupnorm_cnn_in_double", "--log-every", 1, "--max-steps", 30]
-    two, one = tmp_path / "two", tmp_path / "one"
-    run(python_cmd(*common, "--spawn", 2, "--batch-size", 16, "--run-dir", two))
-    run(python_cmd(*common, "--batch-size", 32, "--run-dir", one))
-    a, b = metrics(two, "train"), metrics(one, "train")
+    two = tmp_path / "two"
+    run(python_cmd(*GROUPNORM, "--spawn", 2, "--batch-size", 16, "--run-dir", two))
+    a, b = metrics(two, "train"), metrics(reference_run(*GROUPNORM, "--batch-size", 32, workers=1), "train")
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 31))
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-6, (x["step"], x["loss"], y["loss"])
     assert a[-1]["loss"] < a[0]["loss"] - 0.1  # and it did learn
 
 
-def test_gradient_accumulation_matches_the_large_batch(tmp_path):
-    # 2 workers x 2 micro-batches of 8 (the first under DDP's no_sync) == 1 worker x 32, in float64 as above.
-    common = [*DEBUG, "--model", "tests.models:tiny_groupnorm_cnn_in_double", "--log-every", 1, "--max-steps", 20]
-    accum, one = tmp_path / "accum", tmp_path / "one"
-    run(python_cmd(*common, "--spawn", 2, "--batch-size", 8, "--grad-accum", 2, "--run-dir", accum))
-    run(python_cmd(*common, "--batch-size", 32, "--run-dir", one))
-    a, b = metrics(accum, "train"), metrics(one, "train")
-    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 21))
+def test_gradient_accumulation_matches_the_large_batch(reference_run, tmp_path):
+    # 2 workers x 2 micro-batches of 8 (the first under DDP's no_sync) == 1 worker x 32 (the run the test above
+    # compares with), in float64 as above.
+    accum = tmp_path / "accum"
+    run(python_cmd(*GROUPNORM, "--spawn", 2, "--batch-size", 8, "--grad-accum", 2, "--run-dir", accum))
+    a, b = metrics(accum, "train"), metrics(reference_run(*GROUPNORM, "--batch-size", 32, workers=1), "train")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, 31))
     for x, y in zip(a, b, strict=True):
         assert abs(x["loss"] - y["loss"]) < 1e-6, (x["step"], x["loss"], y["loss"])
