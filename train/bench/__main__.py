@@ -56,8 +56,8 @@ SIZES = {
              "per_block": 5, "files": 3000, "loader_batches": 30, "gpu_batch": 256, "gpu_steps": 80,
              "photos": 600, "many_files": 50_000, "gpu_photos": 5120, "camera_photos": 40,
              "lm_samples": 2048, "lm_batch": 32, "quick": False},
-    "quick": {"steps": 8, "window": 2, "warmup": 1, "samples": 512, "width": 8, "batch": 16, "blocks": 3,
-              "per_block": 2, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
+    "quick": {"steps": 2, "window": 1, "warmup": 1, "samples": 128, "width": 8, "batch": 16, "blocks": 2,
+              "per_block": 1, "files": 120, "loader_batches": 3, "gpu_batch": 32, "gpu_steps": 8,
               "photos": 24, "many_files": 600, "gpu_photos": 64, "camera_photos": 4,
               "lm_samples": 64, "lm_batch": 4, "quick": True},
 }
@@ -99,22 +99,28 @@ def row_groups(ns: argparse.Namespace, out: Path, size: dict, bars: dict) -> lis
     fills `bars`, the scaling chart's)."""
     import torch  # noqa: PLC0415 - the rows' modules, once the command line is read
 
+    from train.bench.arms import bare_arms_at_once  # noqa: PLC0415
     from train.bench.camera import camera_rows  # noqa: PLC0415
-    from train.bench.cpu import checkpoint_rows, comm_rows, trainer_rows  # noqa: PLC0415
+    from train.bench.cpu import checkpoint_rows, comm_rows, shapes_bare, trainer_rows  # noqa: PLC0415
     from train.bench.gpu import gpu_rows, jpeg_rows  # noqa: PLC0415
     from train.bench.photos import photo_rows  # noqa: PLC0415
     from train.bench.pipeline import pipeline_rows, shard_rows  # noqa: PLC0415
-    from train.bench.pixels import segmentation_rows  # noqa: PLC0415
+    from train.bench.pixels import segmentation_bare, segmentation_rows  # noqa: PLC0415
     from train.bench.sources import source_rows  # noqa: PLC0415
-    from train.bench.tokens import lm_rows, sharding_rows  # noqa: PLC0415
+    from train.bench.tokens import lm_bare, lm_rows, sharding_rows  # noqa: PLC0415
 
     groups = []
     if not ns.gpu_only:
+        def bare_group():  # --quick: every bare loop below in one launch; each row takes its own (arms.bare_arm)
+            bare_arms_at_once(out, [shapes_bare(size), segmentation_bare(size), *lm_bare(out, size)])
+            return []
+
         def trainer_group():
             loop, exactness, recipe, measured = trainer_rows(out, size, ns.rounds)
             bars.update(measured)
             return [*loop, *comm_rows(out, size), *exactness, *recipe]
 
+        groups += [bare_group] if size["quick"] else []
         groups += [trainer_group, lambda: segmentation_rows(out, size, ns.rounds),
                    lambda: lm_rows(out, size, ns.rounds), lambda: sharding_rows(out, size),
                    lambda: pipeline_rows(out, size, ns.rounds),

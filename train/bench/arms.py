@@ -39,11 +39,21 @@ def _init(rank: int, world: int, port: int, threads: int) -> None:
     join_group("gloo", rank, world)
 
 
-def _bare_worker(rank: int, spec: dict) -> None:
-    """The tutorial's DDP loop on the trainer's model and in-memory data; per-window step times."""
+def _bare_worker(rank: int, specs: list[dict]) -> None:
+    """The tutorial's DDP loop of each spec in turn, in one process group (one spec but under --quick:
+    bare_arms_at_once); rank 0 writes each one's per-window step times to its "out"."""
+    _init(rank, specs[0]["world"], specs[0]["port"], specs[0]["threads"])
+    for spec in specs:
+        result = _bare_loop(rank, spec)  # its model and optimizer go as it returns: each DDP reducer goes while
+        if rank == 0:  # every peer is still in the group (Trainer.release)
+            Path(spec["out"]).write_text(json.dumps(result))
+    destroy_and_leave_together()
 
+
+def _bare_loop(rank: int, spec: dict) -> dict:
+    """The tutorial's DDP loop on the trainer's model and in-memory data: its per-window step times and its first
+    step's time from the launch."""
     world, started = spec["world"], spec["launched"]
-    _init(rank, world, spec["port"], spec["threads"])
     torch.manual_seed(0)
     if spec.get("task") == "segmentation":  # the tutorial loop on torchvision's LRASPP and the shapes' masks
         images, labels = make_shape_masks(spec["samples"], spec["image_size"], seed=1)
@@ -83,10 +93,7 @@ def _bare_worker(rank: int, spec: dict) -> None:
         if (step + 1) % spec["window"] == 0:
             times.append((time.perf_counter() - window) / spec["window"])
             window = time.perf_counter()
-    if rank == 0:
-        Path(spec["out"]).write_text(json.dumps({"step_times": times, "first_step_s": first}))
-    del model, optimizer  # the reducer goes while every peer is still in the group (Trainer.release)
-    destroy_and_leave_together()
+    return {"step_times": times, "first_step_s": first}
 
 
 def fsdp2(model: Gpt, world: int) -> Gpt:
@@ -146,11 +153,13 @@ def text_windows(corpus: Path, context: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def bare_main(spec_json: str) -> None:
+    """--bare: one spec (bare_arm), or a list of them run in turn by the same ranks (bare_arms_at_once)."""
     spec = json.loads(spec_json)
-    if spec.get("gpu"):
+    if isinstance(spec, dict) and spec.get("gpu"):
         _bare_gpu(spec)
     else:
-        mp.start_processes(_bare_worker, args=(spec,), nprocs=spec["world"], start_method="spawn")
+        specs = spec if isinstance(spec, list) else [spec]
+        mp.start_processes(_bare_worker, args=(specs,), nprocs=specs[0]["world"], start_method="spawn")
 
 
 # ---------------------------------------------------------------- running arms
@@ -171,23 +180,54 @@ def run_timed(cmd: list[str], what: str) -> None:
     print(f"bench: {time.monotonic() - started:5.1f} s  {what}", file=sys.stderr, flush=True)
 
 
+def arm_dir(out: Path, tag: str, r: int) -> Path:
+    """Where the trainer arm `tag` of round r runs (a row may read another's run: --quick)."""
+    return out / "runs" / f"{tag}-{r}"
+
+
 def trainer_arm(run_dir: Path, args: list, warmup: int) -> dict:
     """Run the trainer in an empty run dir; its own metrics give per-window step time, data wait and GPU use."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a reused --out would resume the old run and read its metrics
     launched = time.time()
     run_timed([PY, "-m", "train", *map(str, args), "--run-dir", str(run_dir)], f"trainer {' '.join(map(str, args))}")
+    return arm_result(run_dir, warmup, launched)
+
+
+def arm_result(run_dir: Path, warmup: int, launched: float | None = None) -> dict:
+    """A trainer run's own metrics, the first `warmup` windows dropped; the time to its first step from `launched`
+    (None without it)."""
     lines = read_metrics(run_dir, strict=True)
     train = [m for m in lines if m["kind"] == "train"][warmup:]
     first = next(m for m in lines if m["kind"] == "first_step")
     return {"step_times": [m["step_time_s"] for m in train], "data_wait": [m["data_wait_frac"] for m in train],
             "gpu_util": [m["gpu0_util"] for m in train if "gpu0_util" in m],
-            "first_step_s": first["time"] - launched, "settle_s": first["settle_s"]}
+            "first_step_s": None if launched is None else first["time"] - launched, "settle_s": first["settle_s"]}
+
+
+# The bare arms bare_arms_at_once ran, by their spec, until bare_arm asks for each (once)
+_READY: dict[str, dict] = {}
+
+
+def bare_arms_at_once(out: Path, specs: list[dict]) -> None:
+    """--quick: the bare arms of `specs` in one launch (their ranks start and import once), each spec in turn in the
+    same process group; bare_arm then hands back a spec's result instead of launching it, once. The specs share
+    world and threads; the first one's time to its first step is from the launch, as bare_arm's."""
+    if len({(spec["world"], spec["threads"]) for spec in specs}) != 1:
+        raise ValueError("bare arms launched together share their world size and threads")
+    port, launched = free_port(), time.time()
+    runs = [{**spec, "out": str(out / f"bare-at-once-{i}.json"), "port": port, "launched": launched}
+            for i, spec in enumerate(specs)]
+    run_timed([PY, "-m", "train.bench", "--bare", json.dumps(runs)], f"the bare loop ({len(runs)} arms in turn)")
+    for spec, ran in zip(specs, runs, strict=True):
+        _READY[json.dumps(spec, sort_keys=True)] = json.loads(Path(ran["out"]).read_text())
 
 
 def bare_arm(out: Path, spec: dict, warmup: int) -> dict:
-    spec = {**spec, "out": str(out), "port": free_port(), "launched": time.time()}
-    run_timed([PY, "-m", "train.bench", "--bare", json.dumps(spec)], "the bare loop")
-    result = json.loads(out.read_text())
+    result = _READY.pop(json.dumps(spec, sort_keys=True), None)
+    if result is None:
+        spec = {**spec, "out": str(out), "port": free_port(), "launched": time.time()}
+        run_timed([PY, "-m", "train.bench", "--bare", json.dumps(spec)], "the bare loop")
+        result = json.loads(out.read_text())
     result["step_times"] = result["step_times"][warmup:]
     return result
 
@@ -197,7 +237,7 @@ def interleaved(out: Path, tag: str, trainer: list, bare: dict, rounds: int, war
     loop's median step over the trainer's, per round; each arm's median step per round)."""
     ratios, steps = [], {"bare": [], "trainbox": []}
     for r in range(rounds):
-        steps["trainbox"].append(median(trainer_arm(out / "runs" / f"{tag}-{r}", trainer, warmup)["step_times"]))
+        steps["trainbox"].append(median(trainer_arm(arm_dir(out, tag, r), trainer, warmup)["step_times"]))
         steps["bare"].append(median(bare_arm(out / f"{tag}-bare-{r}.json", bare, warmup)["step_times"]))
         ratios.append(steps["bare"][-1] / steps["trainbox"][-1])
     return ratios, steps

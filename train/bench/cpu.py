@@ -16,13 +16,25 @@ import torchvision
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.bench.arms import _init, bare_arm, free_port, median, row, trainer_arm
+from train.bench.arms import _init, arm_dir, bare_arm, free_port, median, row, trainer_arm
 from train.cluster.distributed import destroy_and_leave_together
+from train.cluster.forkserver import start_fork_server
 from train.components.models import SmallCNN
 from train.files import checkpoint_io as ckpt
 
 
 # ---------------------------------------------------------------- CPU rows
+
+# The trainer arm of 1 rank x 2 threads (its run: arm_dir(out, ONE_RANK, r)); --quick's built-in input headroom
+# reads its step (train/bench/pipeline.py)
+ONE_RANK = "trainer-1x2"
+
+
+def shapes_bare(size: dict) -> dict:
+    """The trainer rows' bare loop: 2 ranks x 1 thread, the trainer arms' model, data, batch and steps."""
+    return {"world": 2, "threads": 1, "samples": size["samples"], "image_size": 32, "width": size["width"],
+            "batch": size["batch"], "steps": size["steps"], "window": size["window"]}
+
 
 def _trainer_arms(out: Path, size: dict, rounds: int) -> dict[str, list[dict]]:
     """One run of each arm per round, interleaved: {arm: its runs' results}."""
@@ -30,8 +42,7 @@ def _trainer_arms(out: Path, size: dict, rounds: int) -> dict[str, list[dict]]:
     common = ["--max-steps", size["steps"], "--log-every", w, "--eval-every", 0, "--save-every", 10**6,
               "--grad-clip", 0, "--train-samples", size["samples"], "--val-samples", 256, "--width", size["width"],
               "--batch-size", size["batch"]]  # no clipping: the bare loop has none
-    bare = {"world": 2, "threads": 1, "samples": size["samples"], "image_size": 32, "width": size["width"],
-            "batch": size["batch"], "steps": size["steps"], "window": w}
+    bare = shapes_bare(size)
     two = ["--spawn", 2, "--threads", 1]
     arms = {"trainer 2x1": two, "bare 2x1": None, "trainer 1x1": ["--threads", 1], "trainer 1x2": ["--threads", 2],
             "deterministic 2x1": [*two, "--deterministic"], "ema 2x1": [*two, "--model-ema", "--model-ema-steps", 1],
@@ -43,7 +54,7 @@ def _trainer_arms(out: Path, size: dict, rounds: int) -> dict[str, list[dict]]:
             if extra is None:
                 results[name].append(bare_arm(out / f"{tag}-{r}.json", bare, size["warmup"]))
             else:
-                results[name].append(trainer_arm(out / "runs" / f"{tag}-{r}", [*common, *extra], size["warmup"]))
+                results[name].append(trainer_arm(arm_dir(out, tag, r), [*common, *extra], size["warmup"]))
     return results
 
 
@@ -168,11 +179,13 @@ def _comm_blocks(spec: dict) -> dict[str, list[float]]:
 
 def comm_rows(out: Path, size: dict) -> list[dict]:
     results = {}
+    # The ranks fork from a server that imported torch and this module once (the rows time blocks, not the start)
+    start_fork_server(["train.bench.cpu"])
     for world, threads in ((1, 2), (2, 1)):
         spec = {"world": world, "threads": threads, "batch": size["batch"], "width": size["width"],
                 "blocks": size["blocks"], "per_block": size["per_block"], "port": free_port(),
                 "out": str(out / f"comm-{world}.json")}
-        mp.start_processes(_comm_worker, args=(spec,), nprocs=world, start_method="spawn")
+        mp.start_processes(_comm_worker, args=(spec,), nprocs=world, start_method="forkserver")
         results[world] = json.loads(Path(spec["out"]).read_text())
     one, two = results[1], results[2]
     wrapper = [p / d for p, d in zip(one["plain"], one["ddp"], strict=True)]

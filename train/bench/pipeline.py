@@ -9,7 +9,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from train.bench.arms import drain, median, row, trainer_arm
+from train.bench.arms import arm_dir, arm_result, drain, median, row, trainer_arm
+from train.bench.cpu import ONE_RANK
 from train.cli import parse_config
 from train.data import SHAPE_CLASSES, build_datasets, make_shapes
 from train.loading import build_train_loader, default_num_workers, sampling
@@ -64,6 +65,9 @@ def epoch_start(cfg_args: list, persistent: bool, epochs: int) -> float:
 
 
 def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
+    """Each loader against the trainer's consumption of it, the data wait of the default ImageFolder run and an
+    epoch's start. --quick: the built-in set's consumption is the trainer rows' run on 1 rank x 2 threads (the same
+    model, data and batch; the cores' threads on 2 cores), where the bench starts no run of its own for it."""
     model = ["--width", size["width"], "--batch-size", size["batch"]]
     _cifar_like(out / "cifar-like", size["files"], 200)
     folder = ["--dataset", "imagefolder", "--data-dir", out / "cifar-like", *model]
@@ -79,7 +83,11 @@ def pipeline_rows(out: Path, size: dict, rounds: int) -> list[dict]:
         restart.append(fresh / kept)
         for name, args in (("imagefolder", folder), ("shapes", builtin)):
             alone = loader_alone(args, size["loader_batches"])
-            trained = trainer_arm(out / "runs" / f"pipeline-{name}-{r}", [*args, *run], size["warmup"])
+            shared = arm_dir(out, ONE_RANK, r)
+            if name == "shapes" and size["quick"] and shared.is_dir():  # the trainer rows' run, 1 rank x 2 threads
+                trained = arm_result(shared, size["warmup"])
+            else:
+                trained = trainer_arm(arm_dir(out, f"pipeline-{name}", r), [*args, *run], size["warmup"])
             consumed = size["batch"] / median(trained["step_times"])
             headroom[name].append(alone / consumed)
             if name == "imagefolder":
@@ -118,7 +126,7 @@ def first_batch_and_epoch(cfg_args: list) -> tuple[float, float]:
 def shard_rows(out: Path, size: dict, rounds: int) -> list[dict]:
     """Packed shards vs the same loose files (CIFAR-sized PNGs), through the trainer's loader."""
     loose, packed = out / "many-files", out / "many-files-shards"
-    _cifar_like(loose, size["many_files"], 1000)
+    _cifar_like(loose, size["many_files"], min(1000, size["many_files"] // 6))
     if not (packed / "index.json").exists():
         shutil.rmtree(packed, ignore_errors=True)
         pack(loose, packed)

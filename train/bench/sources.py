@@ -115,7 +115,7 @@ def source_rows(out: Path, size: dict, rounds: int) -> list[dict]:
         started = time.perf_counter()
         datasets[name] = build_datasets(parse_config(list(map(str, [*flags, *common]))))[0]
         listed[name] = time.perf_counter() - started
-    count = min(len(datasets["imagefolder"]), 600 if size["quick"] else 5000)
+    count = min(len(datasets["imagefolder"]), 100 if size["quick"] else 5000)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     speeds: dict[str, list[float]] = {name: [] for name in arms}
