@@ -26,10 +26,10 @@ from train.files import checkpoint_io as ckpt
 FAULT = LONG
 
 
-def launch_cmd(workers: int, run_dir: Path, *extra, restarts: int | None = None) -> list[str]:
+def launch_cmd(workers: int, run_dir: Path, *extra, restarts: int | None = None, args=FAULT) -> list[str]:
     """What `make train GPUS=N ARGS=...` runs (torchrun, with its default restarts unless given)."""
     flags = [] if restarts is None else ["--max-restarts", str(restarts)]
-    return [PY, "-m", "train.launch", "--gpus", str(workers), *flags, "--", *map(str, FAULT), *map(str, extra),
+    return [PY, "-m", "train.launch", "--gpus", str(workers), *flags, "--", *map(str, args), *map(str, extra),
             "--run-dir", str(run_dir)]
 
 
@@ -80,6 +80,15 @@ def reference(reference_run) -> Path:
     return reference_run(*FAULT)
 
 
+@pytest.fixture(scope="module")
+def stopped_at_60(tmp_path_factory) -> Path:
+    """FAULT on one process, stopped at step 60 (exit 75) with its checkpoints of steps 20, 40 and 60: each test
+    that starts from it works on a copy of its own."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    run(python_cmd(*FAULT, "--stop-at", 60, "--run-dir", run_dir), expect=75)
+    return run_dir
+
+
 def manual_ranks(world: int, run_dir: Path, *extra) -> list[subprocess.Popen]:
     """Each rank a plain process with RANK/WORLD_SIZE set, as any external launcher starts them, and no
     launcher watching over them: what the trainer alone does when a peer fails."""
@@ -122,11 +131,13 @@ def test_a_killed_worker_is_restarted_each_time_and_the_run_ends_bit_identical(r
 
 
 def test_with_three_workers_deterministic_mode_survives_a_kill_bit_identically(reference_run, tmp_path):
-    extra = ["--deterministic"]
-    straight = reference_run(*FAULT, *extra, workers=3)
+    """--deterministic, rank 2 of 3 killed -9 past step 50 of 120: torchrun restarts the workers, they resume from a
+    checkpoint, and the end is the uninterrupted run's bit for bit."""
+    args = [*FAULT, "--max-steps", 120, "--deterministic"]
+    straight = reference_run(*args, workers=3)
     run_dir = tmp_path / "run"
-    proc = start(launch_cmd(3, run_dir, *extra))
-    wait_for(reached_step(run_dir, 90), 180, "step 90", proc)
+    proc = start(launch_cmd(3, run_dir, args=args))
+    wait_for(reached_step(run_dir, 50), 180, "step 50", proc)
     os.kill(worker_pid(proc, 2), signal.SIGKILL)
     out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-4000:]
@@ -280,26 +291,30 @@ def test_a_worker_killed_during_an_evaluation_restarts_and_ends_bit_identical(re
     assert status(run_dir)["best"] == status(reference)["best"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(reference_run, tmp_path, damage):
-    single = [*FAULT, "--save-every", 40]
-    straight = reference_run(*FAULT, workers=1)  # checkpoints do not change the weights: any --save-every
-    run_dir = tmp_path / "run"
-    run(python_cmd(*single, "--stop-at", 120, "--run-dir", run_dir), expect=75)
-    newest = run_dir / "checkpoints" / "step_00000120.pt"
-    data = bytearray(newest.read_bytes())
-    if damage == "flip":
+def _damage(checkpoint: Path, how: str) -> None:
+    data = bytearray(checkpoint.read_bytes())
+    if how == "flip":
         for i in range(1000, len(data), 7919):
             data[i] ^= 0xFF
-        newest.write_bytes(bytes(data))
+        checkpoint.write_bytes(bytes(data))
     else:
-        newest.write_bytes(bytes(data[: len(data) // 2]))
-    resumed = run(python_cmd(*single, "--run-dir", run_dir))
-    warnings = [line for line in resumed.stderr.splitlines() if "skipping checkpoint" in line]
-    assert len(warnings) == 1 and "step_00000120.pt: " in warnings[0]
-    assert ("checksum mismatch" if damage == "flip" else "file truncated") in warnings[0]
-    assert "resumed from" in resumed.stderr and "step_00000080.pt" in resumed.stderr
-    assert_bit_identical(run_dir, straight)
+        checkpoint.write_bytes(bytes(data[: len(data) // 2]))
+
+
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_used(reference_run, stopped_at_60, tmp_path):
+    """A stopped run's newest checkpoint (step 60) with bits flipped; resumed, stopped again at step 100, its newest
+    (step 100) cut in half: each time one warning line names it and why (its CRC32, its size), the one before it is
+    used (step 40, then 80), and the end is bit-identical to a run never interrupted."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_60, run_dir)
+    for damage, newest, stop in (("flip", 60, ["--stop-at", 100]), ("truncate", 100, [])):
+        _damage(run_dir / "checkpoints" / f"step_{newest:08d}.pt", damage)
+        resumed = run(python_cmd(*FAULT, *stop, "--run-dir", run_dir), expect=75 if stop else 0)
+        warnings = [line for line in resumed.stderr.splitlines() if "skipping checkpoint" in line]
+        assert len(warnings) == 1 and f"step_{newest:08d}.pt: " in warnings[0], resumed.stderr[-3000:]
+        assert ("checksum mismatch" if damage == "flip" else "file truncated") in warnings[0]
+        assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest - 20:08d}.pt'}" in resumed.stderr
+    assert_bit_identical(run_dir, reference_run(*FAULT, workers=1))
 
 
 def _unshare() -> list[str]:
@@ -452,14 +467,14 @@ def test_what_a_rank_does_after_its_run_ended_is_bounded_too(tmp_path, model, ph
 
 # ---------------------------------------------------------------- resuming with something changed
 
-def test_resume_with_another_model_is_refused_and_nothing_changes(tmp_path):
+def test_resume_with_another_model_is_refused_and_nothing_changes(stopped_at_60, tmp_path):
     run_dir = tmp_path / "run"
-    run(python_cmd(*FAULT, "--stop-at", 40, "--run-dir", run_dir), expect=75)
+    shutil.copytree(stopped_at_60, run_dir)
     before = {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
     proc = run(python_cmd(*FAULT, "--width", 32, "--run-dir", run_dir), expect=2)
     assert proc.stderr.strip().splitlines() == [
         f"error: {run_dir} is a run of other settings, which its checkpoint fixes (--width 16 -> 32): resume it with "
         f"the settings it was started with, or start a new run from its weights with a new --run-dir --weights "
-        f"{run_dir}/checkpoints/step_00000040.pt"]
+        f"{run_dir}/checkpoints/step_00000060.pt"]
     assert {p: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
-    assert torch.load(ckpt.newest_valid(run_dir), weights_only=True)["step"] == 40
+    assert torch.load(ckpt.newest_valid(run_dir), weights_only=True)["step"] == 60

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, env_for_tests, metrics,
                            python_cmd, reached_step, run, status, wait_for, worker_pid)
@@ -11,96 +12,95 @@ from tests.processes import alive, descendants, in_session
 from train.files import checkpoint_io as ckpt
 
 
-def _start(cmd, run_dir):
-    proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(reached_step(run_dir, 20), 120, "step 20", proc)
-    return proc
-
-
-def _finish_and_compare(proc, run_dir, resume_cmd, straight, expected_code):
-    """The stopped run: every rank at one step, a verified checkpoint of it; resumed, equal to `straight`."""
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == expected_code, err[-3000:]
+def _stopped(run_dir: Path, said: str, stops: int, first: int) -> Path:
+    """The stopped run: every rank at one step (`first` or later), a verified checkpoint of it, status.json
+    "stopped" with exit code 75, the stop logged once (train.log's `stops`th), no model.pt. Returns the checkpoint."""
     stopped = status(run_dir)
-    assert stopped["state"] == "stopped"
+    assert (stopped["state"], stopped.get("exit_code")) == ("stopped", 75), said[-3000:]
     step = stopped["step"]
-    assert 20 <= step < 240
+    assert first <= step < 240
     newest = ckpt.newest_valid(run_dir)  # the stop's own checkpoint, whole: its size and CRC32 verified
     assert newest is not None and newest.name == f"step_{step:08d}.pt"
-    assert stopped["exit_code"] == 75
     log = (run_dir / "train.log").read_text()
-    assert log.count("and exiting with code 75") == 1 and f"saving at step {step} and exiting with code 75" in log
+    assert log.count("and exiting with code 75") == stops and f"saving at step {step} and exiting with code 75" in log
     assert not (run_dir / "model.pt").exists()
-    resumed = run(resume_cmd)  # resume to the end, from that checkpoint (not an earlier one)
+    return newest
+
+
+def _resumed_to_the_end(resumed, run_dir: Path, newest: Path, straight: Path) -> None:
+    """Resumed to the end from the stop's checkpoint (not an earlier one): equal to `straight`."""
     assert f"resumed from {newest}" in resumed.stderr, resumed.stderr[-3000:]
     assert status(run_dir)["state"] == "done"
     logged = [m["step"] for m in metrics(run_dir, "train")]
     assert logged == sorted(set(logged))  # nothing logged twice
     assert_bit_identical(run_dir, straight)
     assert_same_final_figures(run_dir, straight)  # every rank evaluated with the weights' own statistics
-    return err
 
 
-def test_sigterm_to_one_torchrun_worker_stops_all_ranks(reference_run, tmp_path):
+def _stop(proc: subprocess.Popen, target: str, sig: int) -> None:
+    """Send sig to the launcher, or to the torchrun worker of that rank ("rank N"); a launcher killed -9 leaves
+    the run's processes behind it: each must end within seconds."""
+    if target.startswith("rank"):
+        os.kill(worker_pid(proc, int(target[-1])), sig)
+    elif sig != signal.SIGKILL:
+        proc.send_signal(sig)
+    else:
+        run_processes = descendants(proc.pid)  # torchrun's workers are in sessions of their own
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not [p for p in [*run_processes, *in_session(proc.pid)] if alive(p)], 15,
+                 "every process of the run to end")
+    proc.wait(timeout=120)
+
+
+def test_a_killed_launcher_leaves_no_process_behind_and_the_run_resumes_bit_identical(reference_run, tmp_path):
+    """One run of 2 workers stopped four times, each stop resumed by the next launch. First by a stop signal:
+    SIGTERM to one worker under make train's launcher (torchrun; rank 0 learns of it from rank 1), then SIGUSR2 to
+    the --spawn parent. Then by SIGKILL to the launcher (the out-of-memory killer, kill -9), make train's (torchrun in
+    its process) and then --spawn's: nothing is left to forward a signal or wait for the workers, which see it end
+    and stop as on SIGTERM, and every process of the run is gone within seconds (--spawn's fork server too). Every
+    time every rank stops at one step with a verified checkpoint of it, which the next launch (of either launcher)
+    resumes from; the end is bit-identical to an uninterrupted run."""
     run_dir = tmp_path / "run"
-    cmd = [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--run-dir", str(run_dir)]
-    proc = _start(cmd, run_dir)
-    os.kill(worker_pid(proc, 1), signal.SIGTERM)
-    err = _finish_and_compare(proc, run_dir, python_cmd(*LONG, "--spawn", 2, "--run-dir", run_dir),
-                              reference_run(*LONG), expected_code=75)
-    assert "a stop signal on another rank" in err  # rank 0 learned it from rank 1
-
-
-def test_sigusr2_to_the_spawn_parent_stops_the_run(reference_run, tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = python_cmd(*LONG, "--spawn", 2, "--run-dir", run_dir)
-    proc = _start(cmd, run_dir)
-    proc.send_signal(signal.SIGUSR2)
-    err = _finish_and_compare(proc, run_dir, cmd, reference_run(*LONG), expected_code=75)
-    assert "SIGUSR2: saving at step" in err
+    launchers = {"torchrun": [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--run-dir",
+                              str(run_dir)],
+                 "--spawn": python_cmd(*LONG, "--spawn", 2, "--run-dir", run_dir)}
+    stops = [("torchrun", "rank 1", signal.SIGTERM), ("--spawn", "launcher", signal.SIGUSR2),
+             ("torchrun", "launcher", signal.SIGKILL), ("--spawn", "launcher", signal.SIGKILL)]
+    step, newest = 0, None
+    for i, (name, target, sig) in enumerate(stops):
+        with open(tmp_path / f"{i}.err", "w+") as err:
+            proc = subprocess.Popen(launchers[name], env=env_for_tests(), stdout=subprocess.DEVNULL, stderr=err,
+                                    text=True, start_new_session=True)
+            wait_for(reached_step(run_dir, step + 20), 120, f"step {step + 20}", proc)
+            _stop(proc, target, sig)
+            err.seek(0)
+            said = err.read()
+        assert sig == signal.SIGKILL or proc.returncode == 75, (name, target, said[-3000:])
+        assert newest is None or f"resumed from {newest}" in said, said[-3000:]
+        newest = _stopped(run_dir, said, i + 1, step + 20)
+        step = status(run_dir)["step"]
+        if sig == signal.SIGTERM:
+            assert "a stop signal on another rank" in said  # rank 0 learned it from rank 1
+        elif sig == signal.SIGUSR2:
+            assert f"SIGUSR2: saving at step {step}" in said
+        else:
+            assert "ended: its workers stop as on SIGTERM" in said and \
+                f"SIGTERM: saving at step {step} and exiting with code 75" in said, said[-3000:]
+    _resumed_to_the_end(run(launchers["--spawn"]), run_dir, newest, reference_run(*LONG))
 
 
 def test_sigterm_to_a_single_process_run(reference_run, tmp_path):
     run_dir = tmp_path / "run"
     cmd = python_cmd(*LONG, "--run-dir", run_dir)
-    proc = _start(cmd, run_dir)
+    proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(reached_step(run_dir, 20), 120, "step 20", proc)
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _finish_and_compare(proc, run_dir, cmd, reference_run(*LONG, workers=1), expected_code=75)
-
-
-def test_a_killed_launcher_leaves_no_process_behind_and_the_run_resumes_bit_identical(reference_run, tmp_path):
-    """SIGKILL to the launcher (the out-of-memory killer, kill -9): nothing is left to forward a signal or wait for
-    the workers, which see it end and stop as on SIGTERM: every rank after one step, a checkpoint of it, and every
-    process of the run gone within seconds (--spawn's fork server too). make train's launcher (torchrun in its
-    process) first, then --spawn's; the same command then resumes, bit-identical to an uninterrupted run."""
-    run_dir = tmp_path / "run"
-    launchers = {"torchrun": [PY, "-m", "train.launch", "--gpus", "2", "--", *map(str, LONG), "--run-dir",
-                              str(run_dir)],
-                 "--spawn": python_cmd(*LONG, "--spawn", 2, "--run-dir", run_dir)}
-    step = 0
-    for name, cmd in launchers.items():
-        with open(tmp_path / f"{name}.err", "w+") as err:
-            proc = subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.DEVNULL, stderr=err, text=True,
-                                    start_new_session=True)
-            wait_for(reached_step(run_dir, step + 10), 120, f"step {step + 10}", proc)
-            run_processes = descendants(proc.pid)  # torchrun's workers are in sessions of their own
-            proc.kill()
-            proc.wait()
-            wait_for(lambda: not [p for p in [*run_processes, *in_session(proc.pid)] if alive(p)], 15,  # noqa: B023
-                     f"every process of the run under {name} to end")
-            err.seek(0)
-            said = err.read()
-        stopped = status(run_dir)  # not "done": they stopped, not trained to the end
-        assert (stopped["state"], stopped.get("exit_code")) == ("stopped", 75), said[-3000:]
-        assert stopped["step"] > step and ckpt.newest_valid(run_dir).name == f"step_{stopped['step']:08d}.pt"
-        assert "ended: its workers stop as on SIGTERM" in said and \
-            f"SIGTERM: saving at step {stopped['step']} and exiting with code 75" in said, said[-3000:]
-        step = stopped["step"]
-    resumed = run(launchers["--spawn"])
-    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}.pt'}" in resumed.stderr, resumed.stderr[-3000:]
-    assert_bit_identical(run_dir, reference_run(*LONG))
-    assert_same_final_figures(run_dir, reference_run(*LONG))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    newest = _stopped(run_dir, err, 1, 20)
+    _resumed_to_the_end(run(cmd), run_dir, newest, reference_run(*LONG, workers=1))
 
 
 def test_spawn_stops_the_other_workers_when_one_crashes(tmp_path):
