@@ -42,11 +42,13 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
     evals = metrics(run_dir, "eval")
     assert [e["samples"] for e in evals] == [100, 100]  # every validation image once, 2 workers
     assert status(run_dir)["best"]["val_miou"] == max(e["miou"] for e in evals)
-    # The run's model scored again on 1 and on 3 workers: the same pixels counted once, the same confusion matrix.
+    # The run's model scored again on 1 worker (this process alone, as make evaluate runs it) and on 3: the same
+    # pixels counted once, the same confusion matrix.
     scored = {}
     for workers in (1, 3):
         out = tmp_path / f"eval-{workers}.json"
-        proc = run([PY, "-m", "train.evaluate", str(run_dir), "--spawn", str(workers), "--out", str(out)])
+        spawn = ["--spawn", str(workers)] if workers > 1 else []
+        proc = run([PY, "-m", "train.evaluate", str(run_dir), *spawn, "--out", str(out)])
         scored[workers] = json.loads(out.read_text())
         assert "mIoU" in proc.stdout and "lowest IoU:" in proc.stdout
     one, three = scored[1], scored[3]
@@ -63,7 +65,7 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
     assert described["output"].startswith("N x C x H x W logits")
     batch = torch.randn(9, 3, 16, 16)
     torch.save(batch, tmp_path / "batch.pt")
-    run([sys.executable, "-I", "-c", TORCH_ONLY, str(run_dir / "model.pt2"), str(tmp_path / "batch.pt"),
+    run([sys.executable, "-I", "-c", TORCH_ONLY, str(tmp_path / "batch.pt"), str(run_dir / "model.pt2"),
          str(tmp_path / "out.pt")])
     program = torch.load(tmp_path / "out.pt")
     expected = _eager(run_dir, batch)
@@ -73,7 +75,7 @@ def test_segmentation_trains_scores_every_pixel_once_at_any_world_size_and_ships
     make("export", f"RUN={run_dir}", "FORMAT=onnx")
     np.save(tmp_path / "batch.npy", batch.numpy())
     served = run([str(REPO / ".venv-onnx" / "bin" / "python"), "-I", "-c", ONNX_RUNTIME_ONLY,
-                  str(run_dir / "model.onnx"), str(tmp_path / "batch.npy"), str(tmp_path / "out.npz")])
+                  str(tmp_path / "batch.npy"), str(run_dir / "model.onnx"), str(tmp_path / "out.npz")])
     assert json.loads(served.stdout) == {"input": ["images", ["batch", 3, 16, 16]],
                                          "output": ["logits", ["batch", 11, 16, 16]]}
     with np.load(tmp_path / "out.npz") as saved:
