@@ -77,6 +77,39 @@ def test_gpu_decode_trains_and_matches_the_cpu_decode_within_a_level(tmp_path):
     assert metrics(run_dir, "eval")[-1]["samples"] == 16
 
 
+def overwritten(decode, rounds: int = 20, files: int = 8) -> int:
+    """How many of the training stream's queued reads saw their input overwritten by a decode: each round frees 16
+    image-sized blocks on the stream while a long kernel holds the reductions that read them, decodes a batch of
+    512 px JPEGs with decode(data, device), then counts the reductions that no longer see all ones."""
+    from torchvision.io import encode_jpeg
+
+    g = torch.Generator().manual_seed(0)
+    jpegs = [encode_jpeg(torch.randint(0, 256, (3, 512, 512), dtype=torch.uint8, generator=g)) for _ in range(files)]
+    device, wrong = torch.device("cuda"), 0
+    for _ in range(rounds):
+        held = [torch.ones(3, 512, 512, dtype=torch.uint8, device=device) for _ in range(16)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the stream busy for about 0.1 s: the sums below wait behind it
+        sums = [t.sum(dtype=torch.int64) for t in held]
+        del held  # freed on the stream while their sums are still queued: the allocator may hand them out again
+        decode(jpegs, device)
+        torch.cuda.synchronize()
+        wrong += sum(int(s) != 3 * 512 * 512 for s in sums)
+    return wrong
+
+
+def test_gpu_decode_never_writes_into_memory_the_step_still_reads():
+    """--decode gpu decodes on a stream of its own (train/data/decode.py's device_decode): torchvision's decode_jpeg
+    on the training stream writes into blocks that kernels queued there still read (pytorch/vision#9606), which made
+    make bench's --decode gpu arm diverge on an H200. Decoded through decode_batch, no queued read is disturbed."""
+    from train.data.decode import decode_batch
+
+    def batch(jpegs, device):
+        decode_batch(jpegs, [f"{i}.jpg" for i in range(len(jpegs))], list(range(len(jpegs))), lambda x: x, device)
+
+    assert overwritten(batch) == 0
+
+
 def test_a_recipe_with_gpu_decode_augments_as_the_cpu_path_and_resumes_exactly(tmp_path):
     """--decode gpu with TrivialAugmentWide and the repeated-augmentation sampler: the same draws as the CPU
     path per sample (the batches within a level, as the plain decode), and a recipe run (random erasing,

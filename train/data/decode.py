@@ -108,6 +108,30 @@ def device_jpegs(data: list[torch.Tensor]) -> list[int]:
     return [i for i, d in enumerate(data) if plain_kind(d) == "jpeg"]
 
 
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def device_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Plain JPEGs decoded together on the device. On CUDA on a stream of their own: torchvision's decode_jpeg
+    takes its output from the caching allocator on the current stream but nvJPEG writes it without waiting for that
+    stream, so on the training stream it could be handed a block that the step's queued kernels still read, and
+    overwrite their inputs (pytorch/vision#9606; make bench's --decode gpu arm diverged so on an H200). The decode
+    stream's blocks are only its own outputs, which record the training stream, so the allocator hands one back
+    only once every kernel that read it has run."""
+    if device.type != "cuda":
+        return vision.io.decode_jpeg(data, mode=vision.io.ImageReadMode.RGB, device=device)
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _DECODE_STREAMS[device]
+    with torch.cuda.stream(stream):
+        decoded = vision.io.decode_jpeg(data, mode=vision.io.ImageReadMode.RGB, device=device)
+    stream.synchronize()  # decoded, before the training stream reads it (and nothing left queued on the stream)
+    training = torch.cuda.current_stream(device)
+    for image in decoded:
+        image.record_stream(training)
+    return decoded
+
+
 def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], transform,
                  device: torch.device) -> torch.Tensor:
     """--decode gpu, in the training process: a batch of encoded files to augmented uint8 images on the
@@ -120,7 +144,7 @@ def decode_batch(data: list[torch.Tensor], paths: list[str], seeds: list[int], t
     jpegs = device_jpegs(data)
     if jpegs:
         try:
-            decoded = vision.io.decode_jpeg([data[i] for i in jpegs], mode=vision.io.ImageReadMode.RGB, device=device)
+            decoded = device_decode([data[i] for i in jpegs], device)
         except RuntimeError:  # one damaged file fails the batch: find it, and name it
             decoded = [decode(data[i], paths[i]).to(device) for i in jpegs]
         for i, image in zip(jpegs, decoded, strict=True):
