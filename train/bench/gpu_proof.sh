@@ -2,8 +2,8 @@
 # One call on a machine with one NVIDIA GPU: every GPU path of trainbox run for real, the figures written as JSON
 # after each step (a call cut off by its time limit still leaves the steps it finished).
 #
-#   bash train/bench/gpu_proof.sh OUT            on the GPU machine, from the checkout (about 9 minutes on one H100;
-#                                                the tests took 144 s of it on one H200, the bench about 330 s)
+#   bash train/bench/gpu_proof.sh OUT            on the GPU machine, from the checkout (539 s on one H200, 2026-11-30;
+#                                                the tests took 161 s of it, the bench 303 s)
 #   bash train/bench/gpu_proof.sh OUT --dry-run  on a CPU: every step's command, checked to start, none measured
 #
 # Steps, in this order: (1) the GPU-marked tests, with a time limit; (2) make bench's GPU rows: ResNet-50 at 224 px,
