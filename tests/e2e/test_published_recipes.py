@@ -93,8 +93,8 @@ def test_the_ema_is_evaluated_beside_the_model_and_evaluate_scores_it_again(reci
 def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_path):
     """The loader-side knobs (TrivialAugmentWide after the crop and flip, the repeated-augmentation sampler) and
     the device-side ones (random erasing, Mixup) on PNG files that loader workers decode: the same
-    model from the loose files, from their shards (`make pack`), and from a run stopped inside an epoch and
-    resumed."""
+    model from their shards (`make pack`), uninterrupted, and from the loose files in a run stopped inside an epoch
+    and resumed."""
     import random
 
     from PIL import Image
@@ -116,35 +116,42 @@ def test_a_recipe_on_image_files_equals_it_on_shards_and_resumes_exactly(tmp_pat
     args = [*DEBUG, "--augment", "imagenet", "--image-size", 16, "--auto-augment", "ta_wide", "--random-erase", "0.25",
             "--ra-reps", 2, "--mixup-alpha", "0.2", "--batch-size", 8, "--num-workers", 1, "--max-steps", 24,
             "--eval-every", 0, "--spawn", 2]  # 16 steps per epoch: 256 / (2 x 8)
-    files, shards, resumed = tmp_path / "files", tmp_path / "on-shards", tmp_path / "resumed"
-    run(python_cmd(*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", files))
+    shards, resumed = tmp_path / "on-shards", tmp_path / "resumed"
     run(python_cmd(*args, "--dataset", "shards", "--data-dir", packed, "--run-dir", shards))
     assert metrics(shards, "eval")[-1]["samples"] == 32  # 2 workers: each validation sample counted once
     common = [*args, "--dataset", "imagefolder", "--data-dir", data, "--run-dir", resumed]
     run(python_cmd(*common, "--stop-at", 11), expect=75)
     run(python_cmd(*common))
-    assert_bit_identical(files, shards)
-    assert_bit_identical(files, resumed)
+    assert_bit_identical(shards, resumed)  # the files' model (stopped and resumed) is the shards' (uninterrupted)
     control = tmp_path / "control"  # without the auto-augmentation the same run ends elsewhere
     run(python_cmd(*args, "--auto-augment", "none", "--dataset", "imagefolder", "--data-dir", data,
                    "--run-dir", control))
-    assert any(not torch.equal(v, load_model(files)[k]) for k, v in load_model(control).items())
+    assert any(not torch.equal(v, load_model(resumed)[k]) for k, v in load_model(control).items())
+
+
+# The EMA's runs: 96 images, 6 steps an epoch; a checkpoint at every step (the weights the EMA was fed), the loss of
+# every step. Trained once each (reference_run): read by the EMA's test, the steps' run by label smoothing's too.
+EMA = [*DEBUG, "--train-samples", 96, "--model-ema", "--model-ema-steps", 4, "--model-ema-decay", "0.999",
+       "--save-every", 1, "--keep-checkpoints", 1000, "--eval-every", 0, "--log-every", 1]
+BY_EPOCH = ["--schedule-unit", "epoch", "--epochs", 4, "--warmup-epochs", 1]
+BY_STEP = ["--max-steps", 20, "--warmup-steps", 5]
 
 
 def test_label_smoothing_alone_changes_what_the_trainer_learns(reference_run, tmp_path):
     """--label-smoothing and nothing else (no Mixup or CutMix, whose soft targets would hide it): the run's loss
-    is torch's smoothed cross-entropy, so its first logged loss and its weights differ from the plain run's."""
-    plain = reference_run(*DEBUG, "--max-steps", 10, "--log-every", 1, workers=1)
+    is torch's smoothed cross-entropy, so its first logged loss and its weights differ from the plain run's (the
+    EMA's run by steps: the same flags but --label-smoothing)."""
+    plain = reference_run(*EMA, *BY_STEP, workers=1)
     smoothed = tmp_path / "smoothed"
-    run(python_cmd(*DEBUG, "--max-steps", 10, "--log-every", 1, "--label-smoothing", "0.2", "--run-dir", smoothed))
+    run(python_cmd(*EMA, *BY_STEP, "--label-smoothing", "0.2", "--run-dir", smoothed))
     losses = [[m["loss"] for m in metrics(d, "train")] for d in (plain, smoothed)]
+    assert metrics(smoothed, "train")[0]["step"] == metrics(plain, "train")[0]["step"] == 1
     assert losses[0][0] != losses[1][0]  # the same first batch and weights: only the loss differs
     assert any(not torch.equal(v, load_model(plain)[k]) for k, v in load_model(smoothed).items())
 
 
-@pytest.mark.parametrize("schedule", [["--schedule-unit", "epoch", "--epochs", 4, "--warmup-epochs", 1],
-                                      ["--max-steps", 20, "--warmup-steps", 5]])
-def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(schedule, tmp_path):
+@pytest.mark.parametrize("schedule", [BY_EPOCH, BY_STEP])
+def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(schedule, reference_run):
     """The EMA in model_ema.pt equals torch's AveragedModel (EMA function, buffers averaged) fed the trainer's own
     weights as the reference feeds them: after the optimizer step of every --model-ema-steps-th batch of an epoch
     (counted from 0), restarted (n_averaged 0) during the warm-up, with the reference's decay adjustment. The
@@ -154,10 +161,7 @@ def test_the_trainers_ema_is_torchs_averaged_model_driven_by_the_same_weights(sc
     from train.cli import parse_config
     from train.components.models import build_model
 
-    run_dir = tmp_path / "run"
-    args = [*DEBUG, "--train-samples", 96, "--model-ema", "--model-ema-steps", 4, "--model-ema-decay", "0.999",
-            "--save-every", 1, "--keep-checkpoints", 1000, "--eval-every", 0, *schedule]
-    run(python_cmd(*args, "--run-dir", run_dir))
+    run_dir = reference_run(*EMA, *schedule, workers=1)
     steps_per_epoch, epoch_unit = 96 // 16, "epoch" in schedule
     max_steps = 4 * steps_per_epoch if epoch_unit else 20
     epochs = 4 if epoch_unit else max_steps / steps_per_epoch
