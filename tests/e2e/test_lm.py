@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers import PY, REPO, byte_level_tokenizer, load_model, make, metrics, python_cmd, run, status
 from train.components.gpt import SIZES, Gpt
@@ -142,6 +143,17 @@ def test_accumulation_workers_and_a_resume_on_half_of_them_train_on_the_large_ba
     assert sharded["param_groups"] == large["param_groups"] and sharded["state"].keys() == large["state"].keys()
     assert all((sharded["state"][i][k] - large["state"][i][k]).abs().max() < 1e-9
                for i in large["state"] for k in large["state"][i])
+    # the 4 workers' shards of step 2 read whole in one process by torch's own converter (docs/training.md): the
+    # gathered checkpoint of that step, every weight and every AdamW tensor bit for bit
+    dcp_to_torch_save(tmp_path / "dcp" / "checkpoints" / "step_00000002.dcp", tmp_path / "whole.pt")
+    whole, gathered = (torch.load(path) for path in (tmp_path / "whole.pt",
+                                                     tmp_path / "sharded" / "checkpoints" / "step_00000002.pt"))
+    assert whole["model"].keys() == gathered["model"].keys()
+    assert all(torch.equal(whole["model"][k], gathered["model"][k]) for k in gathered["model"])
+    names = [name for group in whole["optimizer"]["param_groups"] for name in group["params"]]
+    moments = {names[i]: state for i, state in gathered["optimizer"]["state"].items()}
+    assert moments.keys() == whole["optimizer"]["state"].keys() and all(
+        torch.equal(whole["optimizer"]["state"][name][k], moments[name][k]) for name in moments for k in moments[name])
     planned = json.loads((tmp_path / "sharded" / "plan.json").read_text())["parallel"]
     assert planned["blocks"] == [f"blocks.{i}" for i in range(SIZES["gpt-tiny"].layers)]
     moment = sum(s["exp_avg"].numel() * s["exp_avg"].element_size() for s in large["state"].values())
