@@ -11,6 +11,7 @@ bit-identical to a run of as many workers that was never hit.
   python -m tests.chaos --task lm                        the runs of the built-in language model (gpt-tiny, copy)
   python -m tests.chaos --task lm --parallel fsdp        ... its model sharded over the workers (FSDP2)
   python -m tests.chaos --task lm --parallel fsdp --checkpoint-format sharded   ... each worker saving its shards
+  python -m tests.chaos --task lm --parallel fsdp --precision bf16              ... in FSDP2's bf16 mixed precision
 
 Faults:
   kill    kill -9 of a random worker; the launcher's restarts must bring the run back
@@ -526,6 +527,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
                         help="how the runs spread the model over the workers (fsdp: sharded, FSDP2)")
     parser.add_argument("--checkpoint-format", default="full", choices=("full", "sharded"),
                         help="how the runs save their checkpoints (sharded: each worker its shards, --parallel fsdp)")
+    parser.add_argument("--precision", choices=("bf16",), help="bf16: FSDP2's mixed precision (bf16 parameters, "
+                        "fp32 reduction; on a CPU with --parallel fsdp alone)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the victims and moments")
     parser.add_argument("--out", default=time.strftime("runs/chaos-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--reference", help="an uninterrupted run of the drill's settings at its one --workers "
@@ -553,6 +556,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str], li
         problem = "--recipe's EMA is not available with --parallel fsdp (docs/training.md): drop one of them"
     elif ns.checkpoint_format == "sharded" and ns.parallel != "fsdp":
         problem = "--checkpoint-format sharded writes each worker's shards of a sharded model: add --parallel fsdp"
+    elif ns.precision and ns.parallel != "fsdp":
+        problem = "--precision bf16 on a CPU is FSDP2's mixed-precision policy: add --parallel fsdp"
     elif ns.reference and (len(sizes) != 1 or not (Path(ns.reference) / "model.pt").is_file()):
         problem = f"--reference {ns.reference}: give the model.pt folder of a finished run and a single --workers"
     else:
@@ -569,10 +574,12 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos: {ns.trials} trial(s) x {faults} x {launchers} x {sizes} workers{' (recipe)' if ns.recipe else ''}"
           f"{f' ({ns.task})' if ns.task != 'classification' else ''}"
-          f"{f' (--parallel {ns.parallel})' if ns.parallel != 'ddp' else ''}, seed {ns.seed}, in {out}", flush=True)
+          f"{f' (--parallel {ns.parallel})' if ns.parallel != 'ddp' else ''}"
+          f"{f' (--precision {ns.precision})' if ns.precision else ''}, seed {ns.seed}, in {out}", flush=True)
     extra = RECIPE if ns.recipe else ["--task", ns.task] if ns.task != "classification" else []
     extra += ["--parallel", ns.parallel] if ns.parallel != "ddp" else []
     extra += ["--checkpoint-format", ns.checkpoint_format] if ns.checkpoint_format != "full" else []
+    extra += ["--precision", ns.precision] if ns.precision else []
     references = {n: Path(ns.reference).resolve() if ns.reference else reference_run(out, n, extra) for n in sizes}
     rng = random.Random(ns.seed)
     trials, skipped = [], {}

@@ -15,6 +15,8 @@ from tests import chaos
                                              "are classification's: drop --task"),
     (["--checkpoint-format", "sharded"], "error: --checkpoint-format sharded writes each worker's shards of a sharded "
                                          "model: add --parallel fsdp"),
+    (["--task", "lm", "--precision", "bf16"], "error: --precision bf16 on a CPU is FSDP2's mixed-precision policy: "
+                                              "add --parallel fsdp"),
 ])
 def test_the_drill_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, expected):
     out = tmp_path / "chaos"
