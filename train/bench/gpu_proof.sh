@@ -11,7 +11,8 @@
 # then real JPEGs the bench makes, decoded by the loader workers and by --decode gpu, against that (target >= 0.90
 # for the better), and the per-step cost of --model-ema and Mixup/CutMix on the GPU; (3) an exact resume on the
 # one GPU at a 4-worker-equivalent global batch (--grad-accum 4, --deterministic): stopped and resumed, model.pt
-# bit-identical to the uninterrupted run; (4) a --task segmentation run on the GPU. OUT/gpu_proof.json holds each
+# bit-identical to the uninterrupted run; (4) a --task segmentation run on the GPU; (5) FSDP2 on NCCL where 2 GPUs or
+# more are visible (gpt-small, bf16, sharded checkpoints, stopped and resumed). OUT/gpu_proof.json holds each
 # step's result with the device, the date and the commit; OUT/bench/bench.json and OUT/gpu-tests.xml the details.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -83,4 +84,28 @@ fi
 # --task segmentation on the GPU: torchvision's LRASPP in bf16 on the shapes' masks, evaluated at every 50 steps.
 step segmentation 90 "$PY" -m train --task segmentation --device cuda --max-steps 100 --eval-every 50 \
   --run-dir "$OUT/segmentation"
+# FSDP2 on NCCL, where 2 GPUs or more are visible (NCCL takes one GPU per rank; with one, noted and not run):
+# gpt-small sharded over up to 4 GPUs in bf16, each worker saving its shards, stopped at step 30 and resumed by the
+# same command, then 10 steps replicated (DDP) on as many: metrics.jsonl's first_step holds each one's model state
+# per worker.
+SEEN=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+SPREAD=(--task lm --model gpt-small --device cuda --precision bf16 --spawn $((SEEN > 4 ? 4 : SEEN)) --eval-every 30)
+sharded() {
+  rm -rf "$OUT/fsdp" "$OUT/ddp"
+  local fsdp=("${SPREAD[@]}" --parallel fsdp --checkpoint-format sharded --max-steps 60 --save-every 30)
+  { "$PY" -m train "${fsdp[@]}" --stop-at 30 --run-dir "$OUT/fsdp"; [ $? -eq 75 ]; } &&
+    "$PY" -m train "${fsdp[@]}" --run-dir "$OUT/fsdp" &&
+    "$PY" -m train "${SPREAD[@]}" --max-steps 10 --run-dir "$OUT/ddp" &&
+    grep -h first_step "$OUT/fsdp/metrics.jsonl" "$OUT/ddp/metrics.jsonl"
+}
+if [ "$DRY" = "--dry-run" ]; then
+  note fsdp "dry run: not planned (needs 2 GPUs or more)" 0
+elif [ "$SEEN" -lt 2 ]; then
+  note fsdp "not run: $SEEN GPU visible, FSDP2 on NCCL needs 2 or more" 0
+else
+  started=$SECONDS
+  timeout 240 bash -c "$(declare -p PY OUT SPREAD); $(declare -f sharded); sharded" > "$OUT/fsdp.log" 2>&1
+  note fsdp "$([ $? -eq 0 ] && echo ok || echo failed)" $((SECONDS - started)) \
+    "$(tail -c 600 "$OUT/fsdp.log" | tr '\n' ' ')"
+fi
 cat "$RESULT"
