@@ -44,9 +44,14 @@ def test_another_number_of_workers_keeps_the_global_batch_with_the_accumulation(
 def test_workers_that_cannot_share_the_global_batch_are_refused_with_the_counts_that_can():
     with pytest.raises(ConfigError, match=r"which 3 workers cannot share evenly: resume on 1, 2, 4 workers"):
         continue_layout(Layout(4, 16, 1), 3, 16, 1, False, "runs/a")
-    with pytest.raises(ConfigError, match=r"global batch of 64 .* 2 workers x batch 16 x accumulation 1 make 32: "
-                                          r"drop --grad-accum"):
-        continue_layout(Layout(4, 16, 1), 2, 16, 1, True, "runs/a")
+    with pytest.raises(ConfigError, match=r"global batch of 64 .* 2 workers x batch 16 x accumulation 3 make 96: "
+                                          r"pass the run's --grad-accum 1 \(the workers then share its batch\) or one "
+                                          r"that keeps 64"):
+        continue_layout(Layout(4, 16, 1), 2, 16, 3, True, "runs/a")
+    # a run with --grad-accum 3 resumed by a command without one (accumulation 1): the fix is the run's own
+    with pytest.raises(ConfigError, match=r"make 8: pass the run's --grad-accum 3 \(the workers then share its batch"):
+        continue_layout(Layout(4, 2, 3), 4, 2, 1, True, "runs/a")
+    assert continue_layout(Layout(4, 2, 3), 2, 2, 3, False, "runs/a") == 6  # the run's, on half the workers
     assert continue_layout(Layout(4, 16, 1), 2, 16, 2, True, "runs/a") == 2  # given, and right
     # SyncBatchNorm normalises the workers' micro-batches together: another number of workers is another run
     with pytest.raises(ConfigError, match=r"runs/a trains with --sync-bn on 4 workers: SyncBatchNorm normalises their "

@@ -104,9 +104,10 @@ class Layout:
 def continue_layout(layout: Layout, world: int, batch_size: int, grad_accum: int, given_accum: bool,
                     run_dir: Path | str, sync_bn: bool = False) -> int:
     """The --grad-accum that continues a run laid out as `layout` on `world` workers at the same global batch.
-    given_accum: the command gives a --grad-accum of its own (other than the run's), which must then keep the global
-    batch itself. A global batch the workers cannot share evenly is one line with the choices; so is a --sync-bn run
-    on another number of workers, whose micro-batches are normalised together, so many at a time."""
+    given_accum: the command's --grad-accum is not the run's (a value of its own, or none where the run had one),
+    so it must keep the global batch itself. A global batch the workers cannot share evenly is one line with the
+    choices; so is a --sync-bn run on another number of workers, whose micro-batches are normalised together, so
+    many at a time."""
     if sync_bn and world != layout.world_size:
         raise ConfigError(f"{run_dir} trains with --sync-bn on {layout.world_size} workers: SyncBatchNorm normalises "
                           f"their micro-batches together, and {world} workers would normalise others together (not "
@@ -117,7 +118,8 @@ def continue_layout(layout: Layout, world: int, batch_size: int, grad_accum: int
     if given_accum:
         raise ConfigError(f"{run_dir} trains at a global batch of {layout.global_batch} ({layout}); {world} workers "
                           f"x batch {batch_size} x accumulation {grad_accum} make {world * batch_size * grad_accum}: "
-                          f"drop --grad-accum (the workers then share the run's batch), or start a new --run-dir")
+                          f"pass the run's --grad-accum {layout.grad_accum} (the workers then share its batch) or "
+                          f"one that keeps {layout.global_batch}, or start a new --run-dir")
     micro_batches = layout.world_size * layout.grad_accum  # per optimizer step, of --batch-size images each
     if micro_batches % world:
         fits = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
