@@ -188,10 +188,10 @@ def _about_other_services(stderr: str) -> list[str]:
             if any(word in line.lower() for word in ('service "mlflow"', 'service "tensorboard"', "secret"))]
 
 
-def compose(env_file, *args, expect=0, gpus="", timeout=600):
+def compose(env_file, *args, expect=0, gpus="", timeout=600, unset=()):
     # The env file's settings are the test's: the shell's own (which compose would prefer) are dropped.
     env = {k: v for k, v in os.environ.items() if k not in ("TENSORBOARD_PORT", "MLFLOW_PORT", "MLFLOW_BIND",
-                                                            "MLFLOW_EXPOSE", "MLFLOW_ADMIN_PASSWORD_FILE")}
+                                                            "MLFLOW_EXPOSE", "MLFLOW_ADMIN_PASSWORD_FILE", *unset)}
     env.update(GPUS=gpus, TRAINBOX_IMAGE=IMAGE)
     return run([*COMPOSE, "--env-file", str(env_file), *args], expect=expect, timeout=timeout, cwd=REPO, env=env)
 
@@ -248,6 +248,9 @@ def test_compose_config_is_valid(docker, nas, files, gpu):
     assert f"user: {USER}:{USER}" in config or f"user: '{USER}:{USER}'" in config
     assert ("driver: nvidia" in config) == gpu
     assert ":/opt/trainbox/data:ro" in config
+    # OpenMP's wait policy reaches the trainer when the shell sets it (tests/__init__.py does), and only then
+    assert "OMP_WAIT_POLICY: PASSIVE" in config
+    assert "OMP_WAIT_POLICY: null" in compose(env_file, *args, "config", unset=["OMP_WAIT_POLICY"]).stdout
 
 
 def test_compose_run_trainer_on_cpu_trains_resumes_and_files_belong_to_the_user(docker, image, nas):
@@ -282,6 +285,8 @@ def test_compose_run_with_no_arguments_starts_the_default_run(docker, image, nas
         wait_for(lambda: any(reached_step(d, 60)() for d in (root / "runs").iterdir()), 300, "step 60", proc)
         container = run([docker, "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"]).stdout.split()
         assert len(container) == 1
+        inside = json.loads(run([docker, "inspect", "--format", "{{json .Config.Env}}", container[0]]).stdout)
+        assert "OMP_WAIT_POLICY=PASSIVE" in inside  # the shell's (tests/__init__.py), passed through by compose
         run([docker, "kill", "--signal", "TERM", container[0]])
         out, err = proc.communicate(timeout=120)
     finally:
