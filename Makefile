@@ -103,8 +103,11 @@ HF_VENV ?= .venv-hf
 # (MLFLOW_TRACKING_URI: an MLflow server to track runs in, from the environment; `make env` writes it for compose)
 
 PY := $(VENV)/bin/python
-# pip installs from a lock file: every hash checked, nothing else pulled in
-PIP_LOCKED := --quiet --disable-pip-version-check --require-hashes --no-deps
+# pip installs from a lock file: every hash checked, nothing else pulled in; the bytecode after it, on every core
+# (pip compiles on one core). Like pip, it leaves a file this Python cannot compile to its source (torch ships one
+# in 3.12 syntax).
+PIP_LOCKED := --quiet --disable-pip-version-check --require-hashes --no-deps --no-compile
+BYTECODE := import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)
 # `make setup`: Python >= 3.10; then the project installed in .venv as an editable package (`python -m train` from
 # any folder), with the locked setuptools and nothing fetched; the path file of older setups removed
 NEEDS_310 := import sys; v = sys.version.split()[0]; ok = sys.version_info >= (3, 10)
@@ -164,6 +167,7 @@ $(STAMP): $(LOCK) pyproject.toml
 	@$(PYTHON) -c '$(NEEDS_310)'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_LOCKED) -r $(LOCK)
+	@$(PY) -c '$(BYTECODE)'
 	@$(PY) -c '$(OLD_PATH_FILE)'
 	$(PY) -m pip install $(PIP_EDITABLE)
 	@touch $@
@@ -214,6 +218,7 @@ $(ONNX_VENV)/.installed: docker/onnx.lock $(STAMP)
 	@test -x $(ONNX_VENV)/bin/python || $(PY) -m venv --without-pip $(ONNX_VENV)
 	@$(PY) -c '$(SEES_VENV)' $(ONNX_VENV)
 	$(ONNX_VENV)/bin/python -m pip install $(PIP_LOCKED) -r docker/onnx.lock
+	@$(ONNX_VENV)/bin/python -c '$(BYTECODE)'
 	@touch $@
 
 chaos: $(STAMP) ## fault drill: kill -9 / stop signals at random moments under torchrun, make and Slurm (CHAOS_ARGS=...)
@@ -267,6 +272,7 @@ mlflow-setup: $(MLFLOW_VENV)/.installed ## the MLflow server's local environment
 $(MLFLOW_VENV)/.installed: docker/mlflow.lock
 	@test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
 	$(MLFLOW_VENV)/bin/python -m pip install $(PIP_LOCKED) -r docker/mlflow.lock
+	@$(MLFLOW_VENV)/bin/python -c '$(BYTECODE)'
 	@touch $@
 
 mlflow-image: ## build the MLflow server image (docker/mlflow.Dockerfile) if it is missing
@@ -281,6 +287,7 @@ sky-setup: $(SKY_VENV)/.installed ## SkyPilot in .venv-sky (tests/skypilot.lock)
 $(SKY_VENV)/.installed: tests/skypilot.lock
 	@test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
 	$(SKY_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/skypilot.lock
+	@$(SKY_VENV)/bin/python -c '$(BYTECODE)'
 	@touch $@
 
 wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.lock): the tests' writer of others' tars
@@ -288,6 +295,7 @@ wds-setup: $(WDS_VENV)/.installed ## webdataset in .venv-wds (tests/webdataset.l
 $(WDS_VENV)/.installed: tests/webdataset.lock
 	@test -x $(WDS_VENV)/bin/python || $(PYTHON) -m venv $(WDS_VENV)
 	$(WDS_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/webdataset.lock
+	@$(WDS_VENV)/bin/python -c '$(BYTECODE)'
 	@touch $@
 
 hf-setup: $(HF_VENV)/.installed ## Hugging Face datasets in .venv-hf (tests/hf.lock): the tests' writer of HF datasets
@@ -295,6 +303,7 @@ hf-setup: $(HF_VENV)/.installed ## Hugging Face datasets in .venv-hf (tests/hf.l
 $(HF_VENV)/.installed: tests/hf.lock
 	@test -x $(HF_VENV)/bin/python || $(PYTHON) -m venv $(HF_VENV)
 	$(HF_VENV)/bin/python -m pip install $(PIP_LOCKED) -r tests/hf.lock
+	@$(HF_VENV)/bin/python -c '$(BYTECODE)'
 	@touch $@
 
 env: ## write .env: host UID/GID, NAS folders (DATA_DIR=..., RUNS_DIR=...), GPU or CPU compose files

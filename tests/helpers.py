@@ -154,6 +154,21 @@ def one_at_a_time(name: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def without_bytecode(site_packages: Path) -> list[str]:
+    """The modules under site_packages that compile but have no bytecode beside them (make's setup targets compile
+    every one; a process under PYTHONDONTWRITEBYTECODE would compile them again at each import)."""
+    missing = []
+    for source in site_packages.rglob("*.py"):
+        if Path(importlib.util.cache_from_source(str(source))).is_file():
+            continue
+        try:
+            compile(source.read_bytes(), str(source), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError):
+            continue  # as pip, make leaves a file this Python cannot compile to its source
+        missing.append(str(source.relative_to(site_packages)))
+    return missing
+
+
 def load_model(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
 

@@ -3,8 +3,9 @@ folder, no download and no training; and the plan is what a run then trains from
 rates)."""
 
 import json
+from pathlib import Path
 
-from tests.helpers import DEBUG, PY, REPO, env_for_tests, make, metrics, python_cmd, run
+from tests.helpers import DEBUG, PY, REPO, env_for_tests, make, metrics, python_cmd, run, without_bytecode
 
 KEYS = {"max_steps", "steps_per_epoch", "world_size", "global_batch", "param_groups", "normalize", "train_transform",
         "eval_transform", "lr", "ema", "sampler", "precision", "weights"}
@@ -83,3 +84,5 @@ def test_the_installed_package_runs_from_any_folder(tmp_path):
     assert json.loads(out.stdout)["max_steps"] == 40 and list(tmp_path.iterdir()) == []
     where = run([PY, "-c", "import train; print(train.__file__)"], cwd=tmp_path, env=env).stdout.strip()
     assert where == str(REPO / "train" / "__init__.py")
+    site = run([PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
+    assert without_bytecode(Path(site)) == []  # torch's modules too: compiled by make setup, not at each start

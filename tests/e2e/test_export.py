@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import DEBUG, PEAKED, PY, REPO, make, python_cmd, run, snapshot
+from tests.helpers import DEBUG, PEAKED, PY, REPO, make, python_cmd, run, snapshot, without_bytecode
 from train.cli import parse_config
 from train.components.models import build_model
 from train.config.settings import Config
@@ -118,6 +118,8 @@ def test_onnx_export_runs_in_onnx_runtime_alone_and_equals_the_eager_model(expor
     own = sorted(p.name for p in onnx_venv.glob("lib/python*/site-packages/*") if p.suffix not in (".pth",)
                  and not p.name.endswith(".dist-info") and p.name != "__pycache__")
     assert {"onnx", "onnxruntime", "onnxscript"} <= set(own) and not {"torch", "numpy", "train"} & set(own)
+    (site,) = onnx_venv.glob("lib/python*/site-packages")
+    assert without_bytecode(site) == []  # compiled once, on every core, not at each export
     listed = "import importlib.util as u; print([n for n in ('onnx', 'onnxscript', 'onnxruntime') if u.find_spec(n)])"
     assert run([PY, "-c", listed]).stdout == "[]\n"  # .venv has none of them
     assert "onnx" not in (REPO / "requirements.lock").read_text()  # nor does make setup, nor the image, install them
