@@ -37,13 +37,12 @@ from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail, users
 from train.base.progress import Progress
 from train.cluster.distributed import init, teardown
 from train.cluster.forkserver import start_fork_server
-from train.cluster.identity import PeersNeverCame, identity, is_main
+from train.cluster.identity import PeersNeverCame, check_launch, identity, is_main
 from train.cluster.spawn import spawn_workers, workers_for
 from train.config.settings import Config, Data, Model
 from train.files import shards
 from train.files.rundir import atomic_write, read_classes, read_config, to_json
 from train.loading import build_val_loader
-from train.run.preflight import check_launch
 from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
 from train.run.validate import validate
 from train.tasks.contract import checked_scores

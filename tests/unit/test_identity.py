@@ -5,9 +5,9 @@ import pytest
 from tests.helpers import HOSTLISTS, MALFORMED_HOSTLISTS, SUFFIXED_HOSTLISTS
 from train.base.errors import ConfigError
 from train.cluster.hostlist import JobError, expand_hostlist, parse_hostlist
-from train.cluster.identity import from_environment, resolve_identity
+from train.cluster.identity import check_rendezvous_variables, from_environment, resolve_identity
 from train.cluster.jobs import master_port as slurm_master_port
-from train.run.preflight import check_port, check_rendezvous_variables
+from train.run.preflight import check_port
 
 
 def test_single_process():

@@ -7,7 +7,9 @@ Launchers understood, in this order:
                     (from_environment, peers_never_came: the lines that say why and how to train alone)
   srun per task     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID inside a job step; master = first node
   single            a plain `python -m train`: rank 0 of 1, no process group
-Every other module asks `identity()` or `is_main()`; nobody reads RANK on their own.
+Every other module asks `identity()` or `is_main()`; nobody reads RANK on their own. `check_launch` refuses, in one
+line, --spawn inside another launcher and a rank from the environment without its rendezvous (the trainer's preflight
+and make evaluate ask it first).
 """
 
 from __future__ import annotations
@@ -172,3 +174,30 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_launch(spawn: int, dry_run: bool = False) -> Identity:
+    """The launch environment of a command that trains or evaluates (python -m train, train.evaluate): --spawn inside
+    another launcher's workers, or a rank from the environment without the variables of its rendezvous (left in a
+    shell by another job?), is one line. Returns who this process is."""
+    ident = resolve_identity()
+    if spawn and ident.launcher == "env":
+        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
+                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
+    if spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
+        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
+    if ident.launcher == "env" and not dry_run:
+        check_rendezvous_variables()
+    return ident
+
+
+def check_rendezvous_variables(env=None) -> None:
+    """RANK and WORLD_SIZE set by something other than torchrun or --spawn: the env:// rendezvous needs
+    MASTER_ADDR and MASTER_PORT as well."""
+    env = os.environ if env is None else env
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in env]
+    fixes = {"MASTER_ADDR": "MASTER_ADDR to rank 0's host", "MASTER_PORT": "MASTER_PORT to a free port there"}
+    if missing:
+        raise ConfigError(f"{launch_variables(env)} are set in the environment (by neither torchrun nor --spawn) but "
+                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: set "
+                          f"{' and '.join(fixes[key] for key in missing)}, or {alone_fix(env)} to train alone")

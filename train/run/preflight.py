@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train.base.errors import ConfigError, users_code
-from train.cluster.identity import Identity, alone_fix, launch_variables, resolve_identity
+from train.cluster.identity import check_launch
 from train.cluster.jobs import port_problem
 from train.components.models import frozen_names
 from train.components.optim import decay_groups
@@ -213,33 +213,6 @@ def check_resume(cfg: Config, run_dir: Path, world: int) -> None:
         layout = Layout(**plan["layout"])
         continue_layout(layout, world, cfg.optimisation.batch_size, cfg.optimisation.grad_accum,
                         cfg.optimisation.grad_accum != layout.grad_accum, run_dir, cfg.model.sync_bn)
-
-
-def check_launch(spawn: int, dry_run: bool = False) -> Identity:
-    """The launch environment of a command that trains or evaluates (python -m train, train.evaluate): --spawn inside
-    another launcher's workers, or a rank from the environment without the variables of its rendezvous (left in a
-    shell by another job?), is one line. Returns who this process is."""
-    ident = resolve_identity()
-    if spawn and ident.launcher == "env":
-        raise ConfigError(f"--spawn with {launch_variables()} set in the environment would start workers twice: drop "
-                          f"--spawn, or {alone_fix()} and let --spawn number its workers")
-    if spawn and ident.launcher != "single":  # this process is already one of torchrun's or srun's workers
-        raise ConfigError("--spawn inside torchrun or srun would start workers twice: drop --spawn")
-    if ident.launcher == "env" and not dry_run:
-        check_rendezvous_variables()
-    return ident
-
-
-def check_rendezvous_variables(env=None) -> None:
-    """RANK and WORLD_SIZE set by something other than torchrun or --spawn: the env:// rendezvous needs
-    MASTER_ADDR and MASTER_PORT as well."""
-    env = os.environ if env is None else env
-    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if key not in env]
-    fixes = {"MASTER_ADDR": "MASTER_ADDR to rank 0's host", "MASTER_PORT": "MASTER_PORT to a free port there"}
-    if missing:
-        raise ConfigError(f"{launch_variables(env)} are set in the environment (by neither torchrun nor --spawn) but "
-                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: set "
-                          f"{' and '.join(fixes[key] for key in missing)}, or {alone_fix(env)} to train alone")
 
 
 def check_port(port: str, fix: str) -> None:
