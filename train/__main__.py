@@ -24,9 +24,9 @@ from train.cluster.forkserver import TORCH, start_fork_server, stop_fork_server
 from train.config.settings import Config
 from train.files.rundir import default_run_dir, failed_in_this_launch, launch_run_dir
 
-# What --spawn's fork server imports once, before it forks: torch, the trainer (train.launch imports it) and the
-# evaluation
-PRELOAD = [*TORCH, "train.launch", "train.evaluate"]
+# What --spawn's fork server imports once, before it forks: torch and what its children run, the checks and the trainer
+# (train.launch imports both)
+PRELOAD = [*TORCH, "train.launch"]
 
 
 def main(argv: list[str]) -> int:

@@ -19,7 +19,8 @@ top-1, top-5 (more than 5 classes), per-class accuracy, the most confused pairs,
 class, columns: predicted); OUT.png, the report a person reads (train/report/figure.py: the labelled matrix, per-class
 accuracy worst first, the pairs); the figures and the report to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>),
 and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). It imports neither the trainer nor its
-launcher, nor matplotlib but in the command's report.
+launcher, nor matplotlib but in the command's report; torch only once the command line, the run folder and the
+checkpoint's name hold (a refusal answers at once). Each rank's work is train/run/scoring.py's.
 """
 
 from __future__ import annotations
@@ -27,38 +28,26 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import torch
-
-from train.base.errors import EXIT_FAILED, ConfigError, end_process, fail, users_code
-from train.base.progress import Progress
-from train.cluster.distributed import init, teardown
+from train.base.errors import ConfigError, end_process, fail, users_code
 from train.cluster.forkserver import start_fork_server
-from train.cluster.identity import PeersNeverCame, check_launch, identity, is_main
+from train.cluster.identity import check_launch
 from train.cluster.spawn import spawn_workers, workers_for
-from train.config.settings import Config, Data, Model
-from train.files import shards
-from train.files.rundir import atomic_write, read_classes, read_config, to_json
-from train.loading import build_val_loader
-from train.run.runtime import DTYPES, configure_runtime, device_name, resolve_precision
-from train.run.validate import validate
-from train.tasks.contract import checked_scores
-from train.tasks.factory import build_task
-from train.tasks.task import Task
+from train.config.settings import Config
+from train.files.rundir import read_classes, read_config
 
 
 # --checkpoint by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
 CHECKPOINTS = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
 
 
-def load_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") -> tuple[Config, list[str], dict, Path]:
-    """The run's config, class names and the weights to use (model.pt, best.pt, model_ema.pt or a checkpoint's
-    model). A run folder is data, never code: a run of a `package.module:factory` model or task is loaded only when
-    the command line names the same factory (`model`, --model; `task`, --task), since building it imports and runs
-    that module."""
+def read_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") -> tuple[Config, list[str], Path]:
+    """The run's config, class names and the weights' path (model.pt, best.pt, model_ema.pt, a checkpoint file or a
+    sharded step_N.dcp folder), without torch: the weights are read by train/run/scoring.py's load_weights. A run
+    folder is data, never code: a run of a `package.module:factory` model or task is loaded only when the command
+    line names the same factory (`model`, --model; `task`, --task), since building it imports and runs that module."""
     saved, classes = read_config(run_dir), read_classes(run_dir)
     if not saved or classes is None:
         raise ConfigError(f"{run_dir} is not a trainbox run directory (no readable config.json / classes.json): pass "
@@ -77,130 +66,13 @@ def load_run(run_dir: Path, checkpoint: str, model: str = "", task: str = "") ->
             raise ConfigError(f"--{flag} {given}: {run_dir} was trained with --{flag} {trained}: pass that, or no "
                               f"--{flag}")
     path = run_dir / CHECKPOINTS[checkpoint] if checkpoint in CHECKPOINTS else Path(checkpoint)
-    if path.is_dir() and path.suffix == shards.SUFFIX:  # a sharded checkpoint: its model's tensors, whole
-        problem = shards.verify(path)
-        if problem is not None:
-            raise ConfigError(f"{path} cannot be read ({problem}): pass another checkpoint of the run, model.pt "
-                              f"or best.pt")
-        state = shards.read_model(path)
-        check_finite(state, path, run_dir)
-        return cfg, classes, state, path
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         what = {"model": "the run has not finished (no model.pt)", "best": "no evaluation yet (no best.pt)",
                 "ema": "no finished run with --model-ema (no model_ema.pt)",
                 "best_ema": "no evaluation with --model-ema yet (no best_ema.pt)"}.get(checkpoint, "no such file")
         raise ConfigError(f"{path}: {what}: pass --checkpoint model, best, ema, best_ema or a checkpoint of the "
                           f"run")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same answer
-        raise ConfigError(f"{path} cannot be read as weights ({str(e).splitlines()[0][:160]}): pass model.pt, "
-                          f"best.pt or a checkpoint of the run") from None
-    state = state.get("model", state) if isinstance(state, dict) else state
-    check_finite(state, path, run_dir)
-    return cfg, classes, state, path
-
-
-def check_finite(state, path: Path, run_dir: Path) -> None:
-    """Weights to score or ship hold finite numbers only: a tensor with NaN or Infinity in it (a diverged model's,
-    BatchNorm statistics included) is one line naming it."""
-    for name, tensor in state.items() if isinstance(state, dict) else ():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
-            bad = int((~tensor.isfinite()).sum())
-            raise ConfigError(f"{path}: {name} is not finite ({bad} of {tensor.numel()} values NaN or infinite), "
-                              f"the weights of a diverged run: pass a checkpoint from before it diverged "
-                              f"(--checkpoint {run_dir / 'checkpoints'}/step_N.pt, CHECKPOINT= with make), or train "
-                              f"again with a lower --lr")
-
-
-def network_of(task: Task, spec: Model, state: dict, source: Path) -> torch.nn.Module:
-    """The run's network (its task's) with the weights `state` read from `source`: weights of another network are one
-    line."""
-    model = task.network(spec)
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, KeyError, TypeError) as e:
-        raise ConfigError(f"{source} does not fit the run's --model {spec.model} "
-                          f"({str(e).splitlines()[0][:160]}): pass weights of this run") from None
-    return model
-
-
-@dataclass
-class Job:
-    run_dir: Path
-    checkpoint: str
-    data_dir: str
-    out: Path
-    model: str = ""  # --model: a run of a package.module:factory model is evaluated only when it names it
-    task: str = ""  # --task: the same for a task of the user's
-    device: str = ""  # cpu: GPUS=0 (make's), else the run's --device
-
-
-def evaluate_run(job: Job) -> int:
-    """One rank's part of the evaluation of a finished run; rank 0 writes what it found. Returns the exit code."""
-    cfg, classes, state, source = load_run(job.run_dir, job.checkpoint, job.model, job.task)
-    cfg = cfg.replace(**{name: value for name, value in (("data_dir", job.data_dir), ("device", job.device)) if value})
-    configure_runtime(cfg.launch.threads, cfg.run.deterministic)
-    ident = identity()
-    device = torch.device(device_name(cfg.launch.device, ident))
-    init(device, cfg.launch.timeout_s)
-    clean = False
-    try:
-        task = build_task(cfg)
-        _, val_set = task.datasets(run_dir=job.run_dir, train=False)
-        if task.classes != classes:
-            raise ConfigError(f"{cfg.data.data_dir}: its classes ({', '.join(task.classes[:5])}, ...) are not "
-                              f"the {len(classes)} the run was trained on ({', '.join(classes[:5])}, ...): give a "
-                              f"validation set of the run's classes ({task.classes_from})")
-        loader = build_val_loader(val_set, cfg.data, cfg.optimisation.batch_size, ident.global_rank, ident.world_size,
-                                  device.type == "cuda", device, task.collate)
-        model = network_of(task, cfg.model, state, source)
-        model.to(device)
-        if cfg.model.channels_last:
-            model.to(memory_format=torch.channels_last)
-        share = f"rank 0's share of {len(val_set)} images" if ident.world_size > 1 else f"{len(val_set)} images"
-        progress = Progress(f"evaluating {source.name} ({share})", total=len(loader), unit="batches", last=None,
-                            quiet=not is_main()).start()  # rank 0 alone says how far it got
-        try:
-            dtype = DTYPES[resolve_precision(cfg.model, cfg.data, device)]
-            result = checked_scores(task, validate(model, loader, task, device, dtype, progress.update, detail=True))
-        finally:
-            progress.close()
-        if is_main():
-            report(job, cfg.data, task, source, result, task.pictures(model, val_set, device))
-        clean = True
-        return 0
-    finally:
-        teardown(clean, cfg.launch.timeout_s)
-
-
-def report(job: Job, data: Data, task: Task, source: Path, result: dict, pictures: list) -> None:
-    """Rank 0: the record (JSON), the report (PNG), both to TensorBoard and, for a tracked run, MLflow; a summary. What
-    the record holds beyond the scores, the picture and the summary's lines are the task's (task.report)."""
-    scores = {k: v for k, v in result.items() if isinstance(v, (int, float))}
-    record = {"run": job.run_dir.resolve().name, "weights": str(source), "data_dir": data.data_dir,
-              "dataset": data.dataset, "world_size": identity().world_size, "task": task.name, **scores}
-    figure, lines = task.report(record, result, pictures)
-    atomic_write(job.out, (to_json(record, indent=1) + "\n").encode())
-    picture = job.out.with_suffix(".png")
-    from train.report import figure as figures  # noqa: PLC0415 - matplotlib: the evaluation command's alone
-
-    pixels = figures.save(figure, picture)
-    figures.plt.close(figure)
-    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - only the evaluation command writes here
-
-    name = f"eval-{Path(job.checkpoint).stem}"
-    with SummaryWriter(str(job.run_dir / "tensorboard" / name)) as board:
-        for key, value in scores.items():
-            board.add_scalar(f"eval/{key}", value, 0)
-        board.add_image("eval/report", pixels, 0, dataformats="HWC")
-    from train.report.mlflow_tracking import log_evaluation  # noqa: PLC0415 - mlflow: for tracked runs only
-
-    tracked = log_evaluation(job.run_dir, name, scores, [job.out, picture])
-    print(f"{source}: {lines[0]} over {result['samples']} samples -> {job.out} (+ {picture.name}"
-          f"{', MLflow run ' + tracked if tracked else ''})")
-    for line in lines[1:]:
-        print(line)
+    return cfg, classes, path
 
 
 def main(argv: list[str]) -> int:
@@ -217,18 +89,24 @@ def main(argv: list[str]) -> int:
     try:
         spawn, on_cpu = local_workers(ns.spawn, ns.gpus)
         check_launch(spawn)  # a rank from the environment (a shell's leftovers) without its rendezvous: one line
-        job = Job(ns.run_dir, ns.checkpoint, ns.data_dir,
-                  ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json", ns.model, ns.task,
-                  "cpu" if on_cpu else "")
-        cfg = load_run(job.run_dir, job.checkpoint, job.model, job.task)[0]  # a bad run folder, checkpoint, model
+        cfg, classes, source = read_run(ns.run_dir, ns.checkpoint, ns.model, ns.task)  # a bad folder, name, factory
+        cfg = cfg.replace(**{name: value for name, value in (("data_dir", ns.data_dir), ("device", on_cpu and "cpu"))
+                             if value})
+        # torch, the task and the weights from here on: each rank's work (train/run/scoring.py)
+        from train.run.scoring import Evaluation, load_weights, worker  # noqa: PLC0415
+        from train.tasks.factory import build_task  # noqa: PLC0415
+
+        state = load_weights(source, ns.run_dir)  # weights that do not read, or are not finite: one line
         with users_code((cfg.run.task, cfg.model.model)):  # the data's checks, as training runs them: one line each
-            task = build_task(cfg.replace(data_dir=job.data_dir) if job.data_dir else cfg)
+            task = build_task(cfg)
             if "train" in inspect.signature(task.check).parameters:  # a task of before its train=False: not asked
                 task.check(train=False)
+        job = Evaluation(ns.run_dir, ns.checkpoint, cfg, classes, source,
+                         ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json")
         if spawn:
-            start_fork_server(["train.evaluate"])  # what its workers run, imported once, torch with it
-            return spawn_workers(spawn, partial(worker, job))
-        return worker(job)
+            start_fork_server(["train.run.scoring"])  # what its workers run, imported once, torch with it
+            return spawn_workers(spawn, partial(worker, job))  # each reads the weights itself
+        return worker(job, state)
     except ConfigError as e:
         return fail(e)
 
@@ -242,22 +120,13 @@ def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:
         return spawn, False
     if spawn:
         raise ConfigError(f"--gpus {gpus} (make's GPUS=) and --spawn {spawn} both count the workers: give one")
+    workers_for(gpus, 0)  # a negative count or a word: its line, before torch is imported to count the GPUs
+    if int(gpus) == 0:
+        return 0, True
+    import torch  # noqa: PLC0415 - GPUS=N: the GPUs there are
+
     workers, on_cpu = workers_for(gpus, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     return (workers if workers > 1 else 0), on_cpu
-
-
-def worker(job: Job) -> int:
-    """A rank of the evaluation: a user's mistake is one line (on rank 0) and exit code 2; a rank from the
-    environment whose peers never came, the line naming its variables (as the trainer's) and exit code 1."""
-    try:
-        return evaluate_run(job)
-    except ConfigError as e:
-        if is_main():
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except PeersNeverCame as e:
-        print(f"error: [rank {identity().global_rank}] {e}", file=sys.stderr)
-        return EXIT_FAILED
 
 
 def finished_run_parser(prog: str, doc: str) -> argparse.ArgumentParser:

@@ -23,7 +23,8 @@ names; lm: its vocabulary and context). A caller:
 --format onnx needs the onnx and onnxscript packages, which .venv does not hold: `make export FORMAT=onnx` (or
 `make onnx-setup`) installs them from docker/onnx.lock into .venv-onnx, an environment that sees .venv's packages
 and adds these, and runs the export there. A model that cannot be exported is one line naming why, and nothing
-is written.
+is written. torch is imported once the command line, the run folder and the checkpoint's name hold: a refusal answers
+at once.
 """
 
 from __future__ import annotations
@@ -36,12 +37,9 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-
 from train.base.errors import ConfigError, end_process, fail
-from train.evaluate import CHECKPOINTS, finished_run_parser, load_run, network_of, renamed
+from train.evaluate import CHECKPOINTS, finished_run_parser, read_run, renamed
 from train.files.rundir import atomic_file, atomic_write, move_into_place, read_description, to_json
-from train.tasks.factory import build_task
 
 MAX_BATCH = 4096
 FORMATS = {"pt2": "torch.export, for a process with torch", "onnx": "ONNX Runtime, TensorRT, ..."}
@@ -50,7 +48,13 @@ ONNX_PACKAGES = ("onnx", "onnxscript")  # what torch.onnx's exporter imports (on
 
 def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt: str = "pt2",
            task_spec: str = "") -> Path:
-    cfg, classes, state, source = load_run(run_dir, checkpoint, model_spec, task_spec)
+    cfg, classes, source = read_run(run_dir, checkpoint, model_spec, task_spec)
+    import torch  # noqa: PLC0415 - torch, the weights and the task once the command line holds (a refusal is quick)
+
+    from train.run.scoring import load_weights, network_of  # noqa: PLC0415
+    from train.tasks.factory import build_task  # noqa: PLC0415
+
+    state = load_weights(source, run_dir)
     task = build_task(cfg)
     task.describe(read_description(run_dir) or {"classes": classes})
     model = network_of(task, cfg.model, state, source).eval()
@@ -76,9 +80,12 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     return out
 
 
-def to_onnx(program, example: torch.Tensor, model: str, names: dict, dims: dict | None = None):
-    """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram), the dynamic dimensions (dims:
-    {dim: name}, the batch by default) named. An operator ONNX has no translation for is one line naming it."""
+def to_onnx(program, example, model: str, names: dict, dims: dict | None = None):
+    """The captured program in ONNX (torch.onnx's exporter, from the ExportedProgram; `example`: its input tensor),
+    the dynamic dimensions (dims: {dim: name}, the batch by default) named. An operator ONNX has no translation for is
+    one line naming it."""
+    import torch  # noqa: PLC0415 - as in export()
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.onnx's deprecation notes on its own internals

@@ -99,18 +99,20 @@ def test_pruning_keeps_the_newest_of_both_kinds_and_removes_folders_whole(tmp_pa
 
 def test_evaluate_and_export_refuse_a_damaged_folder_in_one_line(tmp_path):
     from train.config.settings import Config
-    from train.evaluate import load_run
+    from train.evaluate import read_run
+    from train.run.scoring import load_weights
     from train.files.rundir import to_json
 
     model, optimizer = _trained()
     (tmp_path / "config.json").write_text(to_json(Config().to_dict()))
     (tmp_path / "classes.json").write_text('["a", "b", "c"]')
     path = _save_folder(tmp_path, 3, model, optimizer)
-    assert load_run(tmp_path, str(path))[2].keys() == model.state_dict().keys()
+    source = read_run(tmp_path, str(path))[2]
+    assert load_weights(source, tmp_path).keys() == model.state_dict().keys()
     shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(ConfigError) as refused:
-        load_run(tmp_path, str(path))
+        load_weights(read_run(tmp_path, str(path))[2], tmp_path)
     assert str(refused.value) == (f"{path} cannot be read ({shard.name} is {shard.stat().st_size} bytes but "
                                   f"{shard.stat().st_size + 1} were saved (file truncated)): pass another checkpoint "
                                   f"of the run, model.pt or best.pt")

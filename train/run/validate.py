@@ -1,5 +1,6 @@
 """A model scored on a validation set by its task, every sample counted once across ranks: validate(). The trainer calls
-it at its evaluation steps (Trainer.evaluate), and `python -m train.evaluate` (train/evaluate.py) on a finished run."""
+it at its evaluation steps (Trainer.evaluate), and `python -m train.evaluate`'s ranks (train/run/scoring.py) on a
+finished run."""
 
 from __future__ import annotations
 
