@@ -20,13 +20,13 @@ from pathlib import Path
 
 from train.base.errors import EXIT_BAD_INPUT, ConfigError, end_process, fail
 from train.cli import parse_config
-from train.cluster.forkserver import TORCH, start_fork_server, stop_fork_server
+from train.cluster.forkserver import start_fork_server, stop_fork_server
 from train.config.settings import Config
 from train.files.rundir import default_run_dir, failed_in_this_launch, launch_run_dir
 
-# What --spawn's fork server imports once, before it forks: torch and what its children run, the checks and the trainer
-# (train.launch imports both)
-PRELOAD = [*TORCH, "train.launch"]
+# What --spawn's fork server imports once, beside torch (forkserver.TORCH), before it forks: what its children run, the
+# checks and the trainer (train.launch imports both)
+PRELOAD = ["train.launch"]
 
 
 def main(argv: list[str]) -> int:

@@ -39,6 +39,8 @@ from train.config.settings import Config
 from train.files.rundir import read_classes, read_config
 
 
+# What --spawn's fork server imports once, beside torch, before it forks: each rank's work.
+PRELOAD = ["train.run.scoring"]
 # --checkpoint by name: the run's final model, its best evaluation, and with --model-ema the EMA's of both.
 CHECKPOINTS = {"model": "model.pt", "best": "best.pt", "ema": "model_ema.pt", "best_ema": "best_ema.pt"}
 
@@ -104,7 +106,7 @@ def main(argv: list[str]) -> int:
         job = Evaluation(ns.run_dir, ns.checkpoint, cfg, classes, source,
                          ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json")
         if spawn:
-            start_fork_server(["train.run.scoring"])  # what its workers run, imported once, torch with it
+            start_fork_server(PRELOAD)
             return spawn_workers(spawn, partial(worker, job))  # each reads the weights itself
         return worker(job, state)
     except ConfigError as e:
