@@ -6,6 +6,7 @@ imported once and kept in the engine) instead of the CUDA base; everything above
 real docker/Dockerfile.
 """
 
+import inspect
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import REPO, metrics, reached_step, run, status, wait_for
+from tests.helpers import REPO, metrics, reached_step, run, status, wait_for, without_bytecode
 
 
 STANDIN = "trainbox-standin-base:bookworm"
@@ -214,6 +215,16 @@ def test_compose_nfs_variant_replaces_the_host_folders(docker, tmp_path):
 def test_image_runs_as_the_build_user_not_root(docker, image):
     out = run([docker, "run", "--rm", "--entrypoint", "id", image["tag"]]).stdout
     assert f"uid={USER}" in out and f"gid={USER}" in out
+
+
+def test_every_module_of_the_image_has_its_bytecode(docker, image):
+    """The image compiles its environment's bytecode after pip (as make setup): its user cannot write it beside root's
+    files, so a module without it would be compiled again at every start of every container."""
+    probe = ("import importlib.util, json, sysconfig\nfrom pathlib import Path\n" +
+             inspect.getsource(without_bytecode) +
+             "print(json.dumps(without_bytecode(Path(sysconfig.get_paths()['purelib']))))")
+    out = run([docker, "run", "--rm", "--entrypoint", "python", image["tag"], "-c", probe]).stdout
+    assert json.loads(out) == [], out[:3000]
 
 
 def test_image_labels_and_environment(docker, image):
