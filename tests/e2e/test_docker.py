@@ -218,11 +218,12 @@ def test_image_runs_as_the_build_user_not_root(docker, image):
 
 
 def test_every_module_of_the_image_has_its_bytecode(docker, image):
-    """The image compiles its environment's bytecode after pip (as make setup): its user cannot write it beside root's
-    files, so a module without it would be compiled again at every start of every container."""
+    """The image compiles its environment's bytecode after pip (as make setup), and trainbox's own: its user cannot
+    write it beside root's files, so a module without it would be compiled again at every start of every container."""
     probe = ("import importlib.util, json, sysconfig\nfrom pathlib import Path\n" +
              inspect.getsource(without_bytecode) +
-             "print(json.dumps(without_bytecode(Path(sysconfig.get_paths()['purelib']))))")
+             "print(json.dumps([*without_bytecode(Path(sysconfig.get_paths()['purelib'])), "
+             "*without_bytecode(Path('/opt/trainbox/train'))]))")
     out = run([docker, "run", "--rm", "--entrypoint", "python", image["tag"], "-c", probe]).stdout
     assert json.loads(out) == [], out[:3000]
 
