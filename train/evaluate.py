@@ -20,7 +20,8 @@ class, columns: predicted); OUT.png, the report a person reads (train/report/fig
 accuracy worst first, the pairs); the figures and the report to TensorBoard (RUN_DIR/tensorboard/eval-<checkpoint>),
 and to the run's MLflow run when the run is tracked (RUN_DIR/mlflow.json). It imports neither the trainer nor its
 launcher, nor matplotlib but in the command's report; torch only once the command line, the run folder and the
-checkpoint's name hold (a refusal answers at once). Each rank's work is train/run/scoring.py's.
+checkpoint's name hold (a refusal answers at once; GPUS=N above 0 imports it first, to count the GPUs). Each rank's
+work is train/run/scoring.py's.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ def main(argv: list[str]) -> int:
         job = Evaluation(ns.run_dir, ns.checkpoint, cfg, classes, source,
                          ns.out or ns.run_dir / f"eval-{Path(ns.checkpoint).stem}.json")
         if spawn:
+            del state  # each worker reads the weights itself: the launcher keeps no copy while they run
             start_fork_server(PRELOAD)
-            return spawn_workers(spawn, partial(worker, job))  # each reads the weights itself
+            return spawn_workers(spawn, partial(worker, job))
         return worker(job, state)
     except ConfigError as e:
         return fail(e)

@@ -116,6 +116,11 @@ def test_evaluate_and_export_refuse_a_damaged_folder_in_one_line(tmp_path):
     assert str(refused.value) == (f"{path} cannot be read ({shard.name} is {shard.stat().st_size} bytes but "
                                   f"{shard.stat().st_size + 1} were saved (file truncated)): pass another checkpoint "
                                   f"of the run, model.pt or best.pt")
+    folder = path.parent  # a folder, but not a checkpoint's
+    with pytest.raises(ConfigError) as refused:
+        load_weights(read_run(tmp_path, str(folder))[2], tmp_path)
+    assert str(refused.value) == (f"{folder} is a folder, not a checkpoint: pass model.pt, best.pt, a step_N.pt file "
+                                  f"or a step_N.dcp folder of the run")
 
 
 def test_a_folder_is_a_runs_starting_weights_too(tmp_path):
