@@ -29,6 +29,8 @@ def test_gpus_knob(gpus, visible, expected):
     ("-1", 2, "GPUS=-1: a count of workers cannot be negative: give 0 for the CPU or a positive count (GPUS=1"),
     (" -4 ", 0, "GPUS=-4: a count of workers cannot be negative: give 0 for the CPU"),
     ("-x", 2, "GPUS='-x' is not a number"),
+    ("\u00b2", 2, "GPUS='\u00b2' is not a number"),  # a superscript two: a digit to str.isdigit, not to int()
+    ("-\u00b2", 2, "GPUS='-\u00b2' is not a number"),
 ])
 def test_gpus_knob_errors(gpus, visible, message):
     with pytest.raises(ConfigError) as e:

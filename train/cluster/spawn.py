@@ -207,10 +207,10 @@ def workers_for(gpus: str, visible: int) -> tuple[int, bool]:
     """(local workers, force CPU) for GPUS=... ('' means all visible GPUs, or one CPU worker)."""
     if gpus.strip() == "":
         return max(1, visible), visible == 0
-    if gpus.strip().startswith("-") and gpus.strip()[1:].isdigit():
+    if gpus.strip().startswith("-") and gpus.strip()[1:].isdecimal():
         raise ConfigError(f"GPUS={gpus.strip()}: a count of workers cannot be negative: give 0 for the CPU or a "
                           f"positive count (GPUS=1, GPUS=4, ...)")
-    if not gpus.strip().isdigit():
+    if not gpus.strip().isdecimal():  # not isdigit(): "²" is a digit that int() refuses
         raise ConfigError(f"GPUS={gpus!r} is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ...")
     n = int(gpus)
     if n == 0:
