@@ -43,8 +43,9 @@ def test_spawned_workers_are_forked_from_one_server_that_imported_torch(tmp_path
 
 def test_what_the_fork_server_imports_makes_no_cuda_call():
     """CUDA initialised in the fork server would be unusable in every worker forked from it (torch: "Cannot
-    re-initialize CUDA in forked subprocess"): importing its modules (python -m train's and make evaluate's) must not
-    call into CUDA, not even to count the GPUs. Every torch.cuda function goes through a torch._C._cuda_* one: each is wrapped here."""
+    re-initialize CUDA in forked subprocess"): importing its modules (python -m train's and make evaluate's) must
+    not call into CUDA, not even to count the GPUs. Every torch.cuda function goes through a torch._C._cuda_* one: each
+    is wrapped here."""
     probe = """if True:
         import sys, torch
         from train import evaluate
