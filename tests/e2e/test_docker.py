@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from tests.helpers import REPO, metrics, reached_step, run, status, wait_for, without_bytecode
+from tests.standin import standin_base as build_standin
 
 
-STANDIN = "trainbox-standin-base:bookworm"
 IMAGE = "trainbox:test"
 USER = 1234  # a non-root "host user" that owns the NAS folders
 COMPOSE = shutil.which("docker-compose") and ["docker-compose"]
@@ -58,21 +58,10 @@ def docker():
 
 @pytest.fixture(scope="session")
 def standin_base(docker):
-    if subprocess.run([docker, "image", "inspect", STANDIN], capture_output=True).returncode == 0:
-        return STANDIN
-    if shutil.which("debootstrap") is None or os.getuid() != 0:
-        pytest.fail("building the stand-in base needs root and debootstrap (apt-get install debootstrap)")
-    rootfs = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainbox" / "standin-rootfs"
-    if not (rootfs / "usr" / "bin" / "python3").exists():
-        shutil.rmtree(rootfs, ignore_errors=True)
-        rootfs.parent.mkdir(parents=True, exist_ok=True)
-        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm",
-             str(rootfs), "http://deb.debian.org/debian"], timeout=900)
-    # --one-file-system: without the /proc that debootstrap can leave mounted in the folder
-    tar = subprocess.Popen(["tar", "--one-file-system", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    subprocess.run([docker, "import", "-", STANDIN], stdin=tar.stdout, check=True, capture_output=True)
-    tar.wait()
-    return STANDIN
+    try:
+        return build_standin(docker)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")  # module: the ~5 GB image and its build cache go as soon as these tests end
