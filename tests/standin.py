@@ -34,10 +34,12 @@ def standin_base(docker: str) -> str:
             raise RuntimeError(f"debootstrap exited {boot.returncode}:\n{(boot.stdout + boot.stderr)[-3000:]}")
     # --one-file-system: without the /proc that debootstrap can leave mounted in the folder
     tar = subprocess.Popen(["tar", "--one-file-system", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run([docker, "import", "-", STANDIN], stdin=tar.stdout, capture_output=True, text=True)
-    tar.wait()
-    if imported.returncode or tar.returncode:
-        raise RuntimeError(f"importing {rootfs} as {STANDIN} failed: {imported.stderr[-3000:]}")
+    importing = subprocess.Popen([docker, "import", "-", STANDIN], stdin=tar.stdout, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    tar.stdout.close()  # only the import reads it: an import that ends early ends tar too, not blocks it
+    _, err = importing.communicate()
+    if tar.wait() or importing.returncode:
+        raise RuntimeError(f"importing {rootfs} as {STANDIN} failed: {err[-3000:]}")
     return STANDIN
 
 

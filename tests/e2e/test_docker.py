@@ -60,7 +60,7 @@ def docker():
 def standin_base(docker):
     try:
         return build_standin(docker)
-    except RuntimeError as e:
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
         pytest.fail(str(e))
 
 
