@@ -86,3 +86,5 @@ def test_the_installed_package_runs_from_any_folder(tmp_path):
     assert where == str(REPO / "train" / "__init__.py")
     site = run([PY, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=env).stdout.strip()
     assert without_bytecode(Path(site)) == []  # torch's modules too: compiled by make setup, not at each start
+    # trainbox's own too: compiled by make setup, and again by make test for what was edited since
+    assert without_bytecode(REPO / "train") == [], "run the suite with make test: it compiles them first"
