@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.processes import alive, cmdline, descendants, environ, in_session, pids
+from tests.processes import alive, cmdline, descendants, environ, in_session, pids, rank_of
 from train.files.rundir import read_json, read_metrics, read_status
 
 PY = sys.executable
@@ -149,9 +149,8 @@ class Local:
         return handle["run_dir"]
 
     def worker(self, handle: dict, rank: int) -> int | None:
-        for pid in descendants(handle["proc"].pid):
-            env = environ(pid)
-            if env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env:
+        for pid in descendants(handle["proc"].pid):  # torchrun's children, or make train's fork server's
+            if rank_of(pid) == str(rank):
                 return pid
         return None
 
@@ -169,7 +168,7 @@ class Local:
             return choice, -proc.pid, signal.SIGINT
         sig = rng.choice([signal.SIGTERM, signal.SIGUSR2])
         if choice == "launcher":
-            pid = next((p for p in descendants(proc.pid) if "train.launch" in cmdline(p)), None)
+            pid = next((p for p in descendants(proc.pid) if "-m train.launch" in cmdline(p)), None)
             return "the launcher (python -m train.launch)", pid, sig
         return choice, self.worker(handle, int(choice[5:])), sig
 

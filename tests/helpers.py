@@ -28,7 +28,7 @@ import torch
 
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
 from tests.chaos import RECIPE  # noqa: F401 - the tests import it from here
-from tests.processes import children, describe, descendants, environ
+from tests.processes import children, describe, descendants, rank_of
 from train.files.rundir import read_metrics, read_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,15 +252,13 @@ class Evil:
 
 
 def worker_pid(launcher: subprocess.Popen, rank: int) -> int:
-    """The torchrun worker with this RANK among the launcher's descendants."""
+    """The torchrun worker of this rank among the launcher's descendants (plain torchrun's children, make train's
+    fork server's)."""
     for agent in children(launcher.pid):
         for pid in [agent, *children(agent)]:
-            try:
-                if environ(pid).get("RANK") == str(rank):
-                    return pid
-            except OSError:
-                continue
-    raise AssertionError(f"no worker with RANK={rank} under {launcher.pid}")
+            if rank_of(pid) == str(rank):
+                return pid
+    raise AssertionError(f"no worker of rank {rank} under {launcher.pid}")
 
 
 def tracked_env(uri: str, tmp_path: Path) -> dict:

@@ -62,6 +62,27 @@ def environ(pid: int) -> dict:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(_stat(pid)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rank_of(pid: int) -> str | None:
+    """The rank of a trainer worker: RANK in its environment (torchrun's, srun's), or for one forked from a fork server
+    (--spawn's, make train's), whose /proc environment is the server's, its name (train/cluster/spawn.py's
+    as_forked_worker): "train-rank3". None for any other process (a worker's DataLoader workers included)."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        parent = Path(f"/proc/{_stat(pid)[1]}/comm").read_text().strip()
+    except (OSError, IndexError):
+        return None
+    if name.startswith("train-rank"):
+        return None if parent == name else name[len("train-rank"):]  # a DataLoader worker before torch names it
+    return environ(pid).get("RANK")
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

@@ -21,6 +21,7 @@ import torch
 from tests.helpers import (DEBUG, LONG, PY, assert_bit_identical, assert_same_final_figures, attempts, children,
                            end_hung, env_for_tests, metrics, python_cmd, reached_step, run, status, wait_for,
                            worker_pid)
+from tests.processes import cmdline, parent_of
 from train.files import checkpoint_io as ckpt
 
 FAULT = LONG
@@ -108,10 +109,12 @@ def manual_ranks(world: int, run_dir: Path, *extra) -> list[subprocess.Popen]:
 def test_a_killed_worker_is_restarted_each_time_and_the_run_ends_bit_identical(reference, tmp_path):
     """Three kills -9 of a random worker in one run, each at a random step of its own part of the run, under the
     default --max-restarts (3, as `make train GPUS=2`): every restart resumes from a checkpoint, and the end is the
-    uninterrupted run's."""
+    uninterrupted run's. Each restart's workers are forked from the server the first ones came from, which imported
+    torch and the trainer once (train/launch.py): no restart imports them again."""
     rng = random.Random(11)
     run_dir = tmp_path / "run"
     proc = start(launch_cmd(2, run_dir))
+    servers = set()
     for first in (25, 95, 165):  # each kill's moment past where the last one's restart resumed
         victim, at_step = rng.randrange(2), rng.randrange(first, first + 50)
         wait_for(reached_step(run_dir, at_step), 120, f"step {at_step}", proc)
@@ -119,9 +122,13 @@ def test_a_killed_worker_is_restarted_each_time_and_the_run_ends_bit_identical(r
         assert alive["state"] == "running" and alive["step"] >= at_step - 5, alive
         assert abs(time.time() - datetime.strptime(alive["updated"], "%Y-%m-%dT%H:%M:%S%z").timestamp()) < 60, alive
         time.sleep(rng.uniform(0, 0.2))
-        os.kill(worker_pid(proc, victim), signal.SIGKILL)
+        pid = worker_pid(proc, victim)
+        servers.add((parent_of(pid), cmdline(parent_of(pid))))
+        os.kill(pid, signal.SIGKILL)
     out, err = finish(proc, 300)
     assert proc.returncode == 0, err[-4000:]
+    [(_, server)] = servers
+    assert "multiprocessing.forkserver" in server and "['torch', 'torch._dynamo'," in server, server
     assert "resumed from" in err, "the restarted workers did not resume from a checkpoint"
     assert attempts(run_dir) == 4  # a restart per kill, seen in train.log (torchrun logs its own at INFO only)
     assert status(run_dir)["state"] == "done"

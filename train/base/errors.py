@@ -145,7 +145,7 @@ def note_process_group() -> None:
     _ran_a_process_group = True
 
 
-def end_process(code: int) -> NoReturn:
+def end_process(code: int, returning: bool = False) -> NoReturn | None:
     """How every trainbox process ends. Python's last garbage collection walks every object torch made
     (0.5 to 1 s per process): frozen, they are skipped. In a process that joined a process group, the
     C++ teardown of what it leaves behind (the group itself after an error, a lost peer or a timeout;
@@ -153,7 +153,11 @@ def end_process(code: int) -> NoReturn:
     ("terminate called without an active exception", exit 134) after it reported its result. Such a
     process waits for its threads as the interpreter would (a checkpoint prune), runs its exit handlers
     (logging, loader workers), flushes its output and leaves with its own code, without that teardown;
-    its files were closed and fsynced before this."""
+    its files were closed and fsynced before this.
+
+    returning: a worker that torch's elastic agent forked (make train's: train/launch.py) ends a clean run (0) by
+    returning, as the agent waits for its function's return value; multiprocessing then ends it without the teardown.
+    Any other code ends it here, as it ends every process."""
     gc.freeze()
     dist = sys.modules.get("torch.distributed")
     if _ran_a_process_group or dist is not None and dist.is_available() and dist.is_initialized():
@@ -163,7 +167,12 @@ def end_process(code: int) -> NoReturn:
         run_exit_handlers(join_threads=True)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        if returning and code == 0:
+            watchdog.pause()
+            return None
         os._exit(code)
+    if returning and code == 0:
+        return None
     sys.exit(code)
 
 

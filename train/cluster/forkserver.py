@@ -23,11 +23,20 @@ import signal
 TORCH = ["torch", "torch._dynamo"]
 
 
-def start_fork_server(preload=()) -> None:
+def start_fork_server(preload=(), ignoring=()) -> None:
     """Start the server (once per process; later calls return at once), with torch and the modules of what its
-    children run (`preload`: the caller names them, from above) imported."""
+    children run (`preload`: the caller names them, from above) imported. `ignoring`: signals the server ignores
+    (make train's: those torchrun's agent passes on, so that one sent to the whole process group, a Ctrl-C or a
+    scheduler's SIGTERM, cannot end it under its children while the agent waits for them to save); its children start
+    with them ignored too, and set their own. Set to be ignored as the server starts (a child keeps what is ignored
+    across exec), and given back to this process's handlers at once."""
     multiprocessing.get_context("forkserver").set_forkserver_preload([*TORCH, *preload])
-    multiprocessing.forkserver.ensure_running()
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignoring}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def stop_fork_server() -> None:

@@ -61,11 +61,15 @@ def port_problem(name: str, value: str) -> str | None:
     return f"{name}={value!r} is not a port number (1-65535)"
 
 
+# The signals torchrun's agent passes on to its workers. SIGUSR2 is the preemption signal (Slurm --signal); torchrun
+# passes on only the others by default.
+PASSED_ON = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR2")
+
+
 def torchrun_flags(max_restarts: int | str | None = None) -> list[str]:
     """The torchrun flags of every multi-worker launch (make train, compose, the Slurm template)."""
     return [f"--max-restarts={count('MAX_RESTARTS', max_restarts, DEFAULT_MAX_RESTARTS)}",
-            # SIGUSR2 is the preemption signal (Slurm --signal); torchrun passes on only these by default.
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+            f"--signals-to-handle={','.join(PASSED_ON)}",
             "--shutdown-timeout=100"]  # time for the workers to agree on a step and save before SIGKILL
 
 

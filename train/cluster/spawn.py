@@ -8,6 +8,8 @@ only: python -m train --spawn N's launcher imports neither torch nor the trainer
   workers_for(gpus, visible) GPUS=... as (local workers, force the CPU)
   kill_loader_workers()      registered at exit by every worker: its DataLoader workers must not outlive it
   stop_with_launcher(...)    a worker whose launcher ends, however it ends (kill -9 too), stops as on SIGTERM
+  as_forked_worker(rank)     first thing in a worker forked from the server (--spawn's, make train's torchrun's)
+  release_workers()          make train's: nobody waits for the workers' return values (see train/launch.py)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _start(target: Callable, *args: Any) -> multiprocessing.process.BaseProcess:
     """A child of the fork server, with this process's environment as it is now (the server's is as it was when it
     started) and the read end of its lifeline."""
     process = multiprocessing.get_context("forkserver").Process(target=target,
-                                                                args=(dict(os.environ), _lifeline(), *args))
+                                                                args=(dict(os.environ), lifeline(), *args))
     process.start()
     return process
 
@@ -62,7 +64,7 @@ def _start(target: Callable, *args: Any) -> multiprocessing.process.BaseProcess:
 _lifeline_ends: tuple[multiprocessing.connection.Connection, multiprocessing.connection.Connection] | None = None
 
 
-def _lifeline() -> multiprocessing.connection.Connection:
+def lifeline() -> multiprocessing.connection.Connection:
     """The read end of a pipe whose write end this launcher alone holds, for as long as it lives: its children read
     end-of-file the moment it ends, however it ends. Their parent, the fork server, outlives it (multiprocessing keeps
     the server until its last child ends), so a parent-death signal cannot tell them."""
@@ -70,6 +72,20 @@ def _lifeline() -> multiprocessing.connection.Connection:
     if _lifeline_ends is None:
         _lifeline_ends = multiprocessing.Pipe(duplex=False)
     return _lifeline_ends[0]
+
+
+def release_workers(count: int) -> None:
+    """Tell the `count` workers on the lifeline that nobody waits for what they return (make train's agent is stopping
+    them on a signal it passes on, and only waits for them to end): each ends, once its run has, without returning. A
+    word each: the pipe's readers share it, and each reads one and stops reading."""
+    if _lifeline_ends is not None:
+        with contextlib.suppress(OSError):
+            for _ in range(count):
+                _lifeline_ends[1].send_bytes(b"released")
+
+
+# Set in a worker once its launcher ended, or released it (release_workers): then nobody waits for its return value.
+released = threading.Event()
 
 
 def _exit_code(process: multiprocessing.process.BaseProcess) -> int:
@@ -93,12 +109,20 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
 
 
+_watching = False
+
+
 def stop_with_launcher(lifeline: multiprocessing.connection.Connection | None = None) -> None:
     """When this worker's launcher ends, by any signal (SIGKILL too: the out-of-memory killer, `kill -9`, a lost
     session), SIGTERM to this worker: a run then stops at the next step every rank agrees on, saves its checkpoint
     and exits (train/cluster/distributed.py's StopSignal); one that is not training yet ends at once. Nobody is left to
     wait for it. --spawn's workers watch their lifeline (the launcher's pipe); torchrun's (no lifeline) their parent,
-    the agent, through a pidfd (Linux). A thread that waits in select: no cost while the launcher lives."""
+    the agent, through a pidfd (Linux); make train's, forked from a server as --spawn's, their lifeline too. A thread
+    that waits in select: no cost while the launcher lives. Once per process: a second call does nothing."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
     if lifeline is not None:
         launcher, what = lifeline, "the launcher"
     elif hasattr(os, "pidfd_open"):
@@ -120,6 +144,12 @@ def stop_with_launcher(lifeline: multiprocessing.connection.Connection | None = 
 def _stop_when_gone(launcher: multiprocessing.connection.Connection | int | None, what: str) -> None:
     if launcher is not None:
         multiprocessing.connection.wait([launcher])  # readable: end-of-file on the pipe, the pidfd's process ended
+    if not isinstance(launcher, int | None):
+        with contextlib.suppress(EOFError, OSError):
+            launcher.recv_bytes()  # release_workers's word: the launcher lives on, and stops this worker itself
+            released.set()
+            return
+    released.set()
     if os.environ.get("LOCAL_RANK", "0") == "0":  # into train.log too, once the run has one (train/report/metrics.py)
         logging.getLogger("train").warning("%s ended: its workers stop as on SIGTERM (a checkpoint if training, then "
                                            "exit)", what)
@@ -138,13 +168,22 @@ def kill_loader_workers() -> None:
                 child.join(5)
 
 
+def as_forked_worker(rank: int) -> None:
+    """What a worker forked from the fork server does first. A child of the server inherits "forkserver" as its
+    default start method; its DataLoader workers would then come from yet another server and import torch and
+    torchvision each: the platform's default, as under torchrun or srun, forks them from this worker. Its command
+    line and its environment in /proc are the server's: its name (ps, top, /proc/PID/comm) says its rank,
+    "train-rank3"."""
+    multiprocessing.set_start_method(None, force=True)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(15, f"train-rank{rank}".encode()[:15])  # 15: PR_SET_NAME (<linux/prctl.h>)
+
+
 def _spawned(environ: dict[str, str], lifeline: multiprocessing.connection.Connection, local_rank: int,
              work: Callable[[], int], nprocs: int) -> None:
     _die_with_parent()
-    # A child of the fork server inherits "forkserver" as its default start method; a worker's DataLoader workers
-    # would then come from yet another server and import torch and torchvision each. The platform's default, as
-    # under torchrun or srun: they are forked from this worker.
-    multiprocessing.set_start_method(None, force=True)
+    as_forked_worker(local_rank)
     os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
     os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), TRAINBOX_LAUNCHER="spawn")
