@@ -11,8 +11,6 @@ Each worker is train/run/worker.py's run_worker: its errors end there as one lin
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 import multiprocessing.connection
 import os
@@ -34,8 +32,8 @@ from train.cli import parse_config
 from train.cluster.forkserver import start_fork_server, stop_fork_server
 from train.cluster.identity import identity, is_main
 from train.cluster.jobs import PASSED_ON, TORCHRUN_ENV, JobError, torchrun_flags
-from train.cluster.spawn import (as_forked_worker, lifeline, release_workers, released, stop_with_launcher,
-                                 workers_for)
+from train.cluster.spawn import (as_forked_worker, die_with_parent, lifeline, release_workers, released,
+                                 stop_with_launcher, workers_for)
 from train.config.settings import Config
 from train.files.rundir import default_run_dir, failed_in_this_launch, launch_run_dir, read_status, to_json
 from train.run.plan import Plan, dry_run
@@ -196,9 +194,7 @@ def launched_worker(trainer_args: list[str], launcher: multiprocessing.connectio
     (torchrun passes a Ctrl-C at make's terminal on to it once), and with no parent-death signal (torch's child
     wrapper sets one; the server outlives the launcher while a child of its lives): it stops when the launcher ends,
     however it ends, through its lifeline (stop_with_launcher), as --spawn's workers do."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, 0)  # 1: PR_SET_PDEATHSIG, 0: none
+    die_with_parent(0)
     os.setsid()
     for name in PASSED_ON:  # as a fresh interpreter has them (the server ignores them)
         signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)

@@ -101,12 +101,16 @@ def _checked(environ: dict[str, str], lifeline: multiprocessing.connection.Conne
     sys.exit(check())
 
 
-def _die_with_parent() -> None:
-    """SIGINT when the process that forked this one (the fork server) dies, as torch.multiprocessing's workers have
-    it: prctl(PR_SET_PDEATHSIG), Linux only."""
+def die_with_parent(sig: int) -> None:
+    """Signal `sig` to this process when the one that forked it dies (0: none): prctl(PR_SET_PDEATHSIG), Linux only.
+    --spawn's workers: SIGINT when their fork server dies, as torch.multiprocessing's workers have it."""
+    _prctl(1, sig)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
+
+
+def _prctl(option: int, value: int | bytes) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, signal.SIGINT)  # 1: PR_SET_PDEATHSIG (<linux/prctl.h>)
+            ctypes.CDLL(None).prctl(option, value)
 
 
 _watching = False
@@ -175,14 +179,12 @@ def as_forked_worker(rank: int) -> None:
     line and its environment in /proc are the server's: its name (ps, top, /proc/PID/comm) says its rank,
     "train-rank3"."""
     multiprocessing.set_start_method(None, force=True)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(15, f"train-rank{rank}".encode()[:15])  # 15: PR_SET_NAME (<linux/prctl.h>)
+    _prctl(15, f"train-rank{rank}".encode()[:15])  # 15: PR_SET_NAME (<linux/prctl.h>)
 
 
 def _spawned(environ: dict[str, str], lifeline: multiprocessing.connection.Connection, local_rank: int,
              work: Callable[[], int], nprocs: int) -> None:
-    _die_with_parent()
+    die_with_parent(signal.SIGINT)
     as_forked_worker(local_rank)
     os.environ.clear()  # the launcher's environment now, not as it was when the fork server started
     os.environ.update(environ, RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
