@@ -14,7 +14,7 @@ from pathlib import Path
 
 from train.base.errors import ConfigError
 from train.base.vision import evaluation_transforms
-from train.config.catalog import OWN_SETTINGS, reads, source
+from train.config.catalog import OWN_SETTINGS, read_from_files, reads, source
 from train.config.settings import (IMAGENET_FROM, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
                                    SECTIONS, SEGMENTATION_MODEL, Config, Schedule, augmentation_recipe, flag,
                                    settings, unknown_key)
@@ -100,6 +100,9 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
          "with --dataset masks (the loader workers decode each image and its mask and move them together at "
          "--image-size, as torchvision's segmentation reference: a random resize, flip and crop; for evaluation a "
          "resize and centre crop): drop it"),
+        (("data_dir",), data.generated and not own,
+         f"with --dataset {name} (made from the seed: no files are read): drop it, or name the kind of files under it "
+         f"(--dataset {_one_of(read_from_files(cfg.run.task))})"),
         (("train_samples", "val_samples"), not data.counted,
          f"with --dataset {name} (its size is its files'): drop it"),
         (("train_crop_size", "val_resize_size", "val_crop_size", "interpolation"),
@@ -116,6 +119,10 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
         *((settings, not reads(name, settings), f"with --dataset {name} ({why}): drop it{fix}")
           for settings, why, fix in OWN_SETTINGS),
     ]
+
+
+def _one_of(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def _training_rules(model: str, optimizer: str, schedule: Schedule, model_ema: bool,

@@ -36,6 +36,7 @@ from train.base.errors import ConfigError, end_process, fail, users_code
 from train.cluster.forkserver import start_fork_server
 from train.cluster.identity import check_launch
 from train.cluster.spawn import spawn_workers, workers_for
+from train.config.catalog import source
 from train.config.settings import Config
 from train.files.rundir import read_classes, read_config
 
@@ -93,6 +94,7 @@ def main(argv: list[str]) -> int:
         spawn, on_cpu = local_workers(ns.spawn, ns.gpus)
         check_launch(spawn)  # a rank from the environment (a shell's leftovers) without its rendezvous: one line
         cfg, classes, source = read_run(ns.run_dir, ns.checkpoint, ns.model, ns.task)  # a bad folder, name, factory
+        check_other_data(cfg, ns.data_dir, ns.run_dir)
         cfg = cfg.replace(**{name: value for name, value in (("data_dir", ns.data_dir), ("device", on_cpu and "cpu"))
                              if value})
         # torch, the task and the weights from here on: each rank's work (train/run/scoring.py)
@@ -113,6 +115,15 @@ def main(argv: list[str]) -> int:
         return worker(job, state)
     except ConfigError as e:
         return fail(e)
+
+
+def check_other_data(cfg: Config, data_dir: str, run_dir: Path) -> None:
+    """--data-dir for a run whose built-in task trained on data made from the seed: nothing to read there, so one
+    line, never a score of the seed's data under another set's name."""
+    name = cfg.data.dataset
+    if data_dir and source(name).generated and ":" not in cfg.run.task:
+        raise ConfigError(f"--data-dir {data_dir} has no effect on {run_dir}: it trained on --dataset {name}, made from "
+                          f"the seed (no files are read): drop it, or evaluate a run that trained on files")
 
 
 def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:

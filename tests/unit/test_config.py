@@ -105,6 +105,9 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (["--auto-augment", "ta_wide"], "--auto-augment ta_wide"),  # shapes: made in memory, nothing to augment
     (["--train-crop-size", "24"], "--train-crop-size 24"),
     (["--num-workers", "4"], "--num-workers 4"),
+    (["--data-dir", "/nas/cifar"], "--data-dir /nas/cifar"),  # shapes, synthetic and copy are made from the seed
+    (["--dataset", "synthetic", "--data-dir", "/nas/cifar"], "--data-dir /nas/cifar"),
+    (["--task", "lm", "--data-dir", "/nas/text"], "--data-dir /nas/text"),
     (["--dataset", "imagefolder", "--train-samples", "100"], "--train-samples 100"),
     (["--dataset", "imagefolder", "--auto-augment", "ta_wide", "--ra-magnitude", "5"], "--ra-magnitude 5"),
     (["--dataset", "imagefolder", "--auto-augment", "ra", "--augmix-severity", "2"], "--augmix-severity 2"),

@@ -31,9 +31,9 @@ print(json.dumps(said))
 """
 
 
-def _finished_run(folder, model="resnet18", checkpoint=True):
+def _finished_run(folder, model="resnet18", checkpoint=True, **settings):
     folder.mkdir()
-    (folder / "config.json").write_text(to_json(Config().replace(model=model).to_dict()))
+    (folder / "config.json").write_text(to_json(Config().replace(model=model, **settings).to_dict()))
     (folder / "classes.json").write_text('["a", "b"]')
     if checkpoint:
         (folder / "model.pt").write_bytes(b"weights")
@@ -43,6 +43,7 @@ def _finished_run(folder, model="resnet18", checkpoint=True):
 def test_refusals_come_before_torch_is_imported(tmp_path):
     run, unfinished = _finished_run(tmp_path / "run"), _finished_run(tmp_path / "unfinished", checkpoint=False)
     planted = _finished_run(tmp_path / "planted", model="planted:net")
+    on_files = _finished_run(tmp_path / "on-files", dataset="imagefolder", data_dir="/nas/cifar")
     nowhere = str(tmp_path / "nowhere")
     cases = [
         (("evaluate", [nowhere], {}), f"{nowhere} is not a trainbox run directory"),
@@ -53,12 +54,15 @@ def test_refusals_come_before_torch_is_imported(tmp_path):
         (("evaluate", [unfinished], {}), "the run has not finished (no model.pt)"),
         (("evaluate", [run, "--checkpoint", "best"], {}), "no evaluation yet (no best.pt)"),
         (("evaluate", [planted], {}), "was trained with --model planted:net, code outside trainbox"),
+        (("evaluate", [run, "--data-dir", "/nas/val2"], {}),  # shapes: another set's name on the seed's images
+         f"--data-dir /nas/val2 has no effect on {run}: it trained on --dataset shapes, made from the seed"),
         (("export", [nowhere], {}), f"{nowhere} is not a trainbox run directory"),
         (("export", [run, "--format", "tflite"], {}), "--format tflite: pass pt2"),
         (("export", [run, "--out", str(tmp_path / "no" / "model.pt2")], {}), f"{tmp_path / 'no'} does not exist"),
         (("export", [planted, "--model", "other:net"], {}), "and --model other:net does not name it"),
     ]
-    going_on = [("evaluate", [run], {}), ("evaluate", [run, "--gpus", "0"], {}), ("export", [run], {})]
+    going_on = [("evaluate", [run], {}), ("evaluate", [run, "--gpus", "0"], {}), ("export", [run], {}),
+                ("evaluate", [on_files, "--data-dir", "/nas/val2"], {})]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([case for case, _ in cases] + going_on)],
                           env=env_for_tests(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -20,6 +20,7 @@ class Source:
     encoded: bool = False  # a source of (bytes, label) that the loader workers decode: a pack, tars, label files, hf
     gpu_decode: bool = False  # --decode gpu: the workers read its files' bytes, the trainer decodes them
     sliced: bool = False  # its items are slices of tokens held in memory: no loader worker unless --num-workers asks
+    generated: bool = False  # made from the seed: nothing is read from --data-dir
     settings: tuple[str, ...] = ()  # the settings it alone, of the sources, reads
 
     @property
@@ -29,7 +30,7 @@ class Source:
 
 
 SOURCES = {s.name: s for s in (
-    Source("shapes", ("classification", "segmentation"), in_memory=True, counted=True),
+    Source("shapes", ("classification", "segmentation"), in_memory=True, counted=True, generated=True),
     Source("cifar10", ("classification",), settings=("download",)),
     Source("imagefolder", ("classification",), gpu_decode=True),
     Source("csv", ("classification",), encoded=True, gpu_decode=True, settings=("path_column", "label_column")),
@@ -37,9 +38,9 @@ SOURCES = {s.name: s for s in (
     Source("hf", ("classification",), encoded=True, gpu_decode=True,
            settings=("label_column", "image_column", "train_split", "val_split")),
     Source("masks", ("segmentation",), holds="pixel masks"),
-    Source("copy", ("lm",), holds="text", counted=True),
+    Source("copy", ("lm",), holds="text", counted=True, generated=True),
     Source("text", ("lm",), holds="text", sliced=True),
-    Source("synthetic", ("classification",), in_memory=True, counted=True),
+    Source("synthetic", ("classification",), in_memory=True, counted=True, generated=True),
 )}
 
 # The settings that one source or a few read: (settings, what they name, the fix's other choice), for the refusal of
@@ -58,6 +59,11 @@ OWN_SETTINGS = (
 def source(name: str) -> Source:
     """The catalogue's entry of --dataset NAME (the command line's choices hold only these)."""
     return SOURCES[name]
+
+
+def read_from_files(task: str) -> list[str]:
+    """The --dataset names that built-in TASK reads from --data-dir's files."""
+    return [s.name for s in SOURCES.values() if task in s.tasks and not s.generated]
 
 
 def reads(name: str, settings: tuple[str, ...]) -> bool:
