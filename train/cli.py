@@ -122,7 +122,8 @@ def _data_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
 
 
 def _one_of(names: list[str]) -> str:
-    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    """a, b or c (a task that reads no files, or one not yet known, names none)."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def _training_rules(model: str, optimizer: str, schedule: Schedule, model_ema: bool,

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         spawn, on_cpu = local_workers(ns.spawn, ns.gpus)
         check_launch(spawn)  # a rank from the environment (a shell's leftovers) without its rendezvous: one line
         cfg, classes, source = read_run(ns.run_dir, ns.checkpoint, ns.model, ns.task)  # a bad folder, name, factory
-        check_other_data(cfg, ns.data_dir, ns.run_dir)
+        check_other_data(cfg.data.dataset, cfg.run.task, ns.data_dir, ns.run_dir)
         cfg = cfg.replace(**{name: value for name, value in (("data_dir", ns.data_dir), ("device", on_cpu and "cpu"))
                              if value})
         # torch, the task and the weights from here on: each rank's work (train/run/scoring.py)
@@ -117,11 +117,10 @@ def main(argv: list[str]) -> int:
         return fail(e)
 
 
-def check_other_data(cfg: Config, data_dir: str, run_dir: Path) -> None:
-    """--data-dir for a run whose built-in task trained on data made from the seed: nothing to read there, so one
-    line, never a score of the seed's data under another set's name."""
-    name = cfg.data.dataset
-    if data_dir and source(name).generated and ":" not in cfg.run.task:
+def check_other_data(name: str, task: str, data_dir: str, run_dir: Path) -> None:
+    """--data-dir for a run whose built-in task trained on data made from the seed (--dataset NAME): nothing to read
+    there, so one line, never a score of the seed's data under another set's name."""
+    if data_dir and ":" not in task and source(name).generated:
         raise ConfigError(f"--data-dir {data_dir} has no effect on {run_dir}: it trained on --dataset {name}, made from "
                           f"the seed (no files are read): drop it, or evaluate a run that trained on files")
 
