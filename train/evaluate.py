@@ -121,8 +121,8 @@ def check_other_data(name: str, task: str, data_dir: str, run_dir: Path) -> None
     """--data-dir for a run whose built-in task trained on data made from the seed (--dataset NAME): nothing to read
     there, so one line, never a score of the seed's data under another set's name."""
     if data_dir and ":" not in task and source(name).generated:
-        raise ConfigError(f"--data-dir {data_dir} has no effect on {run_dir}: it trained on --dataset {name}, made from "
-                          f"the seed (no files are read): drop it, or evaluate a run that trained on files")
+        raise ConfigError(f"--data-dir {data_dir} has no effect on {run_dir}: it trained on --dataset {name}, made "
+                          f"from the seed (no files are read): drop it, or evaluate a run that trained on files")
 
 
 def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:
