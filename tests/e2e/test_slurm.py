@@ -18,6 +18,7 @@ import train.cluster.hostlist as hostlist_module
 from tests.helpers import (CLUSTER_HOST, DEBUG, HOSTLISTS, MALFORMED_HOSTLISTS, RECIPE, REPO, SLURM_LONG,
                            SUFFIXED_HOSTLISTS, assert_bit_identical, assert_mlflow_run_complete, metrics, reached_step,
                            run, the_one_mlflow_run, tracked_env, wait_for)
+from tests.sources import draw_imagefolder
 
 
 def sbatch(cluster, script, *args, sbatch_args=(), env=None, expect=0):
@@ -135,10 +136,14 @@ def test_preemption_checkpoints_requeues_and_resumes_bit_identically(cluster, tm
 
 
 def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path):
+    """Two jobs at once on one node, each on its own port; the second trains on DATA_DIR's images (the local
+    runtime gives the trainer DATA_DIR as its --data-dir)."""
     env, runs = nas(tmp_path)
-    jobs = [sbatch(cluster, "singlenode.sh", *DEBUG, "--max-steps", 20,
-                   sbatch_args=("--nodelist=n1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out"), env=env)
-            for _ in range(2)]
+    data = draw_imagefolder(tmp_path / "nas" / "pets")
+    jobs = [sbatch(cluster, "singlenode.sh", *DEBUG, "--max-steps", 20, *args,
+                   sbatch_args=("--nodelist=n1", "--cpus-per-task=1", f"--output={tmp_path}/%j.out"),
+                   env={**env, **extra})
+            for args, extra in (((), {}), (("--dataset", "imagefolder"), {"DATA_DIR": str(data)}))]
     infos = [wait_job(cluster, job) for job in jobs]
     logs = [(tmp_path / f"{job}.out").read_text() for job in jobs]
     assert [i["JobState"] for i in infos] == ["COMPLETED", "COMPLETED"], logs
@@ -150,6 +155,10 @@ def test_singlenode_two_jobs_share_a_node_without_port_clashes(cluster, tmp_path
     assert start[0] < end[1] and start[1] < end[0], infos
     for job in jobs:
         assert (runs / f"slurm-{job}" / "model.pt").is_file()
+    on_files = runs / f"slurm-{jobs[1]}"
+    config = json.loads((on_files / "config.json").read_text())
+    assert (config["dataset"], config["data_dir"]) == ("imagefolder", str(data))
+    assert metrics(on_files, "eval")[-1]["samples"] == 12  # draw_imagefolder's validation images, read from DATA_DIR
 
 
 def test_a_cancelled_job_checkpoints_and_is_not_requeued(cluster, tmp_path):

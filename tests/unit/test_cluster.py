@@ -24,6 +24,21 @@ def test_slurm_job_local_runtime(tmp_path):
     assert cluster.slurm_job(_job_env(tmp_path))["NPROC_PER_NODE"] == "1"  # no GPUs, no NPROC_PER_NODE
 
 
+def test_slurm_job_local_runtime_gives_the_trainer_data_dir(tmp_path):
+    """DATA_DIR is the trainer's --data-dir in the local runtime (a container mounts it where the trainer's default
+    --data-dir is), never a folder checked and then left unread; beside a --data-dir of the arguments, one line."""
+    (tmp_path / "pets").mkdir()
+    env = _job_env(tmp_path, DATA_DIR=str(tmp_path / "pets"))
+    args = ["--dataset", "imagefolder", "--run-dir", str(tmp_path / "runs" / "pets")]
+    assert cluster.slurm_job(env, args)["TRAINER_ARGS"] == ["--data-dir", str(tmp_path / "pets"), *args[:2]]
+    assert cluster.slurm_job(_job_env(tmp_path), args)["TRAINER_ARGS"] == args[:2]  # no DATA_DIR: the default
+    for given in (["--data-dir", "/nas/other"], ["--data-dir=/nas/other"]):
+        with pytest.raises(cluster.JobError) as e:
+            cluster.slurm_job(env, [*args, *given])
+        assert str(e.value) == (f"DATA_DIR={tmp_path / 'pets'} and --data-dir among the arguments both name the "
+                                f"data: give one")
+
+
 def test_slurm_job_creates_the_default_runs_folder_beside_the_checkout(tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
@@ -50,6 +65,7 @@ def test_slurm_job_container_runtimes_mount_the_nas(tmp_path):
     assert f"{tmp_path / 'runs'}:/opt/trainbox/runs:rw" in pyxis["LAUNCH"][1]
     assert f"{tmp_path / 'data'}:/opt/trainbox/data:ro" in pyxis["LAUNCH"][1]
     assert pyxis["RUN_DIR_ARG"] == "runs/slurm-777"
+    assert pyxis["TRAINER_ARGS"] == []  # the trainer's default --data-dir, data, is the mount
     apptainer = cluster.slurm_job({**env, "RUNTIME": "apptainer"})
     assert apptainer["LAUNCH"][:3] == ["apptainer", "exec", "--nv"] and str(image) in apptainer["LAUNCH"]
 

@@ -15,8 +15,8 @@ jobs of the Slurm template and the SkyPilot task (what each node starts: its she
   python3 -m train.cluster sky                   the same assignments for one node of a SkyPilot task
                                                  (slurm/skypilot.yaml), from SkyPilot's environment
 
-Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES)
-is one line on stderr and exit code 2, so the job log says what to fix before any process starts.
+Bad input (unknown RUNTIME, missing NAS folder or image, bad NPROC_PER_NODE, MAX_RESTARTS or MAX_REQUEUES, DATA_DIR
+beside a --data-dir of the local runtime) is one line on stderr and exit code 2, before any process starts.
 
 The trainer takes the same hostlist (train/cluster/hostlist.py) and port rules (train/cluster/identity.py: a srun task
 per rank) and torchrun flags (train/launch.py: `make train`) from here, so every launch path shares one copy.
@@ -177,9 +177,7 @@ def slurm_job(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
     trainbox_dir = Path(env.get("TRAINBOX_DIR") or env.get("SLURM_SUBMIT_DIR", "."))
     runs_dir, run_name, rest = run_location(env, list(trainer_args), trainbox_dir,
                                             env.get("SLURMD_NODENAME", "this node"), f"slurm-{env['SLURM_JOB_ID']}")
-    data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
-    if env.get("DATA_DIR") and not data_dir.is_dir():
-        raise JobError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
+    data_dir, rest = data_folder(env, trainbox_dir, rest, runtime == "local")
     nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "localhost"), env)
     port = env.get("MASTER_PORT") or str(master_port(env["SLURM_JOB_ID"]))
     if port_problem("MASTER_PORT", port):
@@ -189,8 +187,7 @@ def slurm_job(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
         "NNODES": str(len(nodes)),
         "NPROC_PER_NODE": str(workers),
         "CPUS_PER_TASK": str(cpus_per_task(env)),
-        "MASTER_ADDR": nodes[0],
-        "MASTER_PORT": port,
+        "MASTER_ADDR": nodes[0], "MASTER_PORT": port,
         "RUN_DIR": str(runs_dir / run_name),
         "TORCHRUN": multinode_torchrun(len(nodes), workers, f"{nodes[0]}:{port}", env["SLURM_JOB_ID"],
                                        env.get("MAX_RESTARTS")),
@@ -219,6 +216,19 @@ def slurm_job(env, trainer_args: list[str] = ()) -> dict[str, str | list[str]]:
                          *[a for s, d, m in mounts for a in ("--bind", f"{s}:{d}:{m}")], image, "python"]
     out["RUN_DIR_ARG"] = f"runs/{run_name}"
     return out
+
+
+def data_folder(env, trainbox_dir: Path, trainer_args: list[str], local: bool) -> tuple[Path, list[str]]:
+    """(the data folder, the trainer's arguments). A container mounts it at the trainer's default --data-dir; in the
+    local runtime DATA_DIR is the trainer's --data-dir, never a knob left unread, and not given beside another."""
+    data_dir = Path(env.get("DATA_DIR") or trainbox_dir / "data")
+    if env.get("DATA_DIR") and not data_dir.is_dir():
+        raise JobError(f"DATA_DIR={data_dir} does not exist: mount the NAS there or set DATA_DIR")
+    if not (local and env.get("DATA_DIR")):
+        return data_dir, trainer_args
+    if any(a == "--data-dir" or a.startswith("--data-dir=") for a in trainer_args):
+        raise JobError(f"DATA_DIR={data_dir} and --data-dir among the arguments both name the data: give one")
+    return data_dir, ["--data-dir", str(data_dir), *trainer_args]
 
 
 def sky_job(env) -> dict[str, str | list[str]]:
