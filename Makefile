@@ -33,7 +33,8 @@ BUILD_FLAGS ?=
 # The container user: yours (root's too); the image's own default user and the services' are never root (1000 for root)
 HOST_UID ?= $(word 1,$(shell python3 -m train.hostenv --ids))
 HOST_GID ?= $(word 2,$(shell python3 -m train.hostenv --ids))
-# The datasets' folder: --data-dir of `make train` (in the container: mounted read-only by `make env`);
+# The datasets' folder: --data-dir of `make train` (not beside a --data-dir in ARGS; in the container: mounted
+# read-only by `make env`, where a --data-dir in ARGS may name a folder under it);
 # `make evaluate`: another dataset to score on
 DATA_DIR ?=
 # NAS folder for `make env` (runs and checkpoints, read-write)
@@ -181,6 +182,8 @@ train: train-$(RUNTIME) ## train: in the container if a Docker engine answers, e
 
 train-local: $(STAMP) ## train in the local environment (what RUNTIME=local selects)
 	@echo "trainbox: local environment ($(VENV)); RUNTIME=docker for the container" >&2
+	@$(if $(and $(DATA_DIR),$(findstring --data-dir,$(ARGS))),echo "error: DATA_DIR=$(DATA_DIR) and --data-dir in \
+	  ARGS both name the data: give one" >&2; exit 2)
 	@$(PY) -m train.launch --gpus "$(GPUS)" --max-restarts "$(MAX_RESTARTS)" -- \
 	  $(if $(DATA_DIR),--data-dir "$(DATA_DIR)") $(ARGS)
 

@@ -39,6 +39,11 @@ def test_make_train_gpus_2_runs_two_workers_via_torchrun(tmp_path):
 def test_make_train_bad_gpus_is_one_line():
     proc = make("train", "RUNTIME=local", "GPUS=two", expect=2)
     assert "error: GPUS='two' is not a number: use GPUS=0 (CPU), GPUS=1, GPUS=4, ..." in proc.stderr
+    # DATA_DIR is the local run's --data-dir: another one in ARGS would win unsaid (in the container, DATA_DIR is
+    # the mount and a --data-dir in ARGS may name a folder under it)
+    proc = make("train", "RUNTIME=local", "DATA_DIR=/nas/pets", "ARGS=--dataset imagefolder --data-dir /nas/cars",
+                expect=2)
+    assert "error: DATA_DIR=/nas/pets and --data-dir in ARGS both name the data: give one\n" in proc.stderr
 
 
 def test_default_make_train_learns(default_run):
