@@ -57,6 +57,13 @@ def test_boolean_flags_both_ways():
     (["--preset", "huge"], "invalid choice"),
     (["--min-lr-ratio", "2"], "--min-lr-ratio must be within [0, 1]"),
     (["--num-workers", "-2"], "--num-workers must be -1"),
+    # nan passes every range check and inf most: torch's AdamW raised a traceback on the first, the second trained
+    # to a diverged loss, and a weight decay of nan trained until the loss was nan
+    (["--lr", "nan"], "--lr must be a finite number, got nan: pass a number (its default: 0.003)"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--weight-decay=-inf"], "--weight-decay must be a finite number, got -inf"),
+    (["--norm-weight-decay", "nan"], "--norm-weight-decay must be a finite number, got nan: pass a number"),
+    (["--grad-clip", "inf"], "--grad-clip must be a finite number"),
 ])
 def test_bad_flags_raise_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -77,6 +84,7 @@ def test_unknown_config_key_suggests_the_right_one(tmp_path):
     ('{"deterministic": 1}', "deterministic must be true or false"),
     ('{"max_steps": 10,', "is malformed"),
     ('[1, 2]', "must hold a table"),
+    ('{"lr": NaN}', "--lr must be a finite number, got nan"),  # JSON's NaN, as Python's json writes it
 ])
 def test_bad_config_file_values(tmp_path, content, message):
     file = tmp_path / "c.json"

@@ -3,12 +3,19 @@ values, checked once they are a Config (train/cli.py), each mistake one line: th
 
 from __future__ import annotations
 
+import math
+
 from train.base.errors import ConfigError
 from train.config.settings import Config, Model, flag, settings
 
 
 def check_values(cfg: Config) -> None:
     """Every setting in its range, and the settings that one needs given: the first mistake is one line."""
+    for f in settings():  # nan passes every comparison below, and inf most: neither is a setting's value
+        value = cfg.setting(f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{flag(f.name)} must be a finite number, got {value}: pass a number"
+                              + (f" (its default: {f.default})" if f.default is not None else ""))
     positive = ("max_steps", "batch_size", "grad_accum", "image_size", "train_samples", "val_samples",
                 "save_every", "keep_checkpoints", "log_every", "timeout_s", "width", "bucket_cap_mb")
     for name in positive:
