@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests import warm
 # RECIPE: a published recipe's state on top of a run (the drill's --recipe), what a preempted or killed run brings back
 from tests.chaos import RECIPE  # noqa: F401 - the tests import it from here
 from tests.processes import children, describe, descendants, rank_of
@@ -104,10 +105,33 @@ def torchrun_cmd(nprocs: int, *args) -> list[str]:
             *map(str, args)]
 
 
+# This pytest worker's warm interpreters (tests/warm.py), one per start-up environment (warm.at_start), the last two
+_warm: dict[tuple, warm.Server] = {}
+
+
+def start_warm(cmd: list[str], cwd: Path, env: dict) -> warm.Started | None:
+    """`python -m train|train.evaluate|train.export|torch.distributed.run ARGS` forked from this worker's interpreter
+    that imported torch once (tests/warm.py); None for any other command, which runs in a fresh interpreter."""
+    if (os.environ.get("TRAINBOX_TESTS_COLD") == "1" or cmd[:2] != [PY, "-m"] or len(cmd) < 3
+            or cmd[2] not in warm.MODULES):
+        return None
+    key = warm.at_start(env)
+    if key not in _warm or _warm[key].proc.poll() is not None:
+        idle = [k for k, server in _warm.items() if not server.busy.locked() or server.proc.poll() is not None]
+        if len(_warm) >= 2 and not idle:
+            return None
+        if len(_warm) >= 2 or key in _warm:
+            _warm.pop(key if key in _warm else idle[0]).stop()
+        _warm[key] = warm.Server(PY, str(REPO), env)
+    return _warm[key].start(cmd[2], [str(a) for a in cmd[3:]], str(cwd), env)
+
+
 def run(cmd: list[str], *, expect: int | None = 0, timeout: float = 300, env: dict | None = None,
         cwd: Path = REPO) -> subprocess.CompletedProcess:
-    with subprocess.Popen(cmd, cwd=cwd, env=env or env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as started:
+    env = env or env_for_tests()
+    with (start_warm(cmd, cwd, env) or
+          subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)) as started:
         try:
             out, err = started.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -9,7 +9,8 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import Evil, DEBUG, PY, env_for_tests, python_cmd, run, snapshot, status
+from tests.helpers import (Evil, DEBUG, PY, assert_bit_identical, env_for_tests, python_cmd, run, snapshot, start_warm,
+                           status)
 from tests.processes import children, cmdline
 from train.__main__ import main as train_main
 from train.launch import launch_main
@@ -284,3 +285,36 @@ def test_spawn_inside_torchrun_is_refused(finished_run):
     assert "--spawn inside torchrun or srun would start workers twice" in proc.stderr  # tests/unit/test_identity.py)
 
 
+
+
+def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(finished_run, tmp_path, monkeypatch):
+    """tests/warm.py, which most tests' `python -m train` commands go through: the same exit code, stdout and stderr
+    as a fresh interpreter's, byte for byte: refusals before and after torch loads, an evaluation's and an export's,
+    a team's task module (found in the working folder, as -m finds it) that raises as it loads (its traceback, exit
+    1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
+    --spawn run's weights, bit for bit."""
+    (tmp_path / "boom.py").write_text("raise RuntimeError('broken on purpose')\n")
+    commands = [python_cmd("--batch-size", "-1", "--run-dir", finished_run),
+                python_cmd(*DEBUG, "--model", "nosuch.module:factory", "--run-dir", tmp_path / "r"),
+                python_cmd(*DEBUG, "--task", "boom:make", "--run-dir", tmp_path / "r"),
+                python_cmd(*DEBUG, "--task", "lm", "--dry-run", "--run-dir", tmp_path / "r"),
+                [PY, "-m", "train.evaluate", str(tmp_path)],
+                [PY, "-m", "train.export", str(finished_run), "--format", "tflite"],
+                python_cmd(*DEBUG, "--spawn", 2, "--train-samples", 24, "--batch-size", 16,
+                           "--run-dir", tmp_path / "r")]
+    for cmd in commands:
+        with start_warm(cmd, tmp_path, env_for_tests()) as warm:
+            out, err = warm.communicate(timeout=120)
+        monkeypatch.setenv("TRAINBOX_TESTS_COLD", "1")
+        fresh = run(cmd, expect=None, cwd=tmp_path)
+        monkeypatch.delenv("TRAINBOX_TESTS_COLD")
+        assert (warm.returncode, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr), cmd
+        assert fresh.returncode != 0 or out
+        assert (fresh.returncode, err.count("Traceback")) == (1, 1) or "boom:make" not in cmd, err
+    trained = [python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "ab"]
+    with start_warm(trained[0], tmp_path, env_for_tests()) as warm:
+        warm.communicate(timeout=300)
+    monkeypatch.setenv("TRAINBOX_TESTS_COLD", "1")
+    run(trained[1], cwd=tmp_path)
+    assert warm.returncode == 0
+    assert_bit_identical(tmp_path / "a", tmp_path / "b")
