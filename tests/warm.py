@@ -22,6 +22,7 @@ import contextlib
 import gc
 import json
 import locale
+import multiprocessing.util
 import os
 import selectors
 import signal
@@ -94,8 +95,6 @@ def become(command: dict, fds: list[int]) -> str:
     sys.path[0] = os.getcwd()
     sys.modules["__main__"] = type(sys)("__main__")
     if command["module"] == "train":  # whose --spawn launcher never calls torch (train/cluster/forkserver.py)
-        import multiprocessing.util
-
         multiprocessing.util.spawnv_passfds = _fork_server_by_fork(multiprocessing.util.spawnv_passfds)
     return command["module"]
 
@@ -119,6 +118,7 @@ def _fork_server_by_fork(spawnv_passfds):
             return pid
         status = 1
         try:
+            multiprocessing.util.spawnv_passfds = spawnv_passfds  # the fresh interpreter's own
             _as_if_exec({0, 1, 2, *map(int, passfds)})
             sys.argv = ["-c"]
             exec(code, sys.modules["__main__"].__dict__)  # noqa: S102 - multiprocessing's own command line
