@@ -289,13 +289,12 @@ def test_spawn_inside_torchrun_is_refused(finished_run):
 
 def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(finished_run, tmp_path, monkeypatch):
     """tests/warm.py, which most tests' `python -m train` commands go through: the same exit code, stdout and stderr
-    as a fresh interpreter's, byte for byte: refusals before and after torch loads, an evaluation's and an export's,
-    a team's task module (found in the working folder, as -m finds it) that raises as it loads (its traceback, exit
-    1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
+    as a fresh interpreter's, byte for byte: a refusal before torch loads, an evaluation's and an export's, a team's
+    task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback,
+    exit 1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
     --spawn run's weights, bit for bit."""
     (tmp_path / "boom.py").write_text("raise RuntimeError('broken on purpose')\n")
     commands = [python_cmd("--batch-size", "-1", "--run-dir", finished_run),
-                python_cmd(*DEBUG, "--model", "nosuch.module:factory", "--run-dir", tmp_path / "r"),
                 python_cmd(*DEBUG, "--task", "boom:make", "--run-dir", tmp_path / "r"),
                 python_cmd(*DEBUG, "--task", "lm", "--dry-run", "--run-dir", tmp_path / "r"),
                 [PY, "-m", "train.evaluate", str(tmp_path)],
