@@ -293,6 +293,7 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
     task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback,
     exit 1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
     --spawn run's weights, bit for bit."""
+    monkeypatch.delenv("TRAINBOX_TESTS_COLD", raising=False)  # this test asks for both ways itself
     (tmp_path / "boom.py").write_text("raise RuntimeError('broken on purpose')\n")
     commands = [python_cmd("--batch-size", "-1", "--run-dir", finished_run),
                 python_cmd(*DEBUG, "--task", "boom:make", "--run-dir", tmp_path / "r"),
