@@ -116,12 +116,14 @@ def start_warm(cmd: list[str], cwd: Path, env: dict) -> warm.Started | None:
             or cmd[2] not in warm.MODULES):
         return None
     key = warm.at_start(env)
-    if key not in _warm or _warm[key].proc.poll() is not None:
-        idle = [k for k, server in _warm.items() if not server.busy.locked() or server.proc.poll() is not None]
-        if len(_warm) >= 2 and not idle:
-            return None
-        if len(_warm) >= 2 or key in _warm:
-            _warm.pop(key if key in _warm else idle[0]).stop()
+    if key in _warm and _warm[key].proc.poll() is not None:  # gone (a test killed it): start another
+        _warm.pop(key).stop()
+    if key not in _warm:
+        if len(_warm) >= 2:  # room for this environment's: stop one that runs nothing
+            idle = [k for k, server in _warm.items() if not server.busy.locked()]
+            if not idle:
+                return None
+            _warm.pop(idle[0]).stop()
         _warm[key] = warm.Server(PY, str(REPO), env)
     return _warm[key].start(cmd[2], [str(a) for a in cmd[3:]], str(cwd), env)
 
