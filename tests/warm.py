@@ -8,10 +8,11 @@ trainer's code runs unchanged and a test reads its exit code and output as from 
 Only commands of that exact form, and only where the environment differs from the server's in nothing read while
 torch loads (OpenMP's and torch's settings, Python's, the temporary folder): anything else, or TRAINBOX_TESTS_COLD=1,
 runs in a fresh interpreter. A --spawn launcher's fork server, which multiprocessing starts as a fresh `python -c`
-that imports torch, is forked the same way (_fork_server_by_fork). tests/e2e/test_bad_input.py runs commands both
-ways and holds their exit codes and outputs, and a --spawn run's weights, equal. What watches a process itself (its
-imports under -X importtime, signals to its group, its tree: Popen in the tests), make, the chaos drill, the
-containers and Slurm's jobs start fresh interpreters as before.
+that imports torch, is forked the same way (_fork_server_by_fork), and so are a plain torchrun's workers, which its
+agent starts as fresh `python -u -m train` processes (_workers_by_fork). tests/e2e/test_bad_input.py runs commands
+both ways and holds their exit codes and outputs, and a --spawn and a torchrun run's weights, equal. What watches a
+process itself (its imports under -X importtime, signals to its group, its tree: Popen in the tests), make, the
+chaos drill, the containers and Slurm's jobs start fresh interpreters as before.
 
 Run as a script (`python tests/warm.py FD`), this file is the server; imported, it is the client (helpers.run).
 """
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import json
 import locale
 import multiprocessing.util
 import os
+import select
 import selectors
 import signal
 import socket
@@ -85,7 +88,7 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]]:
 def become(command: dict, fds: list[int]) -> str:
     """Turn this forked child into `python -m MODULE ARGS`: its stdio, folder, environment, argv and sys.path[0]
     (the working directory, as -m puts it), and a fresh `__main__`. Returns the module to run."""
-    for target, fd in enumerate(fds):
+    for target, fd in enumerate(fds):  # none for a torchrun worker: its own already (_fork_workers)
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(command["cwd"])
@@ -94,8 +97,21 @@ def become(command: dict, fds: list[int]) -> str:
     sys.argv = ["-m", *command["args"]]
     sys.path[0] = os.getcwd()
     sys.modules["__main__"] = type(sys)("__main__")
+    if command.get("unbuffered"):  # -u: stdout and stderr written through, as a fresh interpreter makes them
+        for name in ("stdout", "stderr"):
+            old = getattr(sys, name)
+            new = io.TextIOWrapper(io.FileIO(old.fileno(), "w", closefd=False), encoding=old.encoding,
+                                   errors=old.errors, newline="\n", write_through=True)
+            setattr(sys, name, new)
+            setattr(sys, f"__{name}__", new)
+    if command.get("threads"):  # OMP_NUM_THREADS, which OpenMP read as the server started, set as it would be
+        import torch
+
+        torch.set_num_threads(command["threads"])
     if command["module"] == "train":  # whose --spawn launcher never calls torch (train/cluster/forkserver.py)
         multiprocessing.util.spawnv_passfds = _fork_server_by_fork(multiprocessing.util.spawnv_passfds)
+    elif command["module"] == "torch.distributed.run":
+        return _workers_by_fork(command)
     return command["module"]
 
 
@@ -133,6 +149,168 @@ def _fork_server_by_fork(spawnv_passfds):
             os._exit(status)
 
     return start
+
+
+# What torchrun adds to its workers' environment that nothing reads as torch loads; OMP_NUM_THREADS, which OpenMP
+# reads as it loads, is set in the forked worker (become) as a fresh one would have it.
+WORKER_ENV = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# Signals torchrun's agent passes on: its fork of workers ignores them, as the workers' parent that only a
+# SIGKILL or the agent's end ends (the agent is their parent in a plain torchrun)
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2)
+
+
+def _workers_by_fork(command: dict) -> str:
+    """A plain torchrun's workers (`python -u -m train ARGS`, which its agent starts with subprocess.Popen, each in
+    a session of its own) forked from a process forked here before the agent runs (single-threaded, the server's
+    modules alone), each made what that fresh interpreter would be, as a command is (become): stdio (the agent's,
+    or the files it redirects to), folder, environment, argv, -u, OpenMP's thread count. The agent gets an object
+    that answers as its Popen would (pid, poll, wait; its signals go to the pid and its session). The forking
+    process ends when the agent does, however it ends, so the workers, which watch their parent (a plain torchrun's
+    watch the agent), see it end then. Anything else the agent starts, or a worker whose environment differs in
+    what torch reads as it loads, starts afresh. Returns the module to run (torchrun's)."""
+    ours, theirs = socket.socketpair()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:
+        ours.close()
+        worker, fds = _fork_workers(theirs, at_start(command["env"]))
+        return become(worker, fds)
+    theirs.close()
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    workers = _Workers(ours, at_start(command["env"]))
+    popen = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(handler, args, env):
+        outs = [f.fileno() if f else fd for fd, f in ((1, handler._stdout), (2, handler._stderr))]
+        return workers.start(tuple(map(str, args)), env, [0, *outs]) or popen(handler, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+    return command["module"]
+
+
+def _fork_workers(sock: socket.socket, start: tuple) -> tuple[dict, list[int]]:
+    """The forking process: a worker for each request (reported by its pid), each end reported (pid and exit code);
+    returns only in a forked worker, with its command. Ends when the agent's side closes."""
+    for sig in PASSED_ON:
+        signal.signal(sig, signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                sock.sendall(b"e" + pid.to_bytes(8, "big") +
+                             os.waitstatus_to_exitcode(status).to_bytes(8, "big", signed=True))
+        if sock in ready:
+            got = _request(sock)
+            if got is None:
+                os._exit(0)
+            worker, fds = got
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                for sig in PASSED_ON:
+                    signal.signal(sig, signal.SIG_DFL)  # ignored here alone: an exec would leave them as they were
+                os.setsid()
+                for target, fd in enumerate(fds):
+                    os.dup2(fd, target)
+                    os.close(fd)
+                _as_if_exec({0, 1, 2})  # the wakeup pipe and any other descriptor closed, SIGCHLD's handler reset
+                if worker["env"].get("TRAINBOX_TESTS_FORKED"):  # tests/e2e/test_bad_input.py: which way it started
+                    with open(worker["env"]["TRAINBOX_TESTS_FORKED"], "a") as log:
+                        log.write(f"{os.getpid()}\n")
+                return worker, []
+            for fd in fds:
+                os.close(fd)
+            sock.sendall(b"s" + pid.to_bytes(8, "big") + bytes(8))
+
+
+class _Workers:
+    """The agent's side of the forking process: asks it for workers and reads their ends."""
+
+    def __init__(self, sock: socket.socket, start: tuple):
+        self.sock, self.start_env, self.lock, self.ended = sock, start, threading.Lock(), {}
+
+    def start(self, args: tuple, env: dict, fds: list[int]) -> _Worker | None:
+        if args[:3] != (sys.executable, "-u", "-m") or len(args) < 4 or args[3] != "train":
+            return None
+        threads, started = env.get("OMP_NUM_THREADS"), dict(self.start_env).get("OMP_NUM_THREADS")
+        if threads != started and not (threads or "").isdigit() or threads == "0":
+            return None  # OpenMP's default, or a value torch.set_num_threads would not give as OpenMP reads it
+        if ({kv for kv in at_start(env) if not kv[0].startswith(WORKER_ENV) and kv[0] != "OMP_NUM_THREADS"} !=
+                {kv for kv in self.start_env if kv[0] != "OMP_NUM_THREADS"}):
+            return None
+        command = {"module": "train", "args": list(args[4:]), "cwd": os.getcwd(), "env": env, "unbuffered": True,
+                   "threads": int(threads) if threads != started else 0}
+        body = json.dumps(command).encode()
+        with self.lock:
+            socket.send_fds(self.sock, [len(body).to_bytes(8, "big")], fds)
+            self.sock.sendall(body)
+            while True:
+                kind, pid, _ = self._message()
+                if kind == b"s":
+                    return _Worker(self, pid, list(args))
+
+    def _message(self) -> tuple[bytes, int, int]:
+        data = b""
+        while len(data) < 17:
+            chunk = self.sock.recv(17 - len(data))
+            if not chunk:
+                raise RuntimeError("the process that forks torchrun's workers ended")
+            data += chunk
+        kind, pid, code = data[:1], int.from_bytes(data[1:9], "big"), int.from_bytes(data[9:], "big", signed=True)
+        if kind == b"e":
+            self.ended[pid] = code
+        return kind, pid, code
+
+    def collect(self, timeout: float) -> None:
+        """Read the ends reported within timeout seconds (0: those already reported)."""
+        with self.lock:
+            while select.select([self.sock], [], [], timeout)[0]:
+                self._message()
+                timeout = 0
+
+
+class _Worker:
+    """A forked worker, as the agent reads its subprocess.Popen: pid, args, returncode, poll, wait, signals."""
+
+    def __init__(self, workers: _Workers, pid: int, args: list[str]):
+        self.workers, self.pid, self.args, self.returncode = workers, pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.workers.collect(0)
+            self.returncode = self.workers.ended.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.workers.collect(min(left, 1.0))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _as_if_exec(keep: set[int]) -> None:

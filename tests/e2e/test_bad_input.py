@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import (Evil, DEBUG, PY, assert_bit_identical, env_for_tests, python_cmd, run, snapshot, start_warm,
-                           status)
+                           status, torchrun_cmd)
 from tests.processes import children, cmdline
 from train.__main__ import main as train_main
 from train.launch import launch_main
@@ -292,7 +292,8 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
     as a fresh interpreter's, byte for byte: a refusal before torch loads, an evaluation's and an export's, a team's
     task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback,
     exit 1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
-    --spawn run's weights, bit for bit."""
+    --spawn run's weights, bit for bit. A plain torchrun's workers, forked too: a refusal in the workers (the exit
+    code and trainbox's line; torchrun's own lines name pids and times), and the weights of a 2-worker run."""
     monkeypatch.delenv("TRAINBOX_TESTS_COLD", raising=False)  # this test asks for both ways itself
     (tmp_path / "boom.py").write_text("raise RuntimeError('broken on purpose')\n")
     commands = [python_cmd("--batch-size", "-1", "--run-dir", finished_run),
@@ -312,9 +313,21 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
         assert fresh.returncode != 0 or out
         assert (fresh.returncode, err.count("Traceback")) == (1, 1) or "boom:make" not in cmd, err
     trained = [python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "ab"]
-    with start_warm(trained[0], tmp_path, env_for_tests()) as warm:
-        warm.communicate(timeout=300)
+    trained += [torchrun_cmd(2, *DEBUG, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "cd"]
+    refused = torchrun_cmd(2, *DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "none", "--run-dir",
+                           tmp_path / "r")
+    forked = tmp_path / "forked"  # each torchrun worker forked from the warm interpreter writes its pid there
+    warm_ran = []
+    for cmd in (refused, trained[0], trained[2]):
+        with start_warm(cmd, tmp_path, env_for_tests(TRAINBOX_TESTS_FORKED=str(forked))) as warm:
+            out, err = warm.communicate(timeout=300)
+        warm_ran.append((warm.returncode, out, err))
+    assert len(forked.read_text().split()) == 4  # the refusal's 2 workers (no restarts), the run's 2
     monkeypatch.setenv("TRAINBOX_TESTS_COLD", "1")
-    run(trained[1], cwd=tmp_path)
-    assert warm.returncode == 0
+    fresh = [run(cmd, expect=None, cwd=tmp_path) for cmd in (refused, trained[1], trained[3])]
+    errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, _, err in warm_ran]
+    assert errors[0] == [line for line in fresh[0].stderr.splitlines() if line.startswith("error:")]
+    assert len(errors[0]) == 1 and f"{tmp_path}/none" in errors[0][0], warm_ran[0][2][-3000:]
+    assert [code for code, _, _ in warm_ran] == [proc.returncode for proc in fresh] == [1, 0, 0]
     assert_bit_identical(tmp_path / "a", tmp_path / "b")
+    assert_bit_identical(tmp_path / "c", tmp_path / "d")
