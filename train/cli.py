@@ -36,8 +36,11 @@ def _field_type(name: str) -> type:
 
 
 def _coerce(name: str, value, source: str):
-    """Check a value from a config file against the field's type (ints are accepted for floats)."""
+    """Check a value from a config file against the field's type (ints are accepted for floats; null, as config.json
+    writes an optional setting left unset, is accepted where the setting may be unset)."""
     kind = _field_type(name)
+    if value is None and type(None) in typing.get_args(typing.get_type_hints(SECTIONS[SECTION_OF[name]])[name]):
+        return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is bool and not isinstance(value, bool):
@@ -259,8 +262,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if preset not in PRESETS and preset != "":
         raise ConfigError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
     given = {**file_values, **args}  # what the user set (a preset's values are defaults, not choices)
+    chosen = _chosen(file_values, args, preset)
     for length, steps in (("epochs", "max_steps"), ("warmup_epochs", "warmup_steps")):
-        if given.get(length) and steps in given:
+        if chosen.get(length) and steps in chosen:
             raise ConfigError(f"--{flag(length)} and --{flag(steps)} both set the same length: give one of them")
     values = {**PRESETS.get(preset, {}), **file_values, **args}
     if values.get("task_settings"):
@@ -273,11 +277,22 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config.from_dict(values)
     check_values(cfg)
     cfg = _weights_sizes(cfg, given)
-    where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items()},
+    where = {**{k: f"{k} = {v!r} in {config_path}" for k, v in file_values.items() if k in chosen},
              **{k: f"--{'no-' if v is False else ''}{flag(k)}{'' if isinstance(v, bool) else f' {v}'}"
                 for k, v in args.items()}}
     check_no_effect(inert(cfg), where)
     return cfg
+
+
+def _chosen(file_values: dict, args: dict, preset: str) -> dict:
+    """What the user chose, of a config file's settings and the flags. A config file that sets every setting is a
+    run's record (its config.json: the settings as that run resolved them); those at the value the preset or the
+    defaults give anyway are the record's, not choices, so that `--config runs/X/config.json` runs X's settings
+    again. Any other is a choice, as in every file: one the setup never reads is refused."""
+    if not set(SECTION_OF) <= set(file_values):
+        return {**file_values, **args}
+    base = Config.from_dict(PRESETS.get(preset, {})).to_dict()
+    return {**{k: v for k, v in file_values.items() if v != base[k]}, **args}
 
 
 def _weights_sizes(cfg: Config, given: dict) -> Config:

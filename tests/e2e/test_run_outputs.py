@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG, PEAKED, REPO, metrics, python_cmd, run, status, torchrun_cmd
+from tests.helpers import DEBUG, PEAKED, REPO, assert_bit_identical, metrics, python_cmd, run, status, torchrun_cmd
 from train.cli import parse_config
 from train.components.models import build_model
 from train.report.hardware import mkl_reproducible
@@ -31,10 +31,16 @@ def test_layout(torchrun_run):
             "checkpoints", "tensorboard"} <= names
 
 
-def test_saved_config_is_the_resolved_one(torchrun_run):
+def test_saved_config_is_the_resolved_one_and_runs_the_run_again(torchrun_run, tmp_path):
+    """config.json is the settings as resolved, and given to --config it trains the same run again: here through
+    another launcher (--spawn 2 against torchrun's 2 workers), into another folder, bit for bit."""
     run_dir, _ = torchrun_run
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved == parse_config([*DEBUG, "--run-dir", str(run_dir), "--seed", "5"]).to_dict()
+    run(python_cmd("--config", run_dir / "config.json", "--run-dir", tmp_path / "again", "--spawn", 2))
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == {
+        **saved, "run_dir": str(tmp_path / "again"), "spawn": 2}
+    assert_bit_identical(run_dir, tmp_path / "again")
 
 
 def test_manifest_records_what_made_the_run(torchrun_run):

@@ -2,12 +2,16 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from train.cli import get_args_parser, parse_config
 from train.config.settings import PRESETS, SECTION_OF, Config, ConfigError, settings
 from train.config.values import check_values
+from train.files.rundir import write_run_files
+
+RECIPES = Path(__file__).resolve().parents[2] / "train" / "recipes"
 
 
 def test_every_field_has_a_default_and_help():
@@ -85,6 +89,7 @@ def test_unknown_config_key_suggests_the_right_one(tmp_path):
     ('{"max_steps": 10,', "is malformed"),
     ('[1, 2]', "must hold a table"),
     ('{"lr": NaN}', "--lr must be a finite number, got nan"),  # JSON's NaN, as Python's json writes it
+    ('{"max_steps": null}', "max_steps must be int, got None"),  # null: unset, for a setting that may be unset only
 ])
 def test_bad_config_file_values(tmp_path, content, message):
     file = tmp_path / "c.json"
@@ -102,6 +107,36 @@ def test_missing_or_unsupported_config_file(tmp_path):
     (tmp_path / "latin1.toml").write_bytes('name = "caf\xe9"'.encode("latin-1"))
     with pytest.raises(ConfigError, match=r"cannot read config file .*latin1.toml \(not UTF-8 text\)"):
         parse_config(["--config", str(tmp_path / "latin1.toml")])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "debug"], ["--preset", "default"], ["--task", "segmentation", "--preset", "debug"], ["--task", "lm"],
+    ["--task", "lm", "--dataset", "text", "--data-dir", "d"], ["--epochs", "3"], ["--warmup-epochs", "1", "--epochs", "2"],
+    ["--model", "resnet18", "--optimizer", "sgd", "--momentum", "0.8", "--lr-scheduler", "multistep",
+     "--lr-milestones", "3,6"],
+    ["--model-ema", "--precision", "bf16", "--norm-weight-decay", "0"], ["--parallel", "fsdp"],
+    ["--preset", "debug", "--task-settings", '{"a": 1}'],
+    ["--model", "resnet18", "--weights", "ResNet18_Weights.IMAGENET1K_V1", "--dataset", "imagefolder", "--data-dir", "d"],
+    ["--config", str(RECIPES / "resnet50.toml")],
+])
+def test_a_runs_config_json_given_to_config_is_that_runs_config(argv, tmp_path):
+    """config.json as the run folder's writer writes it (every setting; null for an optional one left unset; those
+    the setup never reads at their defaults), read back by --config: the same Config, so it runs that run again."""
+    cfg = parse_config(argv)
+    write_run_files(tmp_path, cfg.to_dict(), [], {})
+    assert parse_config(["--config", str(tmp_path / "config.json")]) == cfg
+
+
+def test_a_record_is_refused_a_setting_its_setup_never_reads_as_any_file_is(tmp_path):
+    """In a run's record, a setting its setup never reads at any value but the default is a choice, refused in one
+    line; in a file that sets some settings only, it is refused at its default too, as before."""
+    cfg = parse_config(["--task", "lm"])
+    write_run_files(tmp_path, {**cfg.to_dict(), "image_size": 99}, [], {})
+    with pytest.raises(ConfigError, match=f"^image_size = 99 in {tmp_path / 'config.json'} has no effect"):
+        parse_config(["--config", str(tmp_path / "config.json")])
+    (tmp_path / "c.json").write_text(json.dumps({"task": "lm", "image_size": cfg.data.image_size}))
+    with pytest.raises(ConfigError, match=f"^image_size = {cfg.data.image_size} in {tmp_path / 'c.json'} has no"):
+        parse_config(["--config", str(tmp_path / "c.json")])
 
 
 @pytest.mark.parametrize("argv, setting", [
