@@ -173,8 +173,7 @@ def _workers_by_fork(command: dict) -> str:
     sys.stderr.flush()
     if os.fork() == 0:
         ours.close()
-        worker, fds = _fork_workers(theirs, at_start(command["env"]))
-        return become(worker, fds)
+        return become(*_fork_workers(theirs))
     theirs.close()
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
@@ -189,33 +188,36 @@ def _workers_by_fork(command: dict) -> str:
     return command["module"]
 
 
-def _fork_workers(sock: socket.socket, start: tuple) -> tuple[dict, list[int]]:
-    """The forking process: a worker for each request (reported by its pid), each end reported (pid and exit code);
-    returns only in a forked worker, with its command. Ends when the agent's side closes."""
+def _fork_workers(sock: socket.socket) -> tuple[dict, list[int]]:
+    """The forking process: a worker for each request (reported by its pid), each end reported (pid and exit code)
+    and the worker left a zombie until the agent has read its end (asks to reap it), as its Popen's would be: its pid
+    and session, which the agent signals, stay until then. Returns only in a forked worker, with its command. Ends
+    when the agent's side closes."""
     for sig in PASSED_ON:
         signal.signal(sig, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    running: set[int] = set()
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                sock.sendall(b"e" + pid.to_bytes(8, "big") +
-                             os.waitstatus_to_exitcode(status).to_bytes(8, "big", signed=True))
+            for pid in sorted(running):
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if ended is not None:
+                    running.discard(pid)
+                    code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+                    sock.sendall(b"e" + pid.to_bytes(8, "big") + code.to_bytes(8, "big", signed=True))
         if sock in ready:
             got = _request(sock)
             if got is None:
                 os._exit(0)
             worker, fds = got
+            if "reap" in worker:
+                os.waitpid(worker["reap"], 0)
+                continue
             pid = os.fork()
             if pid == 0:
                 sock.close()
@@ -232,14 +234,17 @@ def _fork_workers(sock: socket.socket, start: tuple) -> tuple[dict, list[int]]:
                 return worker, []
             for fd in fds:
                 os.close(fd)
+            running.add(pid)
             sock.sendall(b"s" + pid.to_bytes(8, "big") + bytes(8))
+            with contextlib.suppress(BlockingIOError):  # (a byte there already wakes it as well)
+                os.write(wake_w, b"\0")  # it may have ended before it was counted
 
 
 class _Workers:
     """The agent's side of the forking process: asks it for workers and reads their ends."""
 
     def __init__(self, sock: socket.socket, start: tuple):
-        self.sock, self.start_env, self.lock, self.ended = sock, start, threading.Lock(), {}
+        self.sock, self.start_env, self.lock, self.ended = sock, start, threading.RLock(), {}
 
     def start(self, args: tuple, env: dict, fds: list[int]) -> _Worker | None:
         if args[:3] != (sys.executable, "-u", "-m") or len(args) < 4 or args[3] != "train":
@@ -252,14 +257,23 @@ class _Workers:
             return None
         command = {"module": "train", "args": list(args[4:]), "cwd": os.getcwd(), "env": env, "unbuffered": True,
                    "threads": int(threads) if threads != started else 0}
-        body = json.dumps(command).encode()
         with self.lock:
-            socket.send_fds(self.sock, [len(body).to_bytes(8, "big")], fds)
-            self.sock.sendall(body)
+            self._send(command, fds)
             while True:
                 kind, pid, _ = self._message()
                 if kind == b"s":
                     return _Worker(self, pid, list(args))
+
+    def reap(self, pid: int) -> int:
+        """The worker's exit code, read as its Popen's poll reads it: the zombie reaped then."""
+        with self.lock:
+            self._send({"reap": pid}, [])
+            return self.ended.pop(pid)
+
+    def _send(self, command: dict, fds: list[int]) -> None:
+        body = json.dumps(command).encode()
+        socket.send_fds(self.sock, [len(body).to_bytes(8, "big")], fds)
+        self.sock.sendall(body)
 
     def _message(self) -> tuple[bytes, int, int]:
         data = b""
@@ -290,7 +304,8 @@ class _Worker:
     def poll(self) -> int | None:
         if self.returncode is None:
             self.workers.collect(0)
-            self.returncode = self.workers.ended.get(self.pid)
+            if self.pid in self.workers.ended:
+                self.returncode = self.workers.reap(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
