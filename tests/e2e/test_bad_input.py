@@ -293,7 +293,8 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
     task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback,
     exit 1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
     --spawn run's weights, bit for bit. A plain torchrun's workers, forked too: a refusal in the workers (the exit
-    code and trainbox's line; torchrun's own lines name pids and times), and the weights of a 2-worker run."""
+    code and trainbox's line; torchrun's own lines name pids and times), and a 2-worker run's weights, bit for bit
+    those of the fresh --spawn run (every launcher trains the same weights: tests/e2e/test_launchers.py)."""
     monkeypatch.delenv("TRAINBOX_TESTS_COLD", raising=False)  # this test asks for both ways itself
     (tmp_path / "boom.py").write_text("raise RuntimeError('broken on purpose')\n")
     commands = [python_cmd("--batch-size", "-1", "--run-dir", finished_run),
@@ -313,7 +314,7 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
         assert fresh.returncode != 0 or out
         assert (fresh.returncode, err.count("Traceback")) == (1, 1) or "boom:make" not in cmd, err
     trained = [python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "ab"]
-    trained += [torchrun_cmd(2, *DEBUG, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "cd"]
+    trained += [torchrun_cmd(2, *DEBUG, "--max-steps", 10, "--run-dir", tmp_path / "c")]  # as b's, any launcher
     refused = torchrun_cmd(2, *DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "none", "--run-dir",
                            tmp_path / "r")
     forked = tmp_path / "forked"  # each torchrun worker forked from the warm interpreter writes its pid there
@@ -324,10 +325,10 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
         warm_ran.append((warm.returncode, out, err))
     assert len(forked.read_text().split()) == 4  # the refusal's 2 workers (no restarts), the run's 2
     monkeypatch.setenv("TRAINBOX_TESTS_COLD", "1")
-    fresh = [run(cmd, expect=None, cwd=tmp_path) for cmd in (refused, trained[1], trained[3])]
+    fresh = [run(cmd, expect=None, cwd=tmp_path) for cmd in (refused, trained[1])]
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for _, _, err in warm_ran]
     assert errors[0] == [line for line in fresh[0].stderr.splitlines() if line.startswith("error:")]
     assert len(errors[0]) == 1 and f"{tmp_path}/none" in errors[0][0], warm_ran[0][2][-3000:]
-    assert [code for code, _, _ in warm_ran] == [proc.returncode for proc in fresh] == [1, 0, 0]
+    assert [code for code, _, _ in warm_ran] == [proc.returncode for proc in fresh] + [0] == [1, 0, 0]
     assert_bit_identical(tmp_path / "a", tmp_path / "b")
-    assert_bit_identical(tmp_path / "c", tmp_path / "d")
+    assert_bit_identical(tmp_path / "c", tmp_path / "b")  # torchrun's forked workers, against a fresh --spawn run
