@@ -29,17 +29,20 @@ except ModuleNotFoundError:  # Python 3.10: tomli where installed
         tomllib = None
 
 
-def _field_type(name: str) -> type:
-    """The field's type; for an optional field (float | None: unset means something of its own), its type when set."""
+def _field_type(name: str) -> tuple[type, bool]:
+    """The field's type and whether it may be unset; for an optional field (float | None: unset means something of
+    its own), its type when set."""
     kind = typing.get_type_hints(SECTIONS[SECTION_OF[name]])[name]
-    return next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
+    if not typing.get_args(kind):
+        return kind, False
+    return next(t for t in typing.get_args(kind) if t is not type(None)), type(None) in typing.get_args(kind)
 
 
 def _coerce(name: str, value, source: str):
     """Check a value from a config file against the field's type (ints are accepted for floats; null, as config.json
     writes an optional setting left unset, is accepted where the setting may be unset)."""
-    kind = _field_type(name)
-    if value is None and type(None) in typing.get_args(typing.get_type_hints(SECTIONS[SECTION_OF[name]])[name]):
+    kind, optional = _field_type(name)
+    if value is None and optional:
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -241,7 +244,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     groups = {name: parser.add_argument_group(name, kind.__doc__) for name, kind in SECTIONS.items()}
     groups["run"].add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
     for f in settings():
-        group, kind = groups[SECTION_OF[f.name]], _field_type(f.name)
+        group, (kind, _) = groups[SECTION_OF[f.name]], _field_type(f.name)
         help_text = f.metadata['help'] + ("" if f.default is None else f" (default: {f.default!r})")
         option = f"--{flag(f.name)}"
         if kind is bool:
