@@ -37,7 +37,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from train.base.errors import ConfigError, end_process, fail
+from train.base.errors import ConfigError, end_process, fail, users_code
 from train.evaluate import CHECKPOINTS, finished_run_parser, read_run, renamed
 from train.files.rundir import atomic_file, atomic_write, move_into_place, read_description, to_json
 
@@ -55,10 +55,11 @@ def export(run_dir: Path, checkpoint: str, out: Path, model_spec: str = "", fmt:
     from train.tasks.factory import build_task  # noqa: PLC0415
 
     state = load_weights(source, run_dir)
-    task = build_task(cfg)
-    task.describe(read_description(run_dir) or {"classes": classes})
-    model = network_of(task, cfg.model, state, source).eval()
-    example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
+    with users_code((cfg.run.task, cfg.model.model)):  # an error raised in the team's own code: theirs, and one line
+        task = build_task(cfg)
+        task.describe(read_description(run_dir) or {"classes": classes})
+        model = network_of(task, cfg.model, state, source).eval()
+        example, names, described = task.export_io()  # an input of batch 2; the names; what a caller must know
     dims = {dim: torch.export.Dim(name, min=1, max=largest or MAX_BATCH)
             for dim, (name, largest) in task.dynamic_dims().items()}  # the batch, a sequence's length, ...
     try:

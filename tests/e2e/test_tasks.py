@@ -60,6 +60,16 @@ def test_the_task_of_docs_tasks_md_trains_evaluates_and_exports_as_printed(tmp_p
     mixup = run(python_cmd(*flags, "--mixup-alpha", "0.2", "--run-dir", tmp_path / "r2"), expect=2, env=env)
     assert "--mixup-alpha 0.2 has no effect with --task mytasks.sines:build" in mixup.stderr
     assert not (tmp_path / "r2").exists()
+    # The task's module now raises as it loads: export says where in the user's code, once, and writes nothing.
+    module = tmp_path / "mytasks" / "sines.py"
+    module.write_text(module.read_text() + "raise KeyError('width')\n")
+    broken = run([PY, "-m", "train.export", str(run_dir), "--task", "mytasks.sines:build", "--out",
+                  str(tmp_path / "broken.pt2")], expect=2, env=env)
+    where = f"{module.resolve()}:{len(module.read_text().splitlines())}, in <module>"
+    assert broken.stderr.count("Traceback (most recent call last):") == 1 and broken.stderr.endswith(
+        f"error: KeyError: 'width' (raised in your code, {where}: its traceback above): fix it there, then run the "
+        f"same command\n"), broken.stderr
+    assert not list(tmp_path.glob("broken.pt2*"))
 
 
 def test_accumulation_and_workers_train_on_the_mean_of_a_step_whose_count_varies(tmp_path):

@@ -155,6 +155,13 @@ def test_a_factory_that_raises_takes_no_config_or_does_not_parse_is_named(tmp_pa
     with pytest.raises(ConfigError, match=r"--task needs_more:build: needs_more imports no_such_package_here, which is "
                                           r"not installed here: install it \(pip install no_such_package_here"):
         user_factory("needs_more:build", "--task")
+    # A module that raises as it loads is not kept by the import system: its file is still where the user's code is.
+    (tmp_path / "raises_on_import.py").write_text("import math\n\nLIMIT = math.inf\nraise KeyError('width')\n")
+    with pytest.raises(UserCodeError) as raised:
+        preflight.preflight(parse_config(["--task", "raises_on_import:build"]))
+    assert str(raised.value) == (f"KeyError: 'width' (raised in your code, {tmp_path.resolve()}/raises_on_import.py:4, "
+                                 f"in <module>: its traceback above): fix it there, then run the same command")
+    assert raised.value.trace.count("Traceback") == 1 and "raise KeyError('width')" in raised.value.trace
     sys.modules.pop("typo_task", None)
 
 

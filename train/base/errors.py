@@ -4,6 +4,7 @@ import atexit
 import contextlib
 import gc
 import hashlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -76,14 +77,21 @@ def users_code(specs):
 
 
 def _package_places(top: str) -> list[str]:
-    """Where an imported top-level package (its folders) or module (its file) lies; nothing for one not imported."""
+    """Where a top-level package (its folders) or module (its file) lies: as imported, or for one whose import failed
+    (a module that raises as it loads is not kept), where the import system finds it, without running it."""
     module = sys.modules.get(top)
-    if module is None:
-        return []
-    folders = list(getattr(module, "__path__", []) or [])
+    if module is not None:
+        folders, file = list(getattr(module, "__path__", []) or []), getattr(module, "__file__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            return []
+        folders, file = list(spec.submodule_search_locations or []), spec.origin if spec.has_location else None
     if folders:
         return [os.path.join(os.path.realpath(f), "") for f in folders]
-    file = getattr(module, "__file__", None)
     return [os.path.realpath(file)] if file else []
 
 
