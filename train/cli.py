@@ -12,7 +12,7 @@ import json
 import typing
 from pathlib import Path
 
-from train.base.errors import ConfigError
+from train.base.errors import ConfigError, OneLineParser
 from train.base.vision import evaluation_transforms
 from train.config.catalog import OWN_SETTINGS, read_from_files, reads, source
 from train.config.settings import (IMAGENET_FROM, LM_BATCH, LM_DATASET, LM_MODEL, PRESETS, SECTION_OF,
@@ -230,17 +230,10 @@ def canonical_settings(text: str) -> str:
     return json.dumps(values, sort_keys=True)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a user's mistake is one line and a ConfigError instead of usage + exit."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see python -m train --help)")
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     """The command line, derived from Config: one flag per field, grouped in --help by the field's section."""
-    parser = _OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
-                            argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser = OneLineParser(prog="python -m train", description="trainbox: PyTorch DDP trainer",
+                           argument_default=argparse.SUPPRESS, allow_abbrev=False)
     groups = {name: parser.add_argument_group(name, kind.__doc__) for name, kind in SECTIONS.items()}
     groups["run"].add_argument("--config", help="a .json or .toml file of config keys (flags override it)")
     for f in settings():

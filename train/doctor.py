@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from train.base.errors import ConfigError
+from train.base.errors import ConfigError, OneLineParser, fail
 from train.cluster.cuda_driver import MIN_DRIVER, driver_problem
 from train.cluster.distributed import destroy_and_leave_together, join_group
 from train.cluster.identity import free_port
@@ -251,13 +251,16 @@ def check_allreduce(workers: int, gpus: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.doctor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m train.doctor", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default=os.environ.get("GPUS", ""),
                         help="workers for the all-reduce (default: $GPUS, else all GPUs, else 2)")
     parser.add_argument("--data-dir", help="the datasets folder (default: data, as the trainer's --data-dir)")
     parser.add_argument("--runs-dir", help="the runs folder (default: runs, where runs/<timestamp> go)")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(e)
     print("trainbox doctor")
     check_software()
     gpus = check_gpus()

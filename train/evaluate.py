@@ -32,7 +32,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from train.base.errors import ConfigError, end_process, fail, users_code
+from train.base.errors import ConfigError, OneLineParser, end_process, fail, users_code
 from train.cluster.forkserver import start_fork_server
 from train.cluster.identity import check_launch
 from train.cluster.spawn import spawn_workers, workers_for
@@ -87,7 +87,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--spawn", type=int, default=0, help="start N local workers (torch.multiprocessing)")
     parser.add_argument("--gpus", default="", help="make evaluate's GPUS=: local workers, counted and checked as make "
                                                    "train counts them (0: one on the CPU); empty: one")
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(e)
     if ns.weights is not None:
         return fail(renamed(parser.prog, ns.weights))
     try:
@@ -146,7 +149,7 @@ def local_workers(spawn: int, gpus: str) -> tuple[int, bool]:
 def finished_run_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """The command line of a command on a finished run (evaluate, export): its folder, the checkpoint, the
     model factory it may import, and the old --weights (refused by `renamed`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    parser = OneLineParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run's folder (runs/<name>)")
     parser.add_argument("--checkpoint", default="model", help="model (model.pt, default), best (best.pt), ema "
                                                               "(model_ema.pt), best_ema (best_ema.pt) or a checkpoint "

@@ -132,7 +132,10 @@ def main(argv: list[str]) -> int:
                                                        ".venv-onnx, which make export FORMAT=onnx installs)")
     parser.add_argument("--out", type=Path, help="the file to write (default: RUN_DIR/model.pt2 or model.onnx, as "
                                                  "the checkpoint; OUT.json beside)")
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(e)
     if ns.weights is not None:
         return fail(renamed(parser.prog, ns.weights))
     out = ns.out or ns.run_dir / (Path(CHECKPOINTS.get(ns.checkpoint, "model.pt")).stem + "." + ns.format)

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from train.base.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, end_process, fail
+from train.base.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED, ConfigError, OneLineParser, end_process, fail
 from train.cli import parse_config
 from train.cluster.forkserver import start_fork_server, stop_fork_server
 from train.cluster.identity import identity, is_main
@@ -73,14 +73,17 @@ def print_plan(plan: Plan) -> int:
 
 def launch_main(argv: list[str]) -> int:
     """python -m train.launch --gpus N -- TRAINER ARGS: the `make train` path."""
-    parser = argparse.ArgumentParser(prog="python -m train.launch")
+    parser = OneLineParser(prog="python -m train.launch")
     parser.add_argument("--gpus", default=os.environ.get("GPUS", ""),
                         help="workers: GPU count, 0 for CPU; empty: all GPUs or 1 CPU (default: $GPUS)")
     parser.add_argument("--max-restarts", default=os.environ.get("MAX_RESTARTS", ""),
                         help="torchrun --max-restarts: a crashed worker restarts all of them from the newest "
                              "checkpoint (default: $MAX_RESTARTS, else 3)")
     parser.add_argument("trainer_args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(e)
     args = [a for a in ns.trainer_args if a != "--"] if ns.trainer_args[:1] == ["--"] else ns.trainer_args
     try:
         torchrun_flags(ns.max_restarts)  # MAX_RESTARTS, checked before anything starts

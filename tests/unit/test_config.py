@@ -1,6 +1,7 @@
 """The config object: defaults, presets, files, flags, and one-line errors."""
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
@@ -74,6 +75,25 @@ def test_bad_flags_raise_one_line(argv, message):
         parse_config(argv)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("command, argv, line", [
+    ("train.__main__:main", ["--bogus"], "unrecognized arguments: --bogus (see python -m train --help)"),
+    ("train.launch:launch_main", ["--gpus"], "argument --gpus: expected one argument (see python -m train.launch "
+                                             "--help)"),
+    ("train.doctor:main", ["--workers", "2", "--bogus"], "unrecognized arguments: --bogus (see python -m "
+                                                         "train.doctor --help)"),
+    ("train.bench.__main__:main", ["--rounds", "three"], "argument --rounds: invalid int value: 'three' (see python "
+                                                         "-m train.bench --help)"),
+    ("train.pack.command:main", ["src", "dst", "--shard-mb"], "argument --shard-mb: expected one argument (see python "
+                                                              "-m train.pack --help)"),
+])
+def test_every_commands_mistake_on_its_command_line_is_one_line_naming_its_help(command, argv, line, capsys):
+    """argparse's own refusals (an unknown flag, a missing or bad value) in every command users type: one line, exit 2,
+    no usage block; make evaluate's and make export's: tests/unit/test_finished_run_commands.py."""
+    module, _, name = command.partition(":")
+    assert getattr(importlib.import_module(module), name)(argv) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
 
 
 def test_unknown_config_key_suggests_the_right_one(tmp_path):

@@ -47,6 +47,10 @@ def test_refusals_come_before_torch_is_imported(tmp_path):
     nowhere = str(tmp_path / "nowhere")
     cases = [
         (("evaluate", [nowhere], {}), f"{nowhere} is not a trainbox run directory"),
+        (("evaluate", [run, "--chekpoint", "best"], {}),  # argparse's own mistakes: one line naming --help
+         "unrecognized arguments: --chekpoint best (see python -m train.evaluate --help)"),
+        (("export", [run, "--format"], {}), "argument --format: expected one argument (see python -m train.export "
+                                            "--help)"),
         (("evaluate", [run, "--weights", "best"], {}), "--weights best: a finished run's weights are --checkpoint"),
         (("evaluate", [run, "--gpus", "-1"], {}), "GPUS=-1: a count of workers cannot be negative"),
         (("evaluate", [run, "--gpus", "two"], {}), "GPUS='two' is not a number"),

@@ -1,5 +1,6 @@
 """How a run can end: the exit codes, and the errors that carry one line (the cause and the fix)."""
 
+import argparse
 import atexit
 import contextlib
 import gc
@@ -93,6 +94,15 @@ def _package_places(top: str) -> list[str]:
     if folders:
         return [os.path.join(os.path.realpath(f), "") for f in folders]
     return [os.path.realpath(file)] if file else []
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse for every command of the project: a mistake on its command line (an unknown flag, a bad value) is a
+    ConfigError of one line naming --help, which the command says as every other mistake (`fail`: exit code 2),
+    instead of argparse's usage and message."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 class PeerGaveUp(ConfigError):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.base.errors import ConfigError, fail
+from train.base.errors import ConfigError, OneLineParser, fail
 from train.bench import GPU_KNOBS
 from train.cluster.identity import usable_cores
 from train.files.rundir import to_json
@@ -65,7 +65,7 @@ SIZES = {
 
 def parse(argv: list[str]) -> argparse.Namespace | int:
     """The command line, or the exit code of a refusal (one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m train.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=time.strftime("runs/bench-%Y%m%d-%H%M%S"), help="output folder")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds per comparison")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every row runs (--rounds 1 "
@@ -74,7 +74,10 @@ def parse(argv: list[str]) -> argparse.Namespace | int:
     parser.add_argument("--gpu-knobs", default=",".join(GPU_KNOBS),
                         help=f"GPU knobs to measure, comma-separated from {','.join(GPU_KNOBS)} (default: all)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except ConfigError as e:
+        return fail(e)
     ns.knobs = [k for k in ns.gpu_knobs.split(",") if k]
     if ns.bare:
         return ns

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TextIO
 
 
-from train.base.errors import EXIT_FAILED, ConfigError, fail
+from train.base.errors import EXIT_FAILED, ConfigError, OneLineParser, fail
 from train.base.progress import Progress
 from train.cluster.identity import usable_cores
 from train.data import read_idx, read_index
@@ -147,11 +147,6 @@ def verify(root: Path) -> list[str]:
     return problems
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(f"{message}: see python -m train.pack --help")
-
-
 def check_knobs(ns: argparse.Namespace) -> None:
     if not ns.src:
         raise ConfigError("give the dataset to pack: python -m train.pack SRC DST")
@@ -182,7 +177,7 @@ def summary(index: dict, dst: Path, workers: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = _OneLineParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m train.pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", nargs="?", help="the source: an ImageFolder (SRC/train/<class>/*, SRC/val/<class>/*), "
                                                "label files (SRC/train.csv, SRC/val.csv; .tsv, .jsonl), another "
                                                "tool's WebDataset tars (SRC/train-*.tar, SRC/val-*.tar) or a Hugging "
