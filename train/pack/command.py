@@ -55,7 +55,7 @@ from train.data.sources import list_source
 from train.data.tarindex import DEFAULT_LABEL_KEY
 from train.files.rundir import atomic_write, file_digest, fsync_dir, to_json
 from train.pack.images import QUALITY, Workers
-from train.pack.shards import OURS, TEMPORARY, Journal, continued, listing_digest, pack_split, remove_temporary
+from train.pack.shards import OURS, TEMPORARY, Journal, listing_digest, pack_split, remove_temporary, shards_to_keep
 
 SHARD_BYTES = 256 * 2**20  # about 256 MiB per shard: a few seconds of reading, few enough files for a NAS
 FILESYSTEMS_OWN = {"lost+found"}  # in a fresh filesystem's top folder: a DST may be one
@@ -69,7 +69,7 @@ def written_by_a_pack(name: str) -> bool:
 
 def check_destination(src: Path, dst: Path) -> None:
     """DST is not SRC nor inside it (both resolved, links too), and holds only what a pack writes: a new or empty
-    folder, or a stopped pack's (continued). Said before anything is listed or written."""
+    folder, or a stopped pack's (shards_to_keep). Said before anything is listed or written."""
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if within(real_dst, real_src):
         where = "is SRC" if real_dst == real_src else "is inside SRC"
@@ -108,7 +108,7 @@ def pack(src: Path, dst: Path, shard_bytes: int = SHARD_BYTES, workers: int = 1,
     quality = (quality or QUALITY) if max_side else None
     settings = {"listing": listing_digest(src, splits), "shard_bytes": shard_bytes, "max_side": max_side,
                 "quality": quality}
-    kept = continued(dst, settings)
+    kept = shards_to_keep(dst, settings)
     dst.mkdir(parents=True, exist_ok=True)
     remove_temporary(dst)
     journal = Journal(dst, settings, kept)

@@ -69,7 +69,7 @@ def _intact(dst: Path, shard: dict) -> bool:
         idx.stat().st_size == 24 * shard["samples"]
 
 
-def continued(dst: Path, settings: dict) -> list[dict]:
+def shards_to_keep(dst: Path, settings: dict) -> list[dict]:
     """The shards a stopped pack in DST finished, to keep; nothing for a new DST. A stopped pack of other
     settings, or shards that no journal explains, stop the pack with one line before anything is written."""
     if not (dst / JOURNAL).is_file():

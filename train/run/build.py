@@ -157,7 +157,7 @@ def build(cfg: Config, run_dir: Path, device: torch.device, precision: str, task
         log.info("%s", relaid)
     model = for_training(raw_model, cfg.model, cfg.run.deterministic, device, world)
     step = resumed.step if resumed else 0
-    write_run_files(cfg, run_dir, device, plan, task.classes, saved_plan, resumed, weights, checkpointer)
+    record_start(cfg, run_dir, device, plan, task.classes, saved_plan, resumed, weights, checkpointer)
     metrics = MetricsWriter(run_dir if is_main() else None, cfg.checkpoints.tensorboard, resume_step=step)
     telemetry = GpuTelemetry(device)
     window = LogWindow(device, plan.global_batch)
@@ -264,9 +264,9 @@ def for_training(model: torch.nn.Module, spec: Model, deterministic: bool, devic
     return model
 
 
-def write_run_files(cfg: Config, run_dir: Path, device: torch.device, plan: Plan,
-                    names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
-                    checkpointer: Checkpointer) -> None:
+def record_start(cfg: Config, run_dir: Path, device: torch.device, plan: Plan,
+                 names: list[str], saved_plan: dict, resumed: Resumed | None, weights: dict,
+                 checkpointer: Checkpointer) -> None:
     """config.json, classes.json, task.json (the task's description), plan.json (as trained: this start's plan after
     saved_plan's), manifest.json and status.json ("running"), by rank 0; then the run's opening lines."""
     ident = identity()

@@ -190,7 +190,8 @@ class LanguageModel(Task):
         with torch.inference_mode():
             for i in range(min(SHOWN, len(val_set))):
                 prompt = val_set[i][0][:PROMPT]
-                made = {kind: self.vocab.decode(continued(model, prompt, self.context, device, temperature, g).tolist())
+                made = {kind: self.vocab.decode(
+                            continuation(model, prompt, self.context, device, temperature, g).tolist())
                         for kind, temperature in (("greedy", 0), ("sampled", 0.8))}
                 shown.append({"prompt": self.vocab.decode(prompt.tolist()), **made})
         return shown
@@ -230,8 +231,8 @@ class LanguageModel(Task):
         return {0: ("batch", None), 1: ("sequence", self.context)}
 
 
-def continued(model: nn.Module, prompt: torch.Tensor, context: int, device: torch.device, temperature: float,
-              g: torch.Generator) -> torch.Tensor:
+def continuation(model: nn.Module, prompt: torch.Tensor, context: int, device: torch.device, temperature: float,
+                 g: torch.Generator) -> torch.Tensor:
     """The prompt's tokens continued to `context`: the most likely next token each time, or drawn at a temperature."""
     ids = prompt.to(device)[None]
     while ids.shape[1] < context:
