@@ -26,19 +26,11 @@ from train.base.progress import Progress
 from train.cluster.distributed import broadcast_from_main
 from train.cluster.identity import is_main
 from train.data.hfdisk import SplitFiles, arrow, arrow_error
-from train.data.tarindex import cache_dirs
+from train.data.tarindex import cache_dirs, file_stats
 from train.files.rundir import atomic_write, to_json
 
 FORMAT = 1
 _temporary: list[Path] = []  # this process's own cache folder, where no other place could be written
-
-
-def _stats(root: Path, split: SplitFiles) -> list[dict]:
-    out = []
-    for path in split.files:
-        stat = path.stat()
-        out.append({"name": str(path.relative_to(root)), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return out
 
 
 def _record(split: SplitFiles, column: str, stats: list[dict]) -> dict:
@@ -99,7 +91,7 @@ def arrow_files(root: Path, split: SplitFiles, column: str, run_dir: Path | None
                 stream=None) -> list[Path]:
     """The split's image column as Arrow files, one per Parquet file, in order: from a cache that matches them,
     else converted (beside them, else in the run folder, else in a temporary folder)."""
-    record = _record(split, column, _stats(root, split))
+    record = _record(split, column, file_stats(root, split.files))
     folders = cache_dirs(root, run_dir)
     for folder in folders:
         if (found := _cached(folder, split, record)) is not None:

@@ -83,11 +83,12 @@ class TarIndex:
         raise IndexError(flat)
 
 
-def _stats(root: Path, tars: list[Path]) -> list[dict]:
+def file_stats(root: Path, files: list[Path]) -> list[dict]:
+    """Each file's name under root, size and modification time: what a cache of the files' index is checked against."""
     out = []
-    for tar in tars:
-        stat = tar.stat()
-        out.append({"name": str(tar.relative_to(root)), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    for file in files:
+        stat = file.stat()
+        out.append({"name": str(file.relative_to(root)), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return out
 
 
@@ -197,7 +198,7 @@ def load_split(root: Path, split: str, label_key: str, run_dir: Path | None = No
     """The split's index: from a cache that matches the tars, else indexed and cached (beside the tars, else in the
     run folder, else kept in memory), by one process of those that start at once."""
     tars = find_tars(root, (split,))[split]
-    stats = _stats(root, tars)
+    stats = file_stats(root, tars)
     folders = cache_dirs(root, run_dir)
     for folder in folders:
         cached = _read_cache(folder, root, split, tars, stats, label_key)
@@ -234,5 +235,5 @@ def shared_split(root: Path, split: str, label_key: str, run_dir: Path | None) -
     if is_main():
         return index
     tars = find_tars(root, (split,))[split]
-    cached = _read_cache(Path(where), root, split, tars, _stats(root, tars), label_key) if where else None
+    cached = _read_cache(Path(where), root, split, tars, file_stats(root, tars), label_key) if where else None
     return cached or load_split(root, split, label_key, run_dir, quiet=True)
