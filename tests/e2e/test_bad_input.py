@@ -290,8 +290,8 @@ def test_spawn_inside_torchrun_is_refused(finished_run):
 def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(finished_run, tmp_path, monkeypatch):
     """tests/warm.py, which most tests' `python -m train` commands go through: the same exit code, stdout and stderr
     as a fresh interpreter's, byte for byte: a refusal before torch loads, an evaluation's and an export's, a team's
-    task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback,
-    exit 1), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
+    task module (found in the working folder, as -m finds it) that raises as it loads, after torch (its traceback
+    once, then the line naming boom.py:1, exit 2), a dry run's plan, and --spawn's check child refusing (its fork server forked, not started afresh); and a
     --spawn run's weights, bit for bit. A plain torchrun's workers, forked too: a refusal in the workers (the exit
     code and trainbox's line; torchrun's own lines name pids and times), and a 2-worker run's weights, bit for bit
     those of the fresh --spawn run (every launcher trains the same weights: tests/e2e/test_launchers.py)."""
@@ -312,7 +312,10 @@ def test_a_command_from_the_warm_interpreter_says_and_exits_as_from_a_fresh_one(
         monkeypatch.delenv("TRAINBOX_TESTS_COLD")
         assert (warm.returncode, out, err) == (fresh.returncode, fresh.stdout, fresh.stderr), cmd
         assert fresh.returncode != 0 or out
-        assert (fresh.returncode, err.count("Traceback")) == (1, 1) or "boom:make" not in cmd, err
+        assert "boom:make" not in cmd or (fresh.returncode, err.count("Traceback")) == (2, 1) and err.endswith(
+            "error: RuntimeError: broken on purpose (raised in your code, "
+            f"{tmp_path.resolve()}/boom.py:1, in <module>: its traceback above): fix it there, then run the same "
+            "command\n"), err
     trained = [python_cmd(*DEBUG, "--spawn", 2, "--max-steps", 10, "--run-dir", tmp_path / name) for name in "ab"]
     trained += [torchrun_cmd(2, *DEBUG, "--max-steps", 10, "--run-dir", tmp_path / "c")]  # as b's, any launcher
     refused = torchrun_cmd(2, *DEBUG, "--dataset", "imagefolder", "--data-dir", tmp_path / "none", "--run-dir",
